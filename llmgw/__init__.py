@@ -1,0 +1,1 @@
+"""llmgw: shared configuration, telemetry, wire constants, CLI and launcher."""

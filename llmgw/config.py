@@ -1,0 +1,88 @@
+"""Settings: a YAML file, then environment overrides, validated by a pydantic schema.
+
+Environment overrides use the service's prefix and ``__`` between nested keys, e.g.
+``LLMGW_EXTAUTHZ__GRPC__PORT=9001``. Values are parsed as YAML scalars, so ``true``, ``20``
+and ``[a, b]`` mean what they say. Unknown keys are errors that name the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    """Base of every settings model: unknown keys are rejected, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConfigError(Exception):
+    """A settings file or override that does not fit its schema."""
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def env_overrides(prefix: str, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Nested dict from ``PREFIX__A__B=value`` variables."""
+    out: dict[str, Any] = {}
+    head = prefix.upper() + "__"
+    for name, raw in environ.items():
+        if not name.startswith(head):
+            continue
+        path = [part.lower() for part in name[len(head) :].split("__") if part]
+        if not path:
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = yaml.safe_load(raw) if raw else raw
+    return out
+
+
+def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(model: type[M], data: Mapping[str, Any], source: str) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{source}: {problems}") from exc
+
+
+def load(
+    model: type[M],
+    path: Path | None,
+    env_prefix: str,
+    environ: Mapping[str, str] | None = None,
+) -> M:
+    """Parse the file (if any), apply environment overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    data = merge(data, env_overrides(env_prefix, os.environ if environ is None else environ))
+    return validate(model, data, str(path) if path is not None else env_prefix)

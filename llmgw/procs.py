@@ -1,0 +1,185 @@
+"""Process executor: start a child, wait until it answers at the protocol level, stop it.
+
+Shared by the launcher (`llmgw up`) and the test fixtures. Every child gets
+PR_SET_PDEATHSIG, so even a launcher killed with SIGKILL leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StartError(RuntimeError):
+    """A child exited or never became ready; the message carries its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def bin_path(name: str) -> str:
+    """A binary installed in this interpreter's environment (envoy, redis-server)."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    raise FileNotFoundError(f"{name} not found beside {sys.executable}: run `make install`")
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Readiness probes: each returns True once the child answers.
+
+
+def tcp_open(host: str, port: int) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    return probe
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return bool(resp.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    return probe
+
+
+def redis_ping(host: str, port: int) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    return probe
+
+
+def grpc_serving(target: str, service: str = "") -> Callable[[], bool]:
+    def probe() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(target) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+
+    return probe
+
+
+class Process:
+    """One child process with a log file and a readiness probe."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        ready: Callable[[], bool],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.ready = ready
+        self.log_path = log_path
+        self.env = dict(os.environ if env is None else env)
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def start(self, timeout: float = 30.0) -> Process:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                preexec_fn=_die_with_parent,
+            )
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise StartError(
+                    f"{self.name} exited with code {self.returncode}:\n{self.log_tail()}"
+                )
+            if self.ready():
+                return self
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+        self.stop()
+        raise StartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def stop_all(processes: Sequence[Process], timeout: float = 10.0) -> None:
+    """Stop in reverse start order, so the proxy goes before what it fronts."""
+    for proc in reversed(processes):
+        with contextlib.suppress(OSError):
+            proc.stop(timeout)

@@ -1,0 +1,63 @@
+"""One way to run a gRPC service: grpc.aio on uvloop, health, metrics, clean SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from llmgw.config import Strict
+
+log = logging.getLogger(__name__)
+
+
+class ServeSettings(Strict):
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_host: str = "127.0.0.1"  # admin endpoints bind to localhost by default
+    metrics_port: int | None = None  # None: no metrics endpoint
+    grace_seconds: float = 5.0
+
+
+async def serve(
+    name: str,
+    settings: ServeSettings,
+    register: Callable[[grpc.aio.Server], None],
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds`."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"{name}: cannot bind {settings.host}:{settings.port}")
+    if settings.metrics_port is not None:
+        start_http_server(settings.metrics_port, settings.metrics_host)
+    await server.start()
+    for service in ("", name):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving", extra={"service": name, "port": port, "metrics": settings.metrics_port})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping", extra={"service": name})
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.grace_seconds)
+    if on_stop is not None:
+        await on_stop()
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run a service's async main on uvloop (about 20 % cheaper per gRPC call)."""
+    uvloop.run(main())

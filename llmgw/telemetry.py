@@ -1,0 +1,40 @@
+"""OpenTelemetry tracing for the services: OTLP/gRPC export when an endpoint is configured."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from llmgw.config import Strict
+
+
+class TracingSettings(Strict):
+    otlp_endpoint: str | None = None  # e.g. "http://127.0.0.1:4317"; None: spans are not exported
+    sample_ratio: float = 1.0
+
+
+def setup(service: str, settings: TracingSettings) -> trace.Tracer:
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service}),
+        sampler=ParentBasedTraceIdRatio(settings.sample_ratio),
+    )
+    if settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint, insecure=True))
+        )
+    trace.set_tracer_provider(provider)
+    return trace.get_tracer(service)
+
+
+def parent_context(headers: Mapping[str, str]) -> Context:
+    """The trace Envoy started, from its `traceparent` header (lower-case header names)."""
+    return propagate.extract(headers)

@@ -1,0 +1,38 @@
+"""Every name that crosses a process boundary: headers, metadata namespaces, Redis keys.
+
+The services never call each other; they agree only on what Envoy carries (ARCHITECTURE.md).
+Add a name here before using it anywhere else.
+"""
+
+from __future__ import annotations
+
+# Trusted tenant context: set by extauthz, stripped from client requests by Envoy.
+HEADER_PREFIX = "x-llmgw-"
+HEADER_TENANT = "x-llmgw-tenant"
+HEADER_TIER = "x-llmgw-tier"
+HEADER_PRIORITY = "x-llmgw-priority"
+HEADER_MODEL = "x-llmgw-model"
+HEADER_TOKEN_ESTIMATE = "x-llmgw-token-estimate"
+HEADER_SESSION = "x-session-id"
+HEADER_REQUEST_ID = "x-request-id"
+
+# Dynamic metadata written by extauthz, read by Envoy's rate-limit descriptors and the router.
+EXTAUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
+META_TENANT = "tenant"
+META_TIER = "tier"
+META_PRIORITY = "priority"
+META_SESSION = "session"
+META_REQUEST_ID = "request_id"
+META_MODEL = "model"
+META_TOKEN_ESTIMATE = "token_estimate"
+
+# Endpoint picking (Gateway API Inference Extension protocol): the router writes an ordered
+# "ip:port,ip:port" list under this namespace and key; Envoy's override_host policy reads it.
+LB_NAMESPACE = "envoy.lb"
+DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+
+# Rate limiting.
+RATELIMIT_DOMAIN = "llmgw"
+
+# Fleet load published by the router for quota borrowing (Redis).
+FLEET_LOAD_KEY = "llmgw:fleet:load"
