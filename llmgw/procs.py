@@ -134,7 +134,8 @@ class Process:
         except OSError:
             return ""
 
-    def start(self, timeout: float = 30.0) -> Process:
+    def spawn(self) -> Process:
+        """Start the child without waiting for it (see `wait_ready`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
@@ -145,6 +146,9 @@ class Process:
                 env=self.env,
                 preexec_fn=_die_with_parent,
             )
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> Process:
         deadline = time.monotonic() + timeout
         delay = 0.02
         while time.monotonic() < deadline:
@@ -158,6 +162,9 @@ class Process:
             delay = min(delay * 1.5, 0.25)
         self.stop()
         raise StartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def start(self, timeout: float = 30.0) -> Process:
+        return self.spawn().wait_ready(timeout)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""

@@ -25,6 +25,12 @@ META_SESSION = "session"
 META_REQUEST_ID = "request_id"
 META_MODEL = "model"
 META_TOKEN_ESTIMATE = "token_estimate"
+# Per-tenant limit overrides, shaped for Envoy's rate-limit `limit: {dynamic_metadata: ...}`:
+# a struct {"requests_per_unit": int, "unit": "MINUTE"}; absent when the tier defaults apply.
+META_LIMIT_REQUESTS = "limit_requests"
+META_LIMIT_TOKENS = "limit_tokens"
+# Envoy's ext_authz marks a request body cut at `with_request_body.max_request_bytes`.
+HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 
 # Endpoint picking (Gateway API Inference Extension protocol): the router writes an ordered
 # "ip:port,ip:port" list under this namespace and key; Envoy's override_host policy reads it.

@@ -1,0 +1,34 @@
+# The two commands of the quick start: `make up` and `make test`. Both create .venv/ when needed.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+ARGS   ?=
+
+.PHONY: install up test lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+## Envoy + Redis + services + simulated pods on this machine (ARGS="--pods 4", ARGS="--upstream http://vllm:8000")
+up: $(STAMP)
+	$(PY) -m llmgw up $(ARGS)
+
+## lint, type-check, then the whole test suite against real Envoy and Redis
+test: $(STAMP) lint
+	$(PY) -m pytest $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+bench: $(STAMP)
+	$(PY) -m bench.overhead
+
+clean:
+	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache

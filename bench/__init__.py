@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table of numbers measured in one run (`python -m bench.NAME`)."""

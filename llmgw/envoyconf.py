@@ -1,0 +1,173 @@
+"""Render and validate the Envoy configuration from envoy/envoy.yaml.j2."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jinja2
+from pydantic import Field
+
+from llmgw import wire
+from llmgw.config import Strict
+from llmgw.procs import bin_path
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "envoy"
+TEMPLATE = "envoy.yaml.j2"
+
+# The OpenAI endpoints served by the pods; any other path is a 404 in OpenAI's shape.
+EXACT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+PREFIX_PATHS = ("/v1/models",)
+
+
+class Address(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+
+
+class Timeouts(Strict):
+    connect: str = "1s"
+    # No bytes from the pod for this long ends the attempt (and retries it if nothing was sent yet).
+    # Non-stream requests send nothing until the whole completion is generated: keep it generous.
+    upstream_idle: str = "300s"
+    stream_idle: str = "300s"
+    request_headers: str = "10s"
+    connection_idle: str = "3600s"
+
+
+class Retries(Strict):
+    attempts: int = 2
+    backoff_base: str = "0.025s"
+    backoff_max: str = "0.25s"
+
+
+class Health(Strict):
+    interval: str = "1s"
+    timeout: str = "1s"
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+
+
+class Outlier(Strict):
+    consecutive_5xx: int = 5
+    consecutive_gateway_failure: int = 3
+    interval: str = "1s"
+    base_ejection_time: str = "5s"
+    max_ejection_time: str = "60s"
+    max_ejection_percent: int = 50
+
+
+class Circuit(Strict):
+    max_connections: int = 4096
+    max_pending_requests: int = 4096
+    max_requests: int = 4096
+    retry_budget_percent: float = 25.0
+    min_retry_concurrency: int = 32
+
+
+class EnvoySettings(Strict):
+    admin: Address = Address()
+    timeouts: Timeouts = Timeouts()
+    retries: Retries = Retries()
+    health: Health = Health()
+    outlier: Outlier = Outlier()
+    circuit: Circuit = Circuit()
+    max_request_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    max_downstream_connections: int = 50_000
+    slow_start: str = "5s"
+    concurrency: int = 2
+    access_log_path: str | None = None
+
+
+def parse_endpoint(spec: str) -> Address:
+    """`host:port` or `http://host:port[/...]` → Address."""
+    parts = urlsplit(spec if "//" in spec else f"//{spec}")
+    if parts.scheme not in ("", "http") or not parts.hostname or parts.port is None:
+        raise ValueError(f"upstream {spec!r}: expected host:port or http://host:port")
+    return Address(host=parts.hostname, port=parts.port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
+    body = "%LOCAL_REPLY_BODY%"
+    return [
+        {"status": 400, "message": body, "type": "invalid_request_error", "code": None},
+        {
+            "status": 404,
+            "message": "Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)",
+            "type": "invalid_request_error",
+            "code": None,
+        },
+        {
+            "status": 413,
+            "message": f"Request body too large: the limit is {max_request_bytes} bytes.",
+            "type": "invalid_request_error",
+            "code": "request_too_large",
+        },
+        {"status": 431, "message": body, "type": "invalid_request_error", "code": None},
+        {"status": 500, "message": body, "type": "server_error", "code": None},
+        {"status": 502, "message": body, "type": "server_error", "code": None},
+        {
+            "status": 503,
+            "message": f"The model servers are unavailable or overloaded: {body}",
+            "type": "server_error",
+            "code": "server_is_overloaded",
+        },
+        {"status": 504, "message": body, "type": "server_error", "code": "timeout"},
+    ]
+
+
+def render(settings: EnvoySettings, listen: Address, pods: list[Address]) -> str:
+    if not pods:
+        raise ValueError("at least one pod is needed")
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    routes = [f'{{path: "{p}"}}' for p in EXACT_PATHS] + [
+        f'{{prefix: "{p}"}}' for p in PREFIX_PATHS
+    ]
+    return env.get_template(TEMPLATE).render(
+        wire=wire,
+        listen=listen,
+        admin=settings.admin,
+        timeouts=settings.timeouts,
+        retries=settings.retries,
+        health=settings.health,
+        outlier=settings.outlier,
+        circuit=settings.circuit,
+        max_request_bytes=settings.max_request_bytes,
+        max_downstream_connections=settings.max_downstream_connections,
+        access_log_path=settings.access_log_path,
+        routes=routes,
+        local_replies=_local_replies(settings.max_request_bytes),
+        pods={
+            "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",
+            "endpoints": pods,
+            "slow_start": settings.slow_start,
+        },
+    )
+
+
+def validate(path: Path) -> None:
+    """`envoy --mode validate`; raises ValueError with Envoy's message when the file is refused."""
+    result = subprocess.run(
+        [bin_path("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise ValueError(f"{path}: envoy refused the config:\n{result.stdout}{result.stderr}")

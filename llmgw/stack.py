@@ -1,0 +1,193 @@
+"""The local stack: Redis, simulated or real pods, the services, then Envoy in front.
+
+One composition used by `llmgw up` and by the test fixtures, so that what the tests run is what a
+user runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from llmgw import envoyconf
+from llmgw.config import Strict
+from llmgw.envoyconf import Address, EnvoySettings
+from llmgw.procs import (
+    Process,
+    StartError,
+    bin_path,
+    free_port,
+    http_ok,
+    redis_ping,
+    stop_all,
+)
+
+SIM_MODULE = "llmgw.sim"
+
+
+class StackSettings(Strict):
+    listen: Address = Address(host="127.0.0.1", port=8080)
+    pods: int = Field(default=2, ge=0)
+    # Real vLLM servers (host:port or http://host:port); when given, no pods are simulated.
+    upstreams: tuple[str, ...] = ()
+    sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m llmgw.sim --help`
+    envoy: EnvoySettings = EnvoySettings()
+    start_timeout: float = 60.0
+
+
+class Stack:
+    """Start in dependency order, stop in reverse; every child dies with its parent."""
+
+    def __init__(self, settings: StackSettings, state_dir: Path) -> None:
+        self.settings = settings
+        self.state_dir = state_dir
+        self.processes: list[Process] = []
+        self.pod_processes: list[Process] = []
+        self.pods: list[Address] = []
+        self.listen = settings.listen
+        self.admin = settings.envoy.admin
+        self.redis_port = 0
+
+    # Composition.
+
+    def start(self) -> Stack:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_redis()
+            self._start_pods()
+            self._start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        stop_all(self.processes)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _process(self, name: str, argv: list[str], ready: Any) -> Process:
+        proc = Process(name, argv, ready, self.state_dir / f"{name}.log")
+        self.processes.append(proc)
+        return proc
+
+    def _start_redis(self) -> None:
+        self.redis_port = free_port()
+        argv = [bin_path("redis-server"), "--bind", "127.0.0.1", "--port", str(self.redis_port)]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.state_dir)]
+        self._process("redis", argv, redis_ping("127.0.0.1", self.redis_port)).start()
+
+    def _start_pods(self) -> None:
+        if self.settings.upstreams:
+            self.pods = [envoyconf.parse_endpoint(u) for u in self.settings.upstreams]
+            return
+        if self.settings.pods < 1:
+            raise ValueError("need --pods >= 1 or at least one --upstream")
+        self.pods = [Address(port=free_port()) for _ in range(self.settings.pods)]
+        self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
+        for proc in self.pod_processes:
+            proc.spawn()
+        for proc in self.pod_processes:
+            proc.wait_ready(self.settings.start_timeout)
+
+    def _pod_process(self, index: int) -> Process:
+        pod = self.pods[index]
+        argv = [sys.executable, "-m", SIM_MODULE, "--host", pod.host, "--port", str(pod.port)]
+        argv += ["--seed", str(index), *self.settings.sim_args]
+        return self._process(f"pod-{index}", argv, http_ok(f"http://{pod.host}:{pod.port}/health"))
+
+    def _start_envoy(self) -> None:
+        if self.listen.port == 0:
+            self.listen = self.listen.model_copy(update={"port": free_port(self.listen.host)})
+        if self.admin.port == 0:
+            self.admin = self.admin.model_copy(update={"port": free_port(self.admin.host)})
+        settings = self.settings.envoy.model_copy(update={"admin": self.admin})
+        config = self.state_dir / "envoy.yaml"
+        config.write_text(envoyconf.render(settings, self.listen, self.pods))
+        argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart"]
+        argv += ["--base-id", str(self.admin.port), "--concurrency", str(settings.concurrency)]
+        argv += ["--file-flush-interval-msec", "200", "--log-level", "warn"]
+        self._process("envoy", argv, http_ok(f"{self.admin_url}/ready")).start(
+            self.settings.start_timeout
+        )
+
+    # Operations used by the launcher and by fault tests.
+
+    def restart_pod(self, index: int) -> Process:
+        """Start pod `index` again on its port, e.g. after a fault test killed it."""
+        old = self.pod_processes[index]
+        old.stop()
+        new = self._pod_process(index)
+        self.processes.remove(old)
+        self.pod_processes[index] = new
+        return new.start(self.settings.start_timeout)
+
+    def healthy_pods(self) -> set[str]:
+        """`host:port` of the pods Envoy would route to now (health-checked and not ejected)."""
+        with urllib.request.urlopen(f"{self.admin_url}/clusters?format=json", timeout=5) as r:
+            clusters = json.load(r)["cluster_statuses"]
+        healthy = set()
+        for cluster in clusters:
+            if cluster["name"] != "pods":
+                continue
+            for host in cluster.get("host_statuses", []):
+                flags = host.get("health_status", {})
+                bad = [k for k, v in flags.items() if k != "eds_health_status" and v is True]
+                if not bad and flags.get("eds_health_status", "HEALTHY") == "HEALTHY":
+                    sock = host["address"]["socket_address"]
+                    healthy.add(f"{sock['address']}:{sock['port_value']}")
+        return healthy
+
+    def wait_healthy(self, expected: set[str], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.healthy_pods() == expected:
+                return
+            time.sleep(0.1)
+        raise StartError(f"healthy pods {self.healthy_pods()} != {expected} after {timeout}s")
+
+    # What scripts and users need to reach the stack.
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.listen.host}:{self.listen.port}/v1"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.admin.host}:{self.admin.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def pod_url(self, index: int) -> str:
+        pod = self.pods[index]
+        return f"http://{pod.host}:{pod.port}"
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url,
+            "tenants": [],
+            "pods": [
+                {
+                    "url": self.pod_url(i),
+                    "simulated": bool(self.pod_processes),
+                    "pid": self.pod_processes[i].pid if self.pod_processes else None,
+                }
+                for i in range(len(self.pods))
+            ],
+            "redis_url": self.redis_url,
+            "processes": {proc.name: proc.pid for proc in self.processes},
+            "envoy_admin_url": self.admin_url,
+            "logs": str(self.state_dir),
+        }

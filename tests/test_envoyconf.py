@@ -1,0 +1,87 @@
+"""Every rendered Envoy config passes `envoy --mode validate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmgw import cli, envoyconf
+from llmgw.envoyconf import Address, EnvoySettings
+
+
+def render_and_validate(tmp_path: Path, settings: EnvoySettings, pods: list[Address]) -> dict:  # type: ignore[type-arg]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(envoyconf.render(settings, Address(port=8080), pods))
+    envoyconf.validate(path)
+    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+
+
+def cluster(config: dict) -> dict:  # type: ignore[type-arg]
+    return config["static_resources"]["clusters"][0]  # type: ignore[no-any-return]
+
+
+def test_local_stack_config_is_valid(tmp_path: Path) -> None:
+    config = render_and_validate(
+        tmp_path, EnvoySettings(), [Address(port=8001), Address(port=8002)]
+    )
+    assert cluster(config)["type"] == "STATIC"
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_dns_pods_use_strict_dns(tmp_path: Path) -> None:
+    config = render_and_validate(tmp_path, EnvoySettings(), [Address(host="vllm", port=8000)])
+    assert cluster(config)["type"] == "STRICT_DNS"
+
+
+def test_access_log_config_is_valid(tmp_path: Path) -> None:
+    settings = EnvoySettings(access_log_path=str(tmp_path / "access.log"))
+    config = render_and_validate(tmp_path, settings, [Address(port=8001)])
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert hcm["typed_config"]["access_log"]
+
+
+def test_retries_never_follow_a_response(tmp_path: Path) -> None:
+    config = render_and_validate(tmp_path, EnvoySettings(), [Address(port=8001)])
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for route in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]:
+        policy = route["route"]["retry_policy"]
+        assert set(policy["retry_on"].split(",")) == {
+            "connect-failure",
+            "refused-stream",
+            "reset",
+            "retriable-status-codes",
+        }
+        assert policy["retriable_status_codes"] == [503]
+        assert route["route"]["timeout"] == "0s"  # no total timeout on streams
+
+
+def test_override_host_reads_the_pickers_metadata(tmp_path: Path) -> None:
+    config = render_and_validate(tmp_path, EnvoySettings(), [Address(port=8001)])
+    policy = cluster(config)["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    source = policy["typed_config"]["override_host_sources"][0]
+    assert source == {
+        "metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "host", "port"),
+    [("10.0.0.1:8000", "10.0.0.1", 8000), ("http://vllm-0:8000/", "vllm-0", 8000)],
+)
+def test_parse_endpoint(spec: str, host: str, port: int) -> None:
+    assert envoyconf.parse_endpoint(spec) == Address(host=host, port=port)
+
+
+@pytest.mark.parametrize("spec", ["vllm", "https://vllm:8000", "http://:80"])
+def test_parse_endpoint_rejects(spec: str) -> None:
+    with pytest.raises(ValueError, match="expected host:port"):
+        envoyconf.parse_endpoint(spec)
+
+
+def test_render_envoy_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["render-envoy", "--upstream", "vllm-0:8000", "--upstream", "vllm-1:8000"]) == 0
+    path = tmp_path / "out.yaml"
+    path.write_text(capsys.readouterr().out)
+    envoyconf.validate(path)

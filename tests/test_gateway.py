@@ -1,0 +1,118 @@
+"""End to end through the real Envoy, with the unchanged OpenAI SDK."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from llmgw.stack import Stack
+from tests.http import Reply, call
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="sk-test", max_retries=0)
+
+
+@pytest.fixture
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def assert_openai_error(resp: Reply, status: int, code: str | None) -> dict[str, object]:
+    assert resp.status == status, resp.body
+    assert resp.headers["content-type"] == "application/json"
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["message"]
+    assert error["code"] == code
+    return error  # type: ignore[no-any-return]
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert models and models[0].object == "model"
+
+
+def test_chat_completion(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello"}], max_tokens=12
+    )
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_completion(client: openai.OpenAI, model: str) -> None:
+    reply = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5)
+    assert reply.choices[0].text
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+
+
+def test_stream_arrives_before_generation_ends(client: openai.OpenAI, model: str) -> None:
+    start = time.monotonic()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a long story"}],
+        max_tokens=200,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    arrivals: list[float] = []
+    usage = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic() - start)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert len(arrivals) == 200  # one token per chunk, like vLLM
+    assert usage is not None and usage.completion_tokens == 200
+    # 200 decode steps take a while even on fast pods; the first token must not wait for them.
+    assert arrivals[0] < arrivals[-1] / 2
+
+
+def test_unknown_model_is_the_pods_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+def test_unknown_path_is_an_openai_404(stack: Stack) -> None:
+    resp = call("POST", stack.base_url.replace("/v1", "/v2/nothing"), {})
+    error = assert_openai_error(resp, 404, None)
+    assert error["type"] == "invalid_request_error"
+    assert "/v2/nothing" in str(error["message"])
+
+
+def test_unknown_path_raises_not_found_in_the_sdk(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.get("/fine_tuning/jobs", cast_to=object)
+
+
+def test_oversize_body_is_an_openai_413(stack: Stack, client: openai.OpenAI, model: str) -> None:
+    limit = stack.settings.envoy.max_request_bytes
+    huge = "x" * (limit + 1)
+    resp = call(
+        "POST",
+        f"{stack.base_url}/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": huge}]},
+    )
+    error = assert_openai_error(resp, 413, "request_too_large")
+    assert error["type"] == "invalid_request_error"
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": huge}])
+    assert raised.value.status_code == 413
+
+
+def test_destination_header_from_the_client_is_ignored(stack: Stack, model: str) -> None:
+    # A client must not pick the pod; a bogus destination would be a 503 if Envoy honoured it.
+    resp = call(
+        "POST",
+        f"{stack.base_url}/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={"x-gateway-destination-endpoint": "127.0.0.1:1"},
+    )
+    assert resp.status == 200, resp.body

@@ -1,0 +1,94 @@
+"""`llmgw up` as a user runs it: ready file, supervision, clean stop, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.http import call
+
+READY_TIMEOUT = 90
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped
+        return stat.read().split()[2] != "Z"
+
+
+def wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, object], Path]]:
+    ready = tmp_path / "ready.json"
+    log = tmp_path / "up.log"
+    argv = [sys.executable, "-m", "llmgw", "up", "--listen", "127.0.0.1:0", "--pods", "2"]
+    argv += ["--ready-file", str(ready), "--state-dir", str(tmp_path / "state")]
+    argv += ["--sim-arg", "--time-scale 0.05"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, READY_TIMEOUT, "ready file")
+        assert proc.poll() is None, log.read_text()
+        yield proc, json.loads(ready.read_text()), log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_serves_and_stops_cleanly(
+    up: tuple[subprocess.Popen[bytes], dict[str, object], Path],
+) -> None:
+    proc, info, log = up
+    assert set(info) >= {"base_url", "tenants", "pods", "redis_url"}
+    assert call("GET", f"{info['base_url']}/models").status == 200
+    children = list(info["processes"].values())  # type: ignore[attr-defined]
+    assert len(children) == 4  # redis, two pods, envoy
+    assert "base_url" in log.read_text()
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not [pid for pid in children if pid_alive(pid)]
+
+
+def test_a_dead_pod_is_reported_and_the_stack_stays_up(
+    up: tuple[subprocess.Popen[bytes], dict[str, object], Path],
+) -> None:
+    proc, info, log = up
+    pod_pid = info["pods"][0]["pid"]  # type: ignore[index]
+    os.kill(pod_pid, signal.SIGKILL)
+    wait_for(lambda: "child exited" in log.read_text(), 10, "the launcher to report the pod")
+    assert "pod-0" in log.read_text()
+    assert proc.poll() is None
+    model = call("GET", f"{info['base_url']}/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    assert call("POST", f"{info['base_url']}/completions", body).status == 200
+
+
+def test_killed_launcher_leaves_no_orphans(
+    up: tuple[subprocess.Popen[bytes], dict[str, object], Path],
+) -> None:
+    proc, info, _ = up
+    children = list(info["processes"].values())  # type: ignore[attr-defined]
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not [p for p in children if pid_alive(p)], 10, "children to exit")
