@@ -1,0 +1,203 @@
+"""The decision: who is calling, may they make this request, and which session it belongs to.
+
+Deterministic given the snapshot, the request and the time, except that minting a session advances
+the replica's Snowflake sequence and a missing `x-request-id` is filled with a random UUID.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from extauthz.sessions import Sessions
+from extauthz.settings import DecisionSettings
+from extauthz.tenants import digest
+from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, MetaValue, Snapshot
+from llmgw import wire
+
+_MAX_KEY_CHARS = 256
+_MODEL_NAME = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: safe as a header value
+_STRIP = ("authorization", "api-key", wire.DESTINATION_ENDPOINT)
+
+MISSING_KEY = Deny(
+    401,
+    "invalid_api_key",
+    "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'api-key: KEY'.",
+)
+BAD_KEY = Deny(401, "invalid_api_key", "Incorrect API key provided.")
+
+
+def _api_key(headers: Mapping[str, str]) -> str | None:
+    """The presented key, "" when malformed, None when absent."""
+    auth = headers.get("authorization")
+    if auth is not None:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip()
+    key = headers.get("api-key")
+    if key is not None:
+        return key.strip()
+    return None if auth is None else ""
+
+
+def _prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
+    """Estimated prompt tokens: characters of text / chars_per_token, token-ID prompts as given."""
+    chars = 0
+    tokens = 0
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if isinstance(text, str):
+                        chars += len(text)
+    for name in ("prompt", "input"):
+        value = request.get(name)
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, str):
+                    chars += len(item)
+                elif isinstance(item, int):
+                    tokens += 1
+    return math.ceil(chars / chars_per_token) + tokens
+
+
+def _max_output(request: Mapping[str, Any]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = request.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+class Decider:
+    def __init__(self, settings: DecisionSettings, sessions: Sessions) -> None:
+        self.settings = settings
+        self.sessions = sessions
+
+    def decide(
+        self, snapshot: Snapshot, headers: Mapping[str, str], body: bytes, now: float
+    ) -> Decision:
+        """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds."""
+        api_key = _api_key(headers)
+        if api_key is None:
+            return MISSING_KEY
+        if not api_key.startswith(KEY_PREFIX) or len(api_key) > _MAX_KEY_CHARS:
+            return BAD_KEY
+        presented = digest(api_key)
+        entry = snapshot.keys.get(presented)
+        if (
+            entry is None
+            or not hmac.compare_digest(entry.digest, presented)
+            or entry.revoked
+            or (entry.expires is not None and now >= entry.expires)
+        ):
+            return BAD_KEY
+        tenant = entry.tenant
+
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length", "")
+        if (
+            len(body) > limit
+            or headers.get(wire.HEADER_PARTIAL_BODY) == "true"
+            or (declared.isdigit() and int(declared) > limit)
+        ):
+            return Deny(
+                413,
+                "request_too_large",
+                f"The request body exceeds the limit of {limit} bytes.",
+                tenant=tenant.id,
+            )
+
+        model: str | None = None
+        estimate = 0
+        request = _json_object(body)
+        if request is not None:
+            name = request.get("model")
+            if isinstance(name, str) and _MODEL_NAME.fullmatch(name):
+                model = name
+            if tenant.models is not None and "model" in request and model not in tenant.models:
+                return Deny(
+                    403,
+                    "model_not_allowed",
+                    f"The model {name!r} is not available to tenant {tenant.id!r}.",
+                    param="model",
+                    tenant=tenant.id,
+                )
+            output = _max_output(request)
+            estimate = _prompt_tokens(request, self.settings.chars_per_token) + (
+                self.settings.default_output_tokens if output is None else output
+            )
+
+        now_ms = int(now * 1000)
+        session = headers.get(wire.HEADER_SESSION, "")
+        if not session:
+            session = self.sessions.mint(tenant.id, now_ms)
+        elif not self.sessions.verify(tenant.id, session, now_ms):
+            return Deny(
+                400,
+                "invalid_session_id",
+                "The X-Session-ID header is not a valid, unexpired session of this tenant. "
+                "Omit it to start a new session.",
+                param="x-session-id",
+                tenant=tenant.id,
+            )
+        request_id = headers.get(wire.HEADER_REQUEST_ID) or str(uuid.uuid4())
+
+        set_headers = (
+            *tenant.headers,
+            (wire.HEADER_TOKEN_ESTIMATE, str(estimate)),
+            (wire.HEADER_SESSION, session),
+            (wire.HEADER_REQUEST_ID, request_id),
+        )
+        if model is not None:
+            set_headers = (*set_headers, (wire.HEADER_MODEL, model))
+        # Client-sent x-llmgw-* names we do not set now are removed, so no forged one survives.
+        ours = {name for name, _ in set_headers}
+        remove = tuple(
+            name
+            for name in headers
+            if name in _STRIP or (name.startswith(wire.HEADER_PREFIX) and name not in ours)
+        )
+        metadata: dict[str, MetaValue] = {
+            wire.META_TENANT: tenant.id,
+            wire.META_TIER: tenant.tier,
+            wire.META_PRIORITY: float(tenant.priority),
+            wire.META_SESSION: session,
+            wire.META_REQUEST_ID: request_id,
+            wire.META_TOKEN_ESTIMATE: float(estimate),
+            **tenant.limits,
+        }
+        if model is not None:
+            metadata[wire.META_MODEL] = model
+        return Allow(
+            headers=set_headers,
+            headers_to_remove=remove,
+            response_headers=((wire.HEADER_SESSION, session),),
+            metadata=metadata,
+            tenant=tenant.id,
+            session=session,
+            model=model,
+        )
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object; None for no body or anything else (the pod answers those)."""
+    if not body:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

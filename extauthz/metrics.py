@@ -1,0 +1,22 @@
+"""Prometheus collectors of extauthz."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter(
+    "llmgw_extauthz_decisions_total",
+    "Check decisions by result (allow or the error code) and tenant ('' when unknown).",
+    ["result", "tenant"],
+)
+DECISION_SECONDS = Histogram(
+    "llmgw_extauthz_decision_seconds",
+    "Time to decide one Check, excluding gRPC.",
+    buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+)
+RELOADS = Counter(
+    "llmgw_extauthz_reloads_total",
+    "Tenants file reloads by result (ok, failed).",
+    ["result"],
+)
+TENANTS = Gauge("llmgw_extauthz_tenants", "Tenants in the live snapshot.")

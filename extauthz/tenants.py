@@ -1,0 +1,123 @@
+"""The tenants file: parse → validate → immutable snapshot; API keys; atomic writes."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import secrets
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from types import MappingProxyType
+
+import yaml
+
+from extauthz.types import (
+    KEY_PREFIX,
+    ApiKey,
+    KeyEntry,
+    MetaValue,
+    Snapshot,
+    TenantsFile,
+    TenantView,
+)
+from llmgw import wire
+from llmgw.config import read_yaml, validate
+
+
+def digest(api_key: str) -> bytes:
+    return hashlib.sha256(api_key.encode()).digest()
+
+
+def new_key(now: datetime, expires: datetime | None = None) -> tuple[str, ApiKey]:
+    """A fresh API key (returned once) and the record that stores only its hash."""
+    api_key = KEY_PREFIX + secrets.token_urlsafe(32)
+    record = ApiKey(
+        id="key_" + secrets.token_hex(6),
+        sha256=digest(api_key).hex(),
+        prefix=api_key[: len(KEY_PREFIX) + 4],
+        created=now,
+        expires=expires,
+    )
+    return api_key, record
+
+
+def read(path: Path) -> TenantsFile:
+    """The validated file; `ConfigError` names the file and the key at fault."""
+    return validate(TenantsFile, read_yaml(path), str(path))
+
+
+def _limit(per_minute: int) -> dict[str, MetaValue]:
+    return {"requests_per_unit": float(per_minute), "unit": "MINUTE"}
+
+
+def snapshot(data: TenantsFile) -> Snapshot:
+    tenants: dict[str, TenantView] = {}
+    keys: dict[bytes, KeyEntry] = {}
+    for tenant in data.tenants:
+        custom = data.tiers.get(tenant.tier)
+        rpm = tenant.limits.rpm or (custom.rpm if custom else None)
+        tpm = tenant.limits.tpm or (custom.tpm if custom else None)
+        limits: dict[str, MetaValue] = {}
+        if rpm is not None:
+            limits[wire.META_LIMIT_REQUESTS] = _limit(rpm)
+        if tpm is not None:
+            limits[wire.META_LIMIT_TOKENS] = _limit(tpm)
+        view = TenantView(
+            id=tenant.id,
+            tier=tenant.tier,
+            priority=tenant.priority,
+            models=None if tenant.models == "*" else frozenset(tenant.models),
+            headers=(
+                (wire.HEADER_TENANT, tenant.id),
+                (wire.HEADER_TIER, tenant.tier),
+                (wire.HEADER_PRIORITY, str(tenant.priority)),
+            ),
+            limits=MappingProxyType(limits),
+        )
+        tenants[tenant.id] = view
+        for key in tenant.keys:
+            raw = bytes.fromhex(key.sha256)
+            keys[raw] = KeyEntry(
+                digest=raw,
+                key_id=key.id,
+                tenant=view,
+                expires=key.expires.timestamp() if key.expires else None,
+                revoked=key.revoked,
+            )
+    return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants))
+
+
+def load(path: Path) -> Snapshot:
+    return snapshot(read(path))
+
+
+def write(path: Path, data: TenantsFile) -> None:
+    """Replace the file atomically: readers see the old file or the new one, never half."""
+    text = yaml.safe_dump(data.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def editing(path: Path) -> Iterator[None]:
+    """Serialise read-modify-write cycles of concurrent CLI runs (a lock file beside it)."""
+    lock_path = path.with_name(f".{path.name}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -1,0 +1,151 @@
+"""The nouns of extauthz: the tenants file schema, the in-memory snapshot, and decisions."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import AwareDatetime, Field, field_validator, model_validator
+
+from llmgw.config import Strict
+
+BUILTIN_TIERS = ("free", "standard", "platinum")
+KEY_PREFIX = "sk-llmgw-"
+_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+
+# Metadata values as they go into a protobuf Struct.
+MetaValue = str | float | bool | Mapping[str, "MetaValue"]
+
+
+class Limits(Strict):
+    """Per-minute limits that replace the tier's defaults in the rate limiter."""
+
+    rpm: int | None = Field(default=None, gt=0)
+    tpm: int | None = Field(default=None, gt=0)
+
+
+class TierDef(Strict):
+    """A custom tier: its own per-minute limits (built-in tiers take theirs from ratelimit)."""
+
+    rpm: int = Field(gt=0)
+    tpm: int = Field(gt=0)
+
+
+class ApiKey(Strict):
+    id: str = Field(pattern=r"^key_[a-z0-9]{8,32}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    prefix: str  # the first characters of the key, enough for a human to recognise it
+    created: AwareDatetime
+    expires: AwareDatetime | None = None
+    revoked: bool = False
+
+    @field_validator("prefix")
+    @classmethod
+    def _short_prefix(cls, value: str) -> str:
+        if not value.startswith(KEY_PREFIX) or len(value) > len(KEY_PREFIX) + 4:
+            raise ValueError(f"must be {KEY_PREFIX!r} and at most 4 more characters")
+        return value
+
+
+class Tenant(Strict):
+    id: str = Field(pattern=_NAME)
+    name: str = Field(min_length=1)
+    tier: str
+    priority: int = Field(ge=1, le=10)
+    models: Literal["*"] | tuple[str, ...]
+    limits: Limits = Limits()
+    keys: tuple[ApiKey, ...] = ()
+
+
+class TenantsFile(Strict):
+    """The whole tenants file. Custom tiers are declared here; built-in names are reserved."""
+
+    tiers: dict[str, TierDef] = Field(default_factory=dict)
+    tenants: tuple[Tenant, ...] = ()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TenantsFile:
+        for name in self.tiers:
+            if name in BUILTIN_TIERS:
+                raise ValueError(f"tiers.{name}: built-in tier names cannot be redefined")
+            if not re.match(_NAME, name):
+                raise ValueError(f"tiers.{name}: invalid tier name")
+        tenant_ids: set[str] = set()
+        key_ids: set[str] = set()
+        digests: set[str] = set()
+        for i, tenant in enumerate(self.tenants):
+            where = f"tenants.{i}"
+            if tenant.id in tenant_ids:
+                raise ValueError(f"{where}.id: duplicate tenant {tenant.id!r}")
+            tenant_ids.add(tenant.id)
+            if tenant.tier not in BUILTIN_TIERS and tenant.tier not in self.tiers:
+                raise ValueError(f"{where}.tier: unknown tier {tenant.tier!r}")
+            for j, key in enumerate(tenant.keys):
+                if key.id in key_ids:
+                    raise ValueError(f"{where}.keys.{j}.id: duplicate key id {key.id!r}")
+                if key.sha256 in digests:
+                    raise ValueError(f"{where}.keys.{j}.sha256: duplicate key hash")
+                key_ids.add(key.id)
+                digests.add(key.sha256)
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    """A tenant as the decision needs it, precomputed once per snapshot."""
+
+    id: str
+    tier: str
+    priority: int
+    models: frozenset[str] | None  # None: every model
+    headers: tuple[tuple[str, str], ...]  # tenant, tier, priority
+    limits: Mapping[str, MetaValue]  # metadata limit overrides, possibly empty
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    digest: bytes
+    key_id: str
+    tenant: TenantView
+    expires: float | None  # Unix seconds
+    revoked: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One immutable, validated tenants file; swapped as a whole on reload."""
+
+    keys: Mapping[bytes, KeyEntry]  # by SHA-256 digest of the API key
+    tenants: Mapping[str, TenantView]
+
+
+@dataclass(frozen=True, slots=True)
+class Allow:
+    headers: tuple[tuple[str, str], ...]  # set on the upstream request
+    headers_to_remove: tuple[str, ...]
+    response_headers: tuple[tuple[str, str], ...]
+    metadata: Mapping[str, MetaValue]
+    tenant: str
+    session: str
+    model: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    status: int
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    tenant: str | None = None
+
+    def body(self) -> bytes:
+        """The OpenAI error envelope."""
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return json.dumps({"error": error}).encode()
+
+
+Decision = Allow | Deny

@@ -1,0 +1,76 @@
+-- One admission decision, atomically (rule: ratelimit/windows.py).
+-- KEYS[1]: the tenant's key prefix "llmgw:rl:{tenant}"; every key below shares its hash tag.
+-- ARGV: now_ms, shadow (0/1), reservation id ("" for none), reservation ttl_ms, check count,
+--       then per check: name, bucket_ms, buckets, limit, cost, reserve (0/1).
+-- Returns {admitted (0/1), then each check's buckets before this decision, newest first}.
+local p = KEYS[1]
+local now = tonumber(ARGV[1])
+local shadow = ARGV[2] == '1'
+local rid = ARGV[3]
+local ttl = tonumber(ARGV[4])
+local n = tonumber(ARGV[5])
+local zkey = p .. ':resv'
+
+-- Reservations past their TTL give their tokens back to the buckets they took (64 per call).
+local expired = redis.call('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, 64)
+for _, id in ipairs(expired) do
+  local rkey = p .. ':res:' .. id
+  local r = redis.call('HMGET', rkey, 'n', 'k')
+  if r[1] then
+    for suffix in string.gmatch(r[2], '%S+') do
+      local k = p .. ':' .. suffix
+      if redis.call('EXISTS', k) == 1 then redis.call('DECRBY', k, r[1]) end
+    end
+    redis.call('DEL', rkey)
+  end
+  redis.call('ZREM', zkey, id)
+end
+
+local out = {0}
+local plan = {}
+local ok = true
+local longest = 0
+local a = 6
+for i = 1, n do
+  local name, bms, nb = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local limit, cost, reserve = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5] == '1'
+  a = a + 6
+  local cur = math.floor(now / bms)
+  local keys = {}
+  for j = 0, nb - 1 do keys[j + 1] = p .. ':' .. name .. ':' .. string.format('%d', cur - j) end
+  local vals = redis.call('MGET', unpack(keys))
+  local used = 0
+  for j = 1, nb do
+    local v = tonumber(vals[j]) or 0
+    used = used + v
+    out[#out + 1] = v
+  end
+  if used + cost > limit then ok = false end
+  if nb * bms > longest then longest = nb * bms end
+  plan[i] = {keys[1], name .. ':' .. string.format('%d', cur), cost, (nb + 1) * bms, reserve}
+end
+
+if ok or shadow then
+  local taken = {}
+  local amount = 0
+  for i = 1, n do
+    local key, suffix, cost, life, reserve = unpack(plan[i])
+    if cost > 0 then
+      redis.call('INCRBY', key, cost)
+      redis.call('PEXPIRE', key, life)
+      if reserve then
+        taken[#taken + 1] = suffix
+        amount = cost
+      end
+    end
+  end
+  if rid ~= '' and #taken > 0 then
+    local rkey = p .. ':res:' .. rid
+    redis.call('HSET', rkey, 'n', amount, 'k', table.concat(taken, ' '))
+    redis.call('PEXPIRE', rkey, ttl + longest)
+    redis.call('ZADD', zkey, now + ttl, rid)
+    redis.call('PEXPIRE', zkey, ttl + longest)
+  end
+end
+if ok then out[1] = 1 end
+return out

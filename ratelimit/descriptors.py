@@ -1,0 +1,91 @@
+"""The descriptor contract between Envoy and this service (domain `llmgw`).
+
+Envoy builds descriptors from extauthz's dynamic metadata (namespace
+`envoy.filters.http.ext_authz`, keys tenant, tier, session, request_id, token_estimate; see
+llmgw/wire.py). Every descriptor starts with an entry `kind` (a `generic_key` action with
+`descriptor_key: kind`) naming its role:
+
+Request time (one RateLimitRequest, decided with one atomic store call):
+    kind=requests  tenant=T  tier=X  [session=S]              count 1 request
+    kind=tokens    tenant=T  tier=X  request_id=R  token_estimate=N
+                                                          reserve N tokens under R
+  Request-time descriptors arrive with hits_addend 0 (count 1), which is why the reservation
+  size travels as the entry `token_estimate`. Both are checked together: admitted only if the
+  request and its tokens fit, and then both are counted.
+
+Stream done (`apply_on_stream_done: true`, a separate fire-and-forget call):
+    kind=usage  tenant=T  tier=X  request_id=R       hits_addend = actual total tokens
+  RateLimitDescriptor.hits_addend carries the actual usage (RateLimitRequest.hits_addend is 0).
+  The reservation R is settled to it; without a live reservation the tokens are charged as is.
+
+Descriptors with another domain, another `kind`, or missing entries are answered OK and not
+counted. Envoy leaves out a descriptor when one of its metadata keys is absent (except those
+marked `skip_if_absent`), so an unauthenticated request is never counted here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from llmgw import wire
+from ratelimit.types import Admission, Settlement
+
+KIND = "kind"
+Role = Literal["requests", "tokens", "usage"]
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A request's descriptors: each one's role (None: ignored), and what to decide."""
+
+    roles: tuple[Role | None, ...]
+    admission: Admission | None
+    settlements: tuple[Settlement, ...]
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return max(0, int(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
+    roles: list[Role | None] = []
+    if request.domain != wire.RATELIMIT_DOMAIN:
+        return Parsed(tuple(None for _ in request.descriptors), None, ())
+    tenant = tier = session = request_id = None
+    estimate: int | None = None
+    counted = False
+    settlements: list[Settlement] = []
+    for descriptor in request.descriptors:
+        entries = {e.key: e.value for e in descriptor.entries}
+        kind = entries.get(KIND)
+        who = entries.get(wire.META_TENANT)
+        role: Role | None = None
+        if who and kind in ("requests", "tokens"):
+            tenant, tier = who, entries.get(wire.META_TIER, tier or "")
+            session = entries.get(wire.META_SESSION, session)
+            request_id = entries.get(wire.META_REQUEST_ID, request_id)
+            if kind == "requests":
+                counted, role = True, "requests"
+            elif (n := _int(entries.get(wire.META_TOKEN_ESTIMATE))) is not None:
+                estimate, role = n, "tokens"
+        elif who and kind == "usage" and descriptor.HasField("hits_addend"):
+            role = "usage"
+            settlements.append(
+                Settlement(
+                    tenant=who,
+                    tier=entries.get(wire.META_TIER, ""),
+                    request_id=entries.get(wire.META_REQUEST_ID),
+                    tokens=descriptor.hits_addend.value,
+                )
+            )
+        roles.append(role)
+    admission = None
+    if tenant is not None and (counted or estimate is not None):
+        admission = Admission(tenant, tier or "", session, request_id, estimate, counted)
+    return Parsed(tuple(roles), admission, tuple(settlements))

@@ -1,0 +1,54 @@
+"""Prometheus collectors of the rate-limit service (labels: tenant, tier)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter(
+    "llmgw_ratelimit_decisions_total",
+    "Admission decisions by result (ok, requests, tokens, insufficient_quota) and shadow mode.",
+    ["tenant", "tier", "result", "shadow"],
+)
+OVER_LIMIT = Counter(
+    "llmgw_ratelimit_over_limit_total",
+    "Checks over their limit (also counted in shadow mode), by kind.",
+    ["tenant", "tier", "kind"],
+)
+NEAR_LIMIT = Counter(
+    "llmgw_ratelimit_near_limit_total",
+    "Admitted decisions that left less than the near-limit ratio of a limit, by kind.",
+    ["tenant", "tier", "kind"],
+)
+BORROWED = Counter(
+    "llmgw_ratelimit_borrowed_total",
+    "Requests or tokens admitted beyond the base limit from the fleet's idle capacity.",
+    ["tenant", "tier", "kind"],
+)
+SETTLED_TOKENS = Counter(
+    "llmgw_ratelimit_settled_tokens_total",
+    "Tokens added at settlement (actual minus reserved; negative refunds count as 0 here).",
+    ["tenant", "tier"],
+)
+SETTLEMENTS = Counter(
+    "llmgw_ratelimit_settlements_total",
+    "Stream-end settlements, by whether a live reservation was found.",
+    ["tenant", "reserved"],
+)
+DEGRADED = Gauge(
+    "llmgw_ratelimit_degraded", "1 while decisions are answered from in-process counters."
+)
+DEGRADED_DECISIONS = Counter(
+    "llmgw_ratelimit_degraded_decisions_total",
+    "Decisions answered from in-process counters (Redis slow or down).",
+    ["tenant", "tier"],
+)
+REDIS_SECONDS = Histogram(
+    "llmgw_ratelimit_redis_seconds",
+    "Redis script round trip.",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05),
+)
+DECISION_SECONDS = Histogram(
+    "llmgw_ratelimit_decision_seconds",
+    "Time to decide one RateLimitRequest inside the service.",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+)

@@ -1,0 +1,96 @@
+"""Counters in Redis: one EVALSHA per decision (scripts admit.lua and settle.lua).
+
+Keys: `llmgw:rl:{<tenant>}:<check>:<bucket>` for buckets, `…:res:<request id>` for token
+reservations and `…:resv` for their expiry index. The `{tenant}` hash tag keeps one tenant's keys
+in one Redis Cluster slot, so each script touches a single slot. A NOSCRIPT reply (Redis restarted
+or flushed its script cache) is answered by EVAL of the source, which caches it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+
+from ratelimit.resp import Arg, Reply, Resp, RespError
+from ratelimit.types import Check, Outcome
+
+
+def _script(name: str) -> tuple[str, str]:
+    source = resources.files("ratelimit").joinpath(name).read_text()
+    return source, hashlib.sha1(source.encode()).hexdigest()
+
+
+ADMIT = _script("admit.lua")
+SETTLE = _script("settle.lua")
+
+
+def tenant_prefix(tenant: str) -> str:
+    """The key prefix of a tenant; braces in the ID are escaped so the hash tag stays intact."""
+    return "llmgw:rl:{" + tenant.replace("{", "%7B").replace("}", "%7D") + "}"
+
+
+class RedisStore:
+    def __init__(self, client: Resp) -> None:
+        self.client = client
+
+    async def admit(
+        self,
+        prefix: str,
+        checks: Sequence[Check],
+        now_ms: int,
+        *,
+        shadow: bool = False,
+        reservation: str = "",
+        ttl_ms: int = 0,
+    ) -> Outcome:
+        args: list[Arg] = [now_ms, int(shadow), reservation, ttl_ms, len(checks)]
+        for c in checks:
+            w = c.window
+            args += [c.name, w.bucket_ms, w.buckets, c.limit, c.cost, int(c.reserve)]
+        reply = await self._run(ADMIT, prefix, args)
+        if not isinstance(reply, list):
+            raise RespError(f"admit.lua returned {reply!r}")
+        flat = [int(v) for v in reply if isinstance(v, int)]
+        counts: list[tuple[int, ...]] = []
+        at = 1
+        for c in checks:
+            counts.append(tuple(flat[at : at + c.window.buckets]))
+            at += c.window.buckets
+        return Outcome(flat[0] == 1, tuple(counts))
+
+    async def settle(
+        self, prefix: str, request_id: str, tokens: int, checks: Sequence[Check], now_ms: int
+    ) -> tuple[bool, int]:
+        args: list[Arg] = [now_ms, request_id, tokens, len(checks)]
+        for c in checks:
+            args += [c.name, c.window.bucket_ms, c.window.buckets]
+        reply = await self._run(SETTLE, prefix, args)
+        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], int):
+            raise RespError(f"settle.lua returned {reply!r}")
+        return reply[0] == 1, reply[1]
+
+    async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
+        """The fleet-load key as a string (JSON) or a hash; None when absent."""
+        try:
+            value = await self.client.call("GET", key)
+        except RespError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            pairs = await self.client.call("HGETALL", key)
+            items = [p for p in pairs if isinstance(p, bytes)] if isinstance(pairs, list) else []
+            return {items[i].decode(): items[i + 1] for i in range(0, len(items) - 1, 2)}
+        return value if isinstance(value, bytes) else None
+
+    async def load_scripts(self) -> None:
+        for source, _ in (ADMIT, SETTLE):
+            await self.client.call("SCRIPT", "LOAD", source)
+
+    async def _run(self, script: tuple[str, str], prefix: str, args: list[Arg]) -> Reply:
+        source, sha = script
+        try:
+            return await self.client.call("EVALSHA", sha, 1, prefix, *args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await self.client.call("EVAL", source, 1, prefix, *args)

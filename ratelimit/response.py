@@ -1,0 +1,78 @@
+"""What the client sees: OpenAI's x-ratelimit-* headers, and the 429 body and retry headers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ratelimit.types import KindState, Verdict
+
+Headers = list[tuple[str, str]]
+
+
+def go_duration(ms: int) -> str:
+    """A duration as Go prints it, as OpenAI's reset headers do: `0s`, `120ms`, `1.5s`, `6m0s`."""
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{seconds}s"
+    if minutes:
+        return f"{minutes}m{seconds}s"
+    return f"{seconds}s"
+
+
+def rate_headers(verdict: Verdict) -> Headers:
+    """x-ratelimit-{limit,remaining,reset}-{requests,tokens}; none in shadow mode."""
+    if verdict.shadow:
+        return []
+    out: Headers = []
+    for state in (verdict.requests, verdict.tokens):
+        if state is not None:
+            out += [
+                (f"x-ratelimit-limit-{state.kind}", str(state.limit)),
+                (f"x-ratelimit-remaining-{state.kind}", str(state.remaining)),
+                (f"x-ratelimit-reset-{state.kind}", go_duration(state.reset_ms)),
+            ]
+    return out
+
+
+def _per(state: KindState) -> str:
+    return f"{state.kind} per {state.unit.value}"
+
+
+def refusal(verdict: Verdict) -> tuple[Headers, bytes]:
+    """Headers and the OpenAI error body of a 429 (rate_limit_exceeded or insufficient_quota)."""
+    state = verdict.refused
+    assert verdict.refusal is not None and state is not None
+    headers: Headers = [("content-type", "application/json")]
+    if verdict.refusal == "insufficient_quota":
+        error = {
+            "message": f"You exceeded your current quota: tenant {verdict.tenant} has used "
+            f"{state.used} of its budget of {state.limit} tokens per {state.unit.value} "
+            f"(requested {state.requested}).",
+            "type": "insufficient_quota",
+            "param": None,
+            "code": "insufficient_quota",
+        }
+        headers.append(("x-should-retry", "false"))
+    else:
+        wait = verdict.retry_after_ms
+        error = {
+            "message": f"Rate limit reached for tenant {verdict.tenant} on {_per(state)}: "
+            f"Limit {state.limit}, Used {state.used}, Requested {state.requested}. "
+            f"Please try again in {go_duration(wait)}.",
+            "type": verdict.refusal,
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+        headers += [
+            ("retry-after", str(math.ceil(wait / 1000))),
+            ("retry-after-ms", str(wait)),
+        ]
+    body = json.dumps({"error": error}, separators=(",", ":")).encode()
+    return headers, body

@@ -1,0 +1,36 @@
+"""Settings of `python -m ratelimit` (env overrides: e.g. LLMGW_RATELIMIT__REDIS__PORT=6380)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from llmgw.config import Strict
+from llmgw.serve import ServeSettings
+from llmgw.telemetry import TracingSettings
+
+
+class RedisSettings(Strict):
+    host: str = "127.0.0.1"
+    port: int = 6379
+    deadline_ms: float = Field(default=20.0, gt=0)  # longest a decision waits on Redis
+    probe_interval_s: float = Field(default=0.5, gt=0)  # reconnect attempts while degraded
+    connect_timeout_s: float = Field(default=0.5, gt=0)
+
+
+class FleetSettings(Strict):
+    cache_s: float = Field(default=0.5, ge=0)
+    stale_after_s: float = Field(default=3.0, gt=0)
+
+
+class Settings(Strict):
+    serve: ServeSettings = ServeSettings(port=8082)
+    tracing: TracingSettings = TracingSettings()
+    log_level: str = "info"
+    limits_file: Path | None = None  # ratelimit/limits.py; None: the built-in tiers
+    redis: RedisSettings = RedisSettings()
+    fleet: FleetSettings = FleetSettings()
+    replicas: int = Field(default=1, ge=1)  # degraded mode holds limit / replicas locally
+    reservation_ttl_s: float = Field(default=300.0, gt=0)  # the request timeout
+    near_limit_ratio: float = Field(default=0.1, ge=0, le=1)

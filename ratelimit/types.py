@@ -1,0 +1,139 @@
+"""The nouns of the rate limiter: units, windows, checks and what a decision returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+
+class Unit(StrEnum):
+    SECOND = "second"
+    MINUTE = "minute"
+    HOUR = "hour"
+    DAY = "day"
+
+
+UNIT_MS: dict[Unit, int] = {
+    Unit.SECOND: 1_000,
+    Unit.MINUTE: 60_000,
+    Unit.HOUR: 3_600_000,
+    Unit.DAY: 86_400_000,
+}
+
+Kind = Literal["requests", "tokens"]
+Refusal = Literal["requests", "tokens", "insufficient_quota"]
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A window of `window_ms` made of aligned buckets of `bucket_ms` (see windows.py)."""
+
+    window_ms: int
+    bucket_ms: int
+
+    @property
+    def buckets(self) -> int:
+        return self.window_ms // self.bucket_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    unit: Unit
+    amount: int  # per unit; unlimited limits are simply absent
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The limits one (tenant, tier) pair runs under, resolved from the limits config."""
+
+    tier: str
+    requests: tuple[Limit, ...]
+    tokens: tuple[Limit, ...]
+    budget: Limit | None  # hard token budget per fixed unit; exhausted → insufficient_quota
+    shadow: bool
+    borrow_share: float  # share of the fleet's borrowable capacity this tier may take (0-1)
+    retry_base_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One counter to test and add to, atomically with the other checks of a decision."""
+
+    name: str  # key suffix, e.g. "tokens:minute"
+    window: Window
+    limit: int
+    cost: int
+    reserve: bool = False  # part of the token reservation (settled at stream end)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a store saw: admitted or not, and each check's buckets before adding (newest first)."""
+
+    admitted: bool
+    counts: tuple[tuple[int, ...], ...]
+    share: float = 1.0  # the fraction of each limit the store enforced
+    local: bool = False  # decided from in-process counters (Redis slow or down)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckState:
+    """One check after the decision, in the terms the response needs."""
+
+    check: Check
+    used: int  # in the window after the decision
+    passed: bool
+    reset_ms: int  # until every counted bucket has left the window
+    free_ms: int  # until the window has room for the cost (0 when it passed)
+
+
+@dataclass(frozen=True, slots=True)
+class KindState:
+    """The binding limit of one kind (requests or tokens) for headers and descriptor statuses."""
+
+    kind: Kind
+    limit: int
+    unit: Unit
+    remaining: int
+    reset_ms: int
+    used: int
+    requested: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Request time: count one request and reserve its estimated tokens."""
+
+    tenant: str
+    tier: str
+    session: str | None = None
+    request_id: str | None = None
+    token_estimate: int | None = None  # None: no token check
+    count_request: bool = True  # False: only the token check
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """Stream done: the request's actual total tokens."""
+
+    tenant: str
+    tier: str
+    request_id: str | None
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    tenant: str
+    tier: str
+    refusal: Refusal | None  # None when admitted (always None in shadow mode)
+    refused: KindState | None  # the check that refused (also set in shadow mode)
+    requests: KindState | None
+    tokens: KindState | None
+    retry_after_ms: int
+    shadow: bool
+
+    @property
+    def allowed(self) -> bool:
+        return self.refusal is None

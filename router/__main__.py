@@ -1,0 +1,75 @@
+"""`python -m router [--config FILE] [--check-config FILE]`: the composition root."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from opentelemetry import trace
+from redis.asyncio import Redis
+
+from llmgw import logs, telemetry
+from llmgw.config import ConfigError
+from llmgw.serve import run, serve
+from router.engine import Engine
+from router.fleet import Fleet
+from router.registry import default_registry
+from router.service import RouterService
+from router.settings import Settings, check
+
+
+async def amain(settings: Settings, tracer: trace.Tracer) -> None:
+    registry = default_registry()
+    engine = Engine(registry.build(settings.plugins, settings.profile))
+    fleet = Fleet(settings.fleet)
+    fleet.set_pods(await fleet.resolve())
+    service = RouterService(fleet, engine, tracer, settings.pick)
+    redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+    tasks = [
+        asyncio.create_task(fleet.run_resolver()),
+        asyncio.create_task(fleet.run_scrapes()),
+    ]
+    if redis is not None:
+        tasks.append(asyncio.create_task(fleet.run_publisher(redis)))
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
+
+    async def on_stop() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if redis is not None:
+            with contextlib.suppress(Exception):
+                await redis.aclose()
+
+    await serve("router", settings.serve, register, on_stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    parser.add_argument("--config", type=Path, help="settings YAML (env: LLMGW_ROUTER__A__B=v)")
+    parser.add_argument("--check-config", type=Path, metavar="FILE", help="validate and exit")
+    args = parser.parse_args(argv)
+    try:
+        if args.check_config is not None:
+            check(args.check_config, default_registry())
+            print(f"{args.check_config}: ok")
+            return 0
+        settings = check(args.config, default_registry())
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 1
+    logs.setup(settings.log_level)
+    tracer = telemetry.setup("router", settings.tracing)
+    run(lambda: amain(settings, tracer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

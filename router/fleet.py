@@ -1,0 +1,262 @@
+"""The fleet as the router sees it: pods, their latest metrics, in-flight counts, fleet load.
+
+Pods come from config: a static list of `host:port` and/or a DNS name resolving to every pod,
+both re-resolved every `resolve_seconds` (pod IDs are `ip:port`, what Envoy's override_host
+matches). Every pod's `/metrics` is scraped concurrently every `scrape_interval` with a short
+timeout; each scrape replaces the pod's immutable `PodMetrics`. A pod is pickable only when its
+last scrape succeeded and it has not answered `error_threshold` requests in a row with 5xx (then
+it is out for `error_cooldown` seconds). Metrics older than `stale_after` count as fully loaded.
+
+Fleet load contract (Redis key `llmgw.wire.FLEET_LOAD_KEY` = "llmgw:fleet:load", written every
+`publish_interval` seconds with a TTL of `publish_ttl` seconds, as JSON):
+
+    {"load": 0.42,  # 0-1: mean over known pods of max(KV usage, (running + waiting) / capacity);
+                    # a pod that is unpickable or stale counts as 1
+     "capacity": {"pods": 4,  # pods known
+                  "pickable_pods": 3,  # pods the router would pick now
+                  "max_num_seqs": 96,  # sum of configured capacities (concurrent seqs), pickable
+                  "kv_tokens": 1048576,  # sum of block_size * num_gpu_blocks, pickable pods
+                  "running": 40, "waiting": 2},  # sums over pickable pods
+     "capacity_tpm": 3000000,  # pickable pods x `pod_tpm` (config; 0 when not configured)
+     "capacity_rpm": 6000,     # pickable pods x `pod_rpm` (config; 0 when not configured)
+     "ts": 1767225600.123}  # unix seconds when computed
+
+`capacity_tpm` / `capacity_rpm` are what ratelimit/fleet.py reads for borrowing.
+
+Readers treat a missing key or a `ts` older than a few seconds as load 1 (no borrowing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+from pydantic import Field
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from llmgw import wire
+from llmgw.config import Strict
+from router import metrics
+from router.scrape import fetch_models, scrape_metrics
+from router.types import Candidate, PodId, PodMetrics
+
+log = logging.getLogger(__name__)
+
+
+class DnsTarget(Strict):
+    name: str
+    port: int
+
+
+class FleetSettings(Strict):
+    pods: list[str] = Field(default_factory=list)  # "host:port"
+    dns: DnsTarget | None = None
+    resolve_seconds: float = Field(default=5.0, gt=0)
+    scrape_interval: float = Field(default=0.075, gt=0)
+    scrape_timeout: float = Field(default=0.05, gt=0)
+    models_interval: float = Field(default=5.0, gt=0)
+    stale_after: float = Field(default=0.5, gt=0)
+    capacity: float = Field(
+        default=32.0, gt=0
+    )  # concurrent sequences a pod runs well (max_num_seqs)
+    capacities: dict[str, float] = Field(default_factory=dict)  # per pod ID override
+    pod_tpm: int = Field(default=0, ge=0)  # tokens per minute one pod serves (for borrowing)
+    pod_rpm: int = Field(default=0, ge=0)  # requests per minute one pod serves (for borrowing)
+    error_threshold: int = Field(default=3, ge=1)
+    error_cooldown: float = Field(default=2.0, gt=0)
+    publish_interval: float = Field(default=1.0, gt=0)
+    publish_ttl: float = Field(default=10.0, gt=0)
+
+
+def split_hostport(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"pod {target!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class Fleet:
+    def __init__(
+        self, settings: FleetSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.snapshots: dict[PodId, PodMetrics] = {}
+        self.in_flight: dict[PodId, int] = {}
+        self._errors: dict[PodId, int] = {}
+        self._down_until: dict[PodId, float] = {}
+        self._models_at: dict[PodId, float] = {}
+
+    # Membership.
+
+    def set_pods(self, pods: Iterable[PodId]) -> None:
+        wanted = set(pods)
+        for pod in set(self.snapshots) - wanted:
+            del self.snapshots[pod]
+            for table in (self.in_flight, self._errors, self._down_until, self._models_at):
+                table.pop(pod, None)
+        for pod in wanted - set(self.snapshots):
+            self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
+            self.in_flight[pod] = 0
+
+    async def resolve(self) -> set[PodId]:
+        targets = [split_hostport(t) for t in self.settings.pods]
+        if self.settings.dns is not None:
+            targets.append((self.settings.dns.name, self.settings.dns.port))
+        loop = asyncio.get_running_loop()
+        found: set[PodId] = set()
+        for host, port in targets:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("resolve failed", extra={"target": host, "error": str(exc)})
+                continue
+            for family, _, _, _, addr in infos:
+                ip, port_s = str(addr[0]), str(addr[1])
+                found.add(f"{ip}:{port_s}" if family == socket.AF_INET else f"[{ip}]:{port_s}")
+        return found
+
+    # The pick's view.
+
+    def pickable(self, pod: PodId, now: float) -> bool:
+        snap = self.snapshots.get(pod)
+        return snap is not None and snap.ok and self._down_until.get(pod, 0.0) <= now
+
+    def candidates(self) -> list[Candidate]:
+        now = self.clock()
+        stale_after = self.settings.stale_after
+        caps = self.settings.capacities
+        default_cap = self.settings.capacity
+        down = self._down_until
+        flight = self.in_flight
+        return [
+            Candidate.of(
+                snap,
+                snap.ok and down.get(pod, 0.0) <= now,
+                snap.ok and now - snap.at <= stale_after,
+                flight[pod],
+                caps.get(pod, default_cap),
+            )
+            for pod, snap in self.snapshots.items()
+        ]
+
+    def acquire(self, pod: PodId) -> None:
+        if pod in self.in_flight:
+            self.in_flight[pod] += 1
+            metrics.IN_FLIGHT.labels(pod).inc()
+
+    def release(self, pod: PodId) -> None:
+        if self.in_flight.get(pod, 0) > 0:
+            self.in_flight[pod] -= 1
+            metrics.IN_FLIGHT.labels(pod).dec()
+
+    def report(self, pod: PodId, status: int) -> None:
+        """An upstream reply seen by the router: consecutive 5xx take the pod out for a while."""
+        if pod not in self.snapshots:
+            return
+        if status < 500:
+            self._errors[pod] = 0
+            return
+        self._errors[pod] = self._errors.get(pod, 0) + 1
+        if self._errors[pod] >= self.settings.error_threshold:
+            self._down_until[pod] = self.clock() + self.settings.error_cooldown
+            self._errors[pod] = 0
+
+    # Scraping.
+
+    async def scrape_once(self, session: aiohttp.ClientSession) -> None:
+        pods = list(self.snapshots)
+        await asyncio.gather(*(self._scrape(session, pod) for pod in pods))
+
+    async def _scrape(self, session: aiohttp.ClientSession, pod: PodId) -> None:
+        s = self.settings
+        started = self.clock()
+        old = self.snapshots.get(pod)
+        models = old.models if old is not None else frozenset()
+        if started - self._models_at.get(pod, float("-inf")) >= s.models_interval or not models:
+            fetched = await fetch_models(session, pod, s.scrape_timeout * 4)
+            if fetched is not None:
+                models = fetched
+                self._models_at[pod] = started
+        snap = await scrape_metrics(session, pod, s.scrape_timeout, started, models)
+        if pod not in self.snapshots:  # removed while scraping
+            return
+        if snap.ok:
+            self.snapshots[pod] = snap
+        else:
+            metrics.SCRAPE_ERRORS.labels(pod).inc()
+            self.snapshots[pod] = PodMetrics(pod, started, ok=False, models=models)
+        metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
+
+    async def run_scrapes(self) -> None:
+        interval = self.settings.scrape_interval
+        async with aiohttp.ClientSession() as session:
+            while True:
+                started = self.clock()
+                await self.scrape_once(session)
+                await asyncio.sleep(max(0.0, interval - (self.clock() - started)))
+
+    async def run_resolver(self) -> None:
+        while True:
+            found = await self.resolve()
+            if found or not self.snapshots:
+                self.set_pods(found)
+            await asyncio.sleep(self.settings.resolve_seconds)
+
+    # Fleet load.
+
+    def load(self) -> dict[str, Any]:
+        now = self.clock()
+        utils: list[float] = []
+        pickable = 0
+        seqs = kv_tokens = 0.0
+        running = waiting = 0.0
+        for c in self.candidates():
+            if c.healthy and c.fresh:
+                pickable += 1
+                seqs += c.capacity
+                kv_tokens += c.metrics.kv_tokens or 0
+                running += c.metrics.running
+                waiting += c.metrics.waiting
+                utils.append(max(c.kv, min(1.0, (c.metrics.running + c.queue) / c.capacity)))
+            else:
+                utils.append(1.0)
+            age = now - c.metrics.at
+            metrics.SCRAPE_AGE.labels(c.pod).set(age if age != float("inf") else -1.0)
+        load = sum(utils) / len(utils) if utils else 1.0
+        metrics.FLEET_LOAD.set(load)
+        return {
+            "load": round(load, 4),
+            "capacity": {
+                "pods": len(utils),
+                "pickable_pods": pickable,
+                "max_num_seqs": seqs,
+                "kv_tokens": int(kv_tokens),
+                "running": running,
+                "waiting": waiting,
+            },
+            "capacity_tpm": pickable * self.settings.pod_tpm,
+            "capacity_rpm": pickable * self.settings.pod_rpm,
+            "ts": round(time.time(), 3),
+        }
+
+    async def run_publisher(self, redis: Redis) -> None:
+        """Write `load()` to Redis every `publish_interval`; Redis errors are logged, not fatal."""
+        s = self.settings
+        while True:
+            payload = json.dumps(self.load())
+            try:
+                await asyncio.wait_for(
+                    redis.set(wire.FLEET_LOAD_KEY, payload, px=int(s.publish_ttl * 1000)),
+                    timeout=s.publish_interval,
+                )
+            except (TimeoutError, RedisError, OSError) as exc:
+                log.warning("fleet load publish failed", extra={"error": repr(exc)})
+            await asyncio.sleep(s.publish_interval)

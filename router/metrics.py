@@ -1,0 +1,23 @@
+"""Prometheus collectors of the router (module level, prefixed llmgw_router_)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_FAST = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+
+PICKS = Counter(
+    "llmgw_router_picks_total", "Answered picks by first pod and reason", ["pod", "reason"]
+)
+NO_POD = Counter(
+    "llmgw_router_no_pod_total", "Picks with no pod left (Envoy's fallback picks)", ["stage"]
+)
+PICK_SECONDS = Histogram("llmgw_router_pick_seconds", "Time to decide a pick", buckets=_FAST)
+PLUGIN_SECONDS = Histogram(
+    "llmgw_router_plugin_seconds", "Time spent in each plugin per pick", ["plugin"], buckets=_FAST
+)
+SCRAPE_AGE = Gauge("llmgw_router_scrape_age_seconds", "Age of the last good scrape", ["pod"])
+SCRAPE_ERRORS = Counter("llmgw_router_scrape_errors_total", "Failed scrapes", ["pod"])
+IN_FLIGHT = Gauge("llmgw_router_in_flight", "Requests picked and not finished", ["pod"])
+PICKABLE = Gauge("llmgw_router_pod_pickable", "1 if the pod may be picked", ["pod"])
+FLEET_LOAD = Gauge("llmgw_router_fleet_load", "Fleet load published for quota borrowing")

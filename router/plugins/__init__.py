@@ -1,0 +1,1 @@
+"""Filters, scorers and pickers, one per module; contracts in `base`."""

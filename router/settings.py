@@ -1,0 +1,46 @@
+"""The router's settings: serving, fleet, pick options and the plugin profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from llmgw.config import ConfigError, Strict, load
+from llmgw.serve import ServeSettings
+from llmgw.telemetry import TracingSettings
+from router.fleet import FleetSettings
+from router.plugins.base import PluginError
+from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, PluginSpec, ProfileSpec, Registry
+
+ENV_PREFIX = "LLMGW_ROUTER"
+
+
+class PickSettings(Strict):
+    # True when Envoy's ext_proc sends the request body (processing_mode request_body_mode
+    # BUFFERED): the pick then waits for the body, which gives the model and the prompt prefix.
+    buffered_body: bool = False
+    max_prefix_blocks: int = Field(
+        default=64, ge=0
+    )  # leading 16-token blocks hashed for prefix affinity
+
+
+class Settings(Strict):
+    serve: ServeSettings = ServeSettings()
+    tracing: TracingSettings = TracingSettings()
+    log_level: str = "info"
+    fleet: FleetSettings = FleetSettings()
+    pick: PickSettings = PickSettings()
+    plugins: list[PluginSpec] = Field(default_factory=lambda: list(DEFAULT_PLUGINS))
+    profile: ProfileSpec = DEFAULT_PROFILE
+    redis_url: str | None = None  # where the fleet load is published; None: not published
+
+
+def check(path: Path | None, registry: Registry) -> Settings:
+    """Load and validate, including building the plugin profile; errors name the file."""
+    settings = load(Settings, path, ENV_PREFIX)
+    try:
+        registry.build(settings.plugins, settings.profile)
+    except PluginError as exc:
+        raise ConfigError(f"{path if path is not None else ENV_PREFIX}: {exc}") from exc
+    return settings

@@ -1,0 +1,74 @@
+"""Shared fixtures of the extauthz tests: a tenants file with keys in every state, a decider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from extauthz import tenants
+from extauthz.decision import Decider
+from extauthz.sessions import SessionCodec, Sessions
+from extauthz.settings import DecisionSettings
+from extauthz.types import Limits, Tenant, TenantsFile, TierDef
+
+SECRET = b"s" * 32
+NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+NOW_S = NOW.timestamp()
+
+
+@dataclass
+class Keys:
+    acme: str  # standard tier, two models, an rpm override
+    globex: str  # custom tier "gold", every model
+    expired: str
+    revoked: str
+    acme_key_id: str
+
+
+def write_tenants(path: Path) -> Keys:
+    acme, acme_rec = tenants.new_key(NOW - timedelta(days=1))
+    globex, globex_rec = tenants.new_key(NOW - timedelta(days=1))
+    expired, expired_rec = tenants.new_key(NOW - timedelta(days=2), NOW - timedelta(seconds=1))
+    revoked, revoked_rec = tenants.new_key(NOW - timedelta(days=1))
+    data = TenantsFile(
+        tiers={"gold": TierDef(rpm=600, tpm=900_000)},
+        tenants=(
+            Tenant(
+                id="acme",
+                name="Acme",
+                tier="standard",
+                priority=5,
+                models=("llama-3-8b", "mistral-7b"),
+                limits=Limits(rpm=100),
+                keys=(acme_rec, expired_rec, revoked_rec.model_copy(update={"revoked": True})),
+            ),
+            Tenant(
+                id="globex", name="Globex", tier="gold", priority=8, models="*", keys=(globex_rec,)
+            ),
+        ),
+    )
+    tenants.write(path, data)
+    return Keys(acme, globex, expired, revoked, acme_rec.id)
+
+
+@pytest.fixture
+def tenants_file(tmp_path: Path) -> Path:
+    return tmp_path / "tenants.yaml"
+
+
+@pytest.fixture
+def keys(tenants_file: Path) -> Keys:
+    return write_tenants(tenants_file)
+
+
+def make_decider(**settings: object) -> Decider:
+    codec = SessionCodec(SECRET, max_age_ms=3_600_000)
+    return Decider(DecisionSettings(**settings), Sessions(codec, worker_id=1))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def decider() -> Decider:
+    return make_decider(max_body_bytes=10_000)

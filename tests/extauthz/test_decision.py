@@ -1,0 +1,227 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extauthz import tenants
+from extauthz.decision import Decider
+from extauthz.types import Allow, Deny, Snapshot
+from llmgw import wire
+from tests.extauthz.conftest import NOW_S, SECRET, Keys, make_decider
+
+
+@pytest.fixture
+def snap(tenants_file: Path, keys: Keys) -> Snapshot:
+    return tenants.load(tenants_file)
+
+
+def chat(model: str = "llama-3-8b", content: object = "x" * 400, **extra: object) -> bytes:
+    return json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+    ).encode()
+
+
+def bearer(key: str, **headers: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}", **headers}
+
+
+def allowed(decision: object) -> Allow:
+    assert isinstance(decision, Allow), decision
+    return decision
+
+
+def denied(decision: object, status: int, code: str) -> Deny:
+    assert isinstance(decision, Deny), decision
+    assert (decision.status, decision.code) == (status, code)
+    envelope = json.loads(decision.body())
+    assert set(envelope) == {"error"}
+    assert set(envelope["error"]) == {"message", "type", "code", "param"}
+    assert envelope["error"]["code"] == code
+    assert envelope["error"]["type"] == "invalid_request_error"
+    return decision
+
+
+def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: Keys) -> None:
+    body = chat(max_tokens=50)
+    d = allowed(decider.decide(snap, bearer(keys.acme, **{"x-request-id": "r-1"}), body, NOW_S))
+    headers = dict(d.headers)
+    assert headers[wire.HEADER_TENANT] == "acme"
+    assert headers[wire.HEADER_TIER] == "standard"
+    assert headers[wire.HEADER_PRIORITY] == "5"
+    assert headers[wire.HEADER_MODEL] == "llama-3-8b"
+    assert headers[wire.HEADER_TOKEN_ESTIMATE] == "150"  # 400 chars / 4 + 50
+    assert headers[wire.HEADER_REQUEST_ID] == "r-1"
+    assert headers[wire.HEADER_SESSION].startswith("sess_")
+    assert d.response_headers == ((wire.HEADER_SESSION, headers[wire.HEADER_SESSION]),)
+    assert d.headers_to_remove == ("authorization",)
+    assert d.metadata == {
+        wire.META_TENANT: "acme",
+        wire.META_TIER: "standard",
+        wire.META_PRIORITY: 5.0,
+        wire.META_SESSION: headers[wire.HEADER_SESSION],
+        wire.META_REQUEST_ID: "r-1",
+        wire.META_MODEL: "llama-3-8b",
+        wire.META_TOKEN_ESTIMATE: 150.0,
+        wire.META_LIMIT_REQUESTS: {"requests_per_unit": 100.0, "unit": "MINUTE"},
+    }
+
+
+def test_custom_tier_limits_reach_the_metadata(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    d = allowed(decider.decide(snap, {"api-key": keys.globex}, chat("any-model"), NOW_S))
+    assert d.tenant == "globex"
+    assert d.metadata[wire.META_TIER] == "gold"
+    assert d.metadata[wire.META_LIMIT_REQUESTS] == {"requests_per_unit": 600.0, "unit": "MINUTE"}
+    assert d.metadata[wire.META_LIMIT_TOKENS] == {"requests_per_unit": 900_000.0, "unit": "MINUTE"}
+    assert d.headers_to_remove == ("api-key",)
+    assert len(dict(d.headers)[wire.HEADER_REQUEST_ID]) == 36  # minted when Envoy sent none
+
+
+@pytest.mark.parametrize(
+    ("headers", "which"),
+    [
+        ({}, "missing"),
+        ({"authorization": "Basic dXNlcjpwYXNz"}, "malformed"),
+        ({"authorization": "Bearer"}, "malformed"),
+        ({"authorization": "Bearer sk-other-123"}, "malformed"),
+        ({"authorization": "Bearer sk-llmgw-" + "A" * 43}, "unknown"),
+        ({"api-key": "sk-llmgw-" + "x" * 300}, "malformed"),
+        ("expired", "expired"),
+        ("revoked", "revoked"),
+    ],
+)
+def test_bad_keys_get_401(
+    decider: Decider, snap: Snapshot, keys: Keys, headers: object, which: str
+) -> None:
+    if isinstance(headers, str):
+        headers = bearer(getattr(keys, headers))
+    assert isinstance(headers, dict)
+    d = denied(decider.decide(snap, headers, chat(), NOW_S), 401, "invalid_api_key")
+    assert d.tenant is None
+
+
+def test_paths_without_a_body_still_need_a_key(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    denied(decider.decide(snap, {":path": "/v1/models"}, b"", NOW_S), 401, "invalid_api_key")
+    d = allowed(decider.decide(snap, bearer(keys.acme), b"", NOW_S))
+    assert dict(d.headers)[wire.HEADER_TOKEN_ESTIMATE] == "0"
+    assert wire.META_MODEL not in d.metadata
+
+
+def test_forged_context_headers_never_survive(decider: Decider, snap: Snapshot, keys: Keys) -> None:
+    forged = bearer(
+        keys.acme,
+        **{
+            wire.HEADER_TENANT: "globex",
+            wire.HEADER_TIER: "platinum",
+            wire.HEADER_PRIORITY: "10",
+            wire.HEADER_MODEL: "gpt-4",
+            wire.HEADER_TOKEN_ESTIMATE: "1",
+            "x-llmgw-anything": "1",
+            wire.DESTINATION_ENDPOINT: "10.0.0.1:8000",
+        },
+    )
+    d = allowed(decider.decide(snap, forged, b"not json", NOW_S))
+    headers = dict(d.headers)
+    assert headers[wire.HEADER_TENANT] == "acme"
+    assert headers[wire.HEADER_TIER] == "standard"
+    assert headers[wire.HEADER_PRIORITY] == "5"
+    assert headers[wire.HEADER_TOKEN_ESTIMATE] == "0"
+    assert set(d.headers_to_remove) == {
+        "authorization",
+        wire.HEADER_MODEL,  # no model in this body: the forged one must go
+        "x-llmgw-anything",
+        wire.DESTINATION_ENDPOINT,
+    }
+    # Every x-llmgw-* name the client sent is either overwritten or removed.
+    sent = {name for name in forged if name.startswith(wire.HEADER_PREFIX)}
+    assert sent <= set(headers) | set(d.headers_to_remove)
+
+
+def test_model_not_allowed_is_403(decider: Decider, snap: Snapshot, keys: Keys) -> None:
+    d = denied(
+        decider.decide(snap, bearer(keys.acme), chat("gpt-4"), NOW_S), 403, "model_not_allowed"
+    )
+    assert d.param == "model"
+    assert d.tenant == "acme"
+    bad_name = chat("llama-3-8b\r\nx-evil: 1")
+    denied(decider.decide(snap, bearer(keys.acme), bad_name, NOW_S), 403, "model_not_allowed")
+    allowed(decider.decide(snap, bearer(keys.acme), chat("mistral-7b"), NOW_S))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {wire.HEADER_PARTIAL_BODY: "true"}, {"content-length": "10001"}],
+)
+def test_too_large_is_413(snap: Snapshot, keys: Keys, headers: dict[str, str]) -> None:
+    small = make_decider(max_body_bytes=10_000)
+    body = chat(content="x" * 20_000) if not headers else chat()
+    d = small.decide(snap, bearer(keys.acme, **headers), body, NOW_S)
+    denied(d, 413, "request_too_large")
+
+
+def test_too_large_checked_after_the_key(decider: Decider, snap: Snapshot) -> None:
+    denied(decider.decide(snap, {}, b"x" * 20_000, NOW_S), 401, "invalid_api_key")
+
+
+def test_non_json_body_passes_for_the_pod_to_answer(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        d = allowed(decider.decide(snap, bearer(keys.acme), body, NOW_S))
+        assert d.model is None
+
+
+@pytest.mark.parametrize(
+    ("body", "estimate"),
+    [
+        (chat(content="x" * 401, max_completion_tokens=10, max_tokens=99), 101 + 10),
+        (chat(content="x" * 8), 2 + 256),  # default output when absent
+        (chat(content=[{"type": "text", "text": "y" * 40}], max_tokens=0), 10),
+        (json.dumps({"model": "llama-3-8b", "prompt": ["ab" * 10, "c" * 20]}).encode(), 10 + 256),
+        (json.dumps({"model": "llama-3-8b", "prompt": [1, 2, 3], "max_tokens": 7}).encode(), 10),
+    ],
+)
+def test_token_estimate(
+    decider: Decider, snap: Snapshot, keys: Keys, body: bytes, estimate: int
+) -> None:
+    d = allowed(decider.decide(snap, bearer(keys.acme), body, NOW_S))
+    assert d.metadata[wire.META_TOKEN_ESTIMATE] == float(estimate)
+
+
+def test_session_minted_then_continued(decider: Decider, snap: Snapshot, keys: Keys) -> None:
+    first = allowed(decider.decide(snap, bearer(keys.acme), chat(), NOW_S))
+    again = allowed(
+        decider.decide(
+            snap, bearer(keys.acme, **{"x-session-id": first.session}), chat(), NOW_S + 5
+        )
+    )
+    assert again.session == first.session
+    other = allowed(decider.decide(snap, bearer(keys.acme), chat(), NOW_S))
+    assert other.session != first.session
+
+
+@pytest.mark.parametrize("bad", ["sess_nope", "garbage", "x" * 30, "other-tenant", "expired"])
+def test_invalid_session_is_400(decider: Decider, snap: Snapshot, keys: Keys, bad: str) -> None:
+    now = NOW_S
+    if bad == "other-tenant":
+        bad = allowed(decider.decide(snap, {"api-key": keys.globex}, b"", NOW_S)).session
+    elif bad == "expired":
+        bad = allowed(decider.decide(snap, bearer(keys.acme), b"", NOW_S)).session
+        now = NOW_S + 3601  # the fixture's max age is one hour
+    d = decider.decide(snap, bearer(keys.acme, **{"x-session-id": bad}), chat(), now)
+    denied(d, 400, "invalid_session_id")
+
+
+def test_sessions_signed_by_another_deployment_are_rejected(snap: Snapshot, keys: Keys) -> None:
+    from extauthz.sessions import SessionCodec, Sessions
+
+    mine = make_decider()
+    theirs = Decider(mine.settings, Sessions(SessionCodec(SECRET[::-1] + b"!"), worker_id=1))
+    foreign = allowed(theirs.decide(snap, bearer(keys.acme), b"", NOW_S)).session
+    d = mine.decide(snap, bearer(keys.acme, **{"x-session-id": foreign}), b"", NOW_S)
+    denied(d, 400, "invalid_session_id")

@@ -1,0 +1,255 @@
+"""The service over real gRPC, with CheckRequests filled the way Envoy fills them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
+from google.protobuf import json_format
+from google.rpc import code_pb2
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from extauthz import cli, metrics
+from extauthz.__main__ import check_config
+from extauthz.service import AuthorizationService, register
+from extauthz.store import TenantsStore
+from llmgw import wire
+from llmgw.procs import Process, free_port, grpc_serving
+from tests.extauthz.conftest import SECRET, Keys, make_decider
+
+Stub: Any = external_auth_pb2_grpc.AuthorizationStub
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def check_request(
+    headers: dict[str, str], body: bytes = b"", raw: bool = True
+) -> external_auth_pb2.CheckRequest:
+    http = attribute_context_pb2.AttributeContext.HttpRequest(
+        method="POST" if body else "GET",
+        path="/v1/chat/completions" if body else "/v1/models",
+        host="gateway",
+        headers={":method": "POST", ":path": "/v1/chat/completions", **headers},
+        size=len(body) if body else -1,
+    )
+    if raw:
+        http.raw_body = body
+    else:
+        http.body = body.decode()
+    return external_auth_pb2.CheckRequest(
+        attributes=attribute_context_pb2.AttributeContext(
+            request=attribute_context_pb2.AttributeContext.Request(http=http)
+        )
+    )
+
+
+CHAT = json.dumps(
+    {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi" * 200}], "max_tokens": 9}
+).encode()
+
+
+class Running:
+    def __init__(self, stub: Any, store: TenantsStore, spans: InMemorySpanExporter) -> None:
+        self.stub = stub
+        self.store = store
+        self.spans = spans
+
+
+@pytest.fixture
+async def running(tenants_file: Path, keys: Keys) -> AsyncIterator[Running]:
+    store = TenantsStore(tenants_file)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    service = AuthorizationService(store, make_decider(), provider.get_tracer("test"))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    register(service)(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    watcher = asyncio.create_task(store.watch(0.25))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield Running(Stub(channel), store, spans)
+    finally:
+        watcher.cancel()
+        await server.stop(0)
+        provider.shutdown()
+
+
+def header_map(options: object) -> dict[str, str]:
+    return {o.header.key: o.header.value for o in options}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("raw", [True, False])
+async def test_allow_over_grpc(running: Running, keys: Keys, raw: bool) -> None:
+    traceparent = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+    headers = {
+        "authorization": f"Bearer {keys.acme}",
+        "x-request-id": "req-42",
+        "traceparent": traceparent,
+        wire.HEADER_TENANT: "globex",
+    }
+    before = metrics.DECISIONS.labels(result="allow", tenant="acme")._value.get()
+    reply = await running.stub.Check(check_request(headers, CHAT, raw=raw))
+
+    assert reply.status.code == code_pb2.OK
+    assert reply.WhichOneof("http_response") == "ok_response"
+    ok = reply.ok_response
+    set_headers = header_map(ok.headers)
+    assert set_headers[wire.HEADER_TENANT] == "acme"
+    assert set_headers[wire.HEADER_TOKEN_ESTIMATE] == str(100 + 9)
+    assert all(
+        o.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        for o in [*ok.headers, *ok.response_headers_to_add]
+    )
+    assert list(ok.headers_to_remove) == ["authorization"]
+    session = set_headers[wire.HEADER_SESSION]
+    assert header_map(ok.response_headers_to_add) == {wire.HEADER_SESSION: session}
+    assert not ok.HasField("dynamic_metadata")  # deprecated field: it would replace the real one
+
+    meta = json_format.MessageToDict(reply.dynamic_metadata)
+    assert meta[wire.META_TENANT] == "acme"
+    assert meta[wire.META_SESSION] == session
+    assert meta[wire.META_REQUEST_ID] == "req-42"
+    assert meta[wire.META_MODEL] == "llama-3-8b"
+    assert meta[wire.META_PRIORITY] == 5
+    kind = reply.dynamic_metadata.fields[wire.META_TOKEN_ESTIMATE].WhichOneof("kind")
+    assert kind == "number_value"
+    assert meta[wire.META_TOKEN_ESTIMATE] == 109
+    assert meta[wire.META_LIMIT_REQUESTS] == {"requests_per_unit": 100, "unit": "MINUTE"}
+
+    after = metrics.DECISIONS.labels(result="allow", tenant="acme")._value.get()
+    assert after == before + 1
+    (span,) = running.spans.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes["tenant.id"] == "acme"
+    assert span.attributes["session.id"] == session
+    assert span.attributes["llm.request.model"] == "llama-3-8b"
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "code"),
+    [
+        ({}, b"", 401, "invalid_api_key"),
+        ({"authorization": "Bearer sk-llmgw-nope"}, CHAT, 401, "invalid_api_key"),
+        ("acme", CHAT.replace(b"llama-3-8b", b"gpt-4"), 403, "model_not_allowed"),
+        ("acme", b"x" * 3_000_000, 413, "request_too_large"),
+        ("acme+session", CHAT, 400, "invalid_session_id"),
+    ],
+)
+async def test_denials_over_grpc(
+    running: Running, keys: Keys, headers: object, body: bytes, status: int, code: str
+) -> None:
+    if headers == "acme":
+        headers = {"api-key": keys.acme}
+    elif headers == "acme+session":
+        headers = {"api-key": keys.acme, wire.HEADER_SESSION: "sess_forged"}
+    assert isinstance(headers, dict)
+    reply = await running.stub.Check(check_request(headers, body))
+    assert reply.WhichOneof("http_response") == "denied_response"
+    expected = code_pb2.UNAUTHENTICATED if status == 401 else code_pb2.PERMISSION_DENIED
+    assert reply.status.code == expected
+    denied = reply.denied_response
+    assert denied.status.code == status
+    assert header_map(denied.headers) == {"content-type": "application/json"}
+    error = json.loads(denied.body)["error"]
+    assert error["code"] == code
+    assert error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "code", "param"}
+    assert not reply.HasField("dynamic_metadata")
+
+
+async def test_revocation_and_new_keys_apply_within_two_seconds(
+    running: Running, tenants_file: Path, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    f = str(tenants_file)
+    create = parser.parse_args(["keys", "create", "--tenant", "globex", "--tenants-file", f])
+    revoke = parser.parse_args(["keys", "revoke", keys.acme_key_id, "--tenants-file", f])
+    await asyncio.to_thread(create.func, create)
+    new_key = capsys.readouterr().out.strip()
+    await asyncio.to_thread(revoke.func, revoke)
+
+    started = time.monotonic()
+    old_ok = new_ok = True
+    while old_ok or not new_ok:
+        assert time.monotonic() - started < 2.0, "change not applied within 2 s"
+        old = await running.stub.Check(check_request({"api-key": keys.acme}))
+        new = await running.stub.Check(check_request({"api-key": new_key}))
+        old_ok = old.status.code == code_pb2.OK
+        new_ok = new.status.code == code_pb2.OK
+        await asyncio.sleep(0.05)
+
+    failed = metrics.RELOADS.labels(result="failed")
+    refusals = failed._value.get()
+    # A broken file is refused and the last good config stays.
+    await asyncio.to_thread(tenants_file.write_text, "tenants: [")
+    started = time.monotonic()
+    while failed._value.get() == refusals:
+        assert time.monotonic() - started < 2.0, "broken file not noticed within 2 s"
+        await asyncio.sleep(0.05)
+    reply = await running.stub.Check(check_request({"api-key": new_key}))
+    assert reply.status.code == code_pb2.OK
+
+
+def _settings_file(tmp_path: Path, tenants_file: Path, port: int) -> Path:
+    config = tmp_path / "extauthz.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "serve": {"port": port},
+                "tenants_file": str(tenants_file),
+                "sessions": {"secret": SECRET.decode(), "worker_id": 3},
+            }
+        )
+    )
+    return config
+
+
+def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
+    good = _settings_file(tmp_path, tenants_file, 0)
+    assert check_config(good) == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"tenants_file": str(tenants_file), "sessions": {"secret": "x"}}))
+    assert check_config(bad) == 1
+    tenants_file.write_text("tenants: [{id: 1}]")
+    assert check_config(good) == 1
+
+
+def test_python_m_extauthz_serves_and_exits_0_on_sigterm(
+    tmp_path: Path, tenants_file: Path, keys: Keys
+) -> None:
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    config = _settings_file(tmp_path, tenants_file, port)
+    proc = Process(
+        "extauthz",
+        [sys.executable, "-m", "extauthz", "--config", str(config)],
+        grpc_serving(target, "extauthz"),
+        tmp_path / "extauthz.log",
+    )
+    proc.start(timeout=30)
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = Stub(channel).Check(check_request({"api-key": keys.acme}, CHAT), timeout=5)
+        assert reply.status.code == code_pb2.OK
+        session = json_format.MessageToDict(reply.dynamic_metadata)[wire.META_SESSION]
+        assert session.startswith("sess_")
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log_tail()
+    assert keys.acme not in (tmp_path / "extauthz.log").read_text()

@@ -1,0 +1,199 @@
+"""The decision with in-process counters and a simulated clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ratelimit.fleet import IDLE_UNKNOWN, FleetLoad
+from ratelimit.limiter import Limiter, retry_after_ms
+from ratelimit.limits import Budget, Limits, LimitsConfig, PerUnit, TenantSpec, TierSpec
+from ratelimit.store import LocalStore
+from ratelimit.types import Admission, Settlement
+
+NOW = 1_800_000_000.0  # a multiple of 10 s: bucket boundaries are easy to reason about
+
+
+class Env:
+    def __init__(self, config: LimitsConfig, fleet: FleetLoad = IDLE_UNKNOWN, ttl_s: float = 300):
+        self.now = NOW
+        self.fleet = fleet
+        self.store = LocalStore()
+        self.limiter = Limiter(
+            Limits(config).policy,
+            self.store,
+            lambda: self.fleet,
+            lambda: self.now,
+            reservation_ttl_s=ttl_s,
+            rng=random.Random(7),
+        )
+
+
+def tier(**kw: object) -> LimitsConfig:
+    return LimitsConfig(tiers={"t": TierSpec(**kw)}, default_tier="t")  # type: ignore[arg-type]
+
+
+async def admit_n(env: Env, n: int, **kw: object) -> int:
+    ok = 0
+    for _ in range(n):
+        verdict = await env.limiter.admit(Admission("acme", "t", **kw))  # type: ignore[arg-type]
+        ok += verdict.allowed
+    return ok
+
+
+async def test_requests_up_to_the_limit_then_refused_until_the_window_slides() -> None:
+    env = Env(tier(requests=PerUnit(minute=5)))
+    assert await admit_n(env, 8) == 5
+    verdict = await env.limiter.admit(Admission("acme", "t"))
+    assert verdict.refusal == "requests"
+    assert verdict.refused is not None and verdict.refused.used == 5
+    # All 5 sit in bucket [NOW, NOW+10): room comes back when it leaves the window at NOW+60.
+    assert verdict.retry_after_ms >= 60_000 - 0
+    env.now = NOW + 59.9
+    assert await admit_n(env, 1) == 0
+    env.now = NOW + 60.0
+    assert await admit_n(env, 6) == 5
+
+
+async def test_sliding_window_counts_the_last_six_buckets() -> None:
+    env = Env(tier(requests=PerUnit(minute=4)))
+    for step in range(4):  # one request in each of four buckets
+        env.now = NOW + 10 * step
+        assert await admit_n(env, 1) == 1
+    env.now = NOW + 55
+    assert await admit_n(env, 1) == 0
+    verdict = await env.limiter.admit(Admission("acme", "t"))
+    assert verdict.retry_after_ms >= 5_000  # the oldest bucket leaves at NOW+60
+    env.now = NOW + 60
+    assert await admit_n(env, 2) == 1
+
+
+async def test_per_second_limit_uses_100ms_buckets() -> None:
+    env = Env(tier(requests=PerUnit(second=3, minute=100)))
+    assert await admit_n(env, 5) == 3
+    env.now = NOW + 0.95
+    assert await admit_n(env, 1) == 0
+    env.now = NOW + 1.0
+    assert await admit_n(env, 5) == 3
+
+
+async def test_tokens_reserve_the_estimate_and_refuse_when_it_does_not_fit() -> None:
+    env = Env(tier(tokens=PerUnit(minute=1000)))
+    first = await env.limiter.admit(Admission("acme", "t", request_id="a", token_estimate=600))
+    assert first.allowed and first.tokens is not None and first.tokens.remaining == 400
+    second = await env.limiter.admit(Admission("acme", "t", request_id="b", token_estimate=500))
+    assert second.refusal == "tokens"
+    assert second.refused is not None and (second.refused.used, second.refused.requested) == (
+        600,
+        500,
+    )
+    # A refused admission counts nothing, not even the request.
+    assert second.requests is None or second.requests.used == 1
+
+
+async def test_settlement_refunds_and_surcharges_in_the_reserved_bucket() -> None:
+    env = Env(tier(tokens=PerUnit(minute=1000)))
+    await env.limiter.admit(Admission("acme", "t", request_id="a", token_estimate=600))
+    env.now = NOW + 25  # settled two buckets later: the refund goes to the first bucket
+    assert await env.limiter.settle(Settlement("acme", "t", "a", 100)) == -500
+    verdict = await env.limiter.admit(Admission("acme", "t", request_id="b", token_estimate=900))
+    assert verdict.allowed
+    assert await env.limiter.settle(Settlement("acme", "t", "b", 950)) == 50
+    env.now = NOW + 60  # the first bucket (100 tokens) leaves the window
+    verdict = await env.limiter.admit(Admission("acme", "t", token_estimate=0))
+    assert verdict.tokens is not None and verdict.tokens.used == 950
+
+
+async def test_settlement_without_reservation_charges_the_actual_tokens() -> None:
+    env = Env(tier(tokens=PerUnit(minute=1000)))
+    assert await env.limiter.settle(Settlement("acme", "t", "never-reserved", 700)) == 700
+    verdict = await env.limiter.admit(Admission("acme", "t", token_estimate=400))
+    assert verdict.refusal == "tokens"
+
+
+async def test_unsettled_reservation_expires_after_its_ttl() -> None:
+    env = Env(tier(tokens=PerUnit(hour=1000)), ttl_s=30)
+    await env.limiter.admit(Admission("acme", "t", request_id="lost", token_estimate=1000))
+    env.now = NOW + 29
+    assert (await env.limiter.admit(Admission("acme", "t", token_estimate=1))).refusal == "tokens"
+    env.now = NOW + 30
+    assert (await env.limiter.admit(Admission("acme", "t", token_estimate=1000))).allowed
+    # Settling the expired reservation charges actual usage as is.
+    assert await env.limiter.settle(Settlement("acme", "t", "lost", 10)) == 10
+
+
+async def test_shadow_mode_counts_but_never_refuses() -> None:
+    env = Env(tier(requests=PerUnit(minute=2), shadow=True))
+    verdicts = [await env.limiter.admit(Admission("acme", "t")) for _ in range(4)]
+    assert all(v.allowed for v in verdicts)
+    assert verdicts[-1].refused is not None and verdicts[-1].refused.kind == "requests"
+    assert verdicts[-1].requests is not None and verdicts[-1].requests.used == 4
+
+
+async def test_tenant_override_and_unlimited() -> None:
+    config = LimitsConfig(
+        tiers={"t": TierSpec(requests=PerUnit(minute=2))},
+        default_tier="t",
+        tenants={"big": TenantSpec(requests=PerUnit(minute="unlimited"))},
+    )
+    env = Env(config)
+    assert await admit_n(env, 3) == 2
+    big = [await env.limiter.admit(Admission("big", "t")) for _ in range(50)]
+    assert all(v.allowed and v.requests is None for v in big)
+
+
+async def test_hard_budget_is_insufficient_quota() -> None:
+    env = Env(tier(tokens=PerUnit(minute=10_000), budget=Budget(tokens=1500, per="day")))
+    assert (await env.limiter.admit(Admission("acme", "t", token_estimate=1000))).allowed
+    verdict = await env.limiter.admit(Admission("acme", "t", token_estimate=1000))
+    assert verdict.refusal == "insufficient_quota"
+    assert verdict.retry_after_ms == 0
+
+
+def fleet(load: float, age_s: float = 0.0) -> FleetLoad:
+    return FleetLoad(load=load, capacity_tpm=0, capacity_rpm=1000, ts=NOW - age_s)
+
+
+@pytest.mark.parametrize(
+    ("tier_name", "load", "age_s", "admitted"),
+    [
+        # idle: borrowable = 1000 rpm × (0.7 − 0.2) × 0.8 = 400
+        ("platinum", 0.2, 0, 10 + 400),
+        ("standard", 0.2, 0, 10 + 200),
+        ("free", 0.2, 0, 10),
+        ("platinum", 0.7, 0, 10),  # busy fleet
+        ("platinum", 0.9, 0, 10),
+        ("platinum", 0.2, 10, 10),  # stale signal counts as load 1
+    ],
+)
+async def test_borrowing(tier_name: str, load: float, age_s: float, admitted: int) -> None:
+    base = PerUnit(minute=10)
+    config = LimitsConfig(
+        tiers={
+            "platinum": TierSpec(requests=base, borrow_share=1.0),
+            "standard": TierSpec(requests=base, borrow_share=0.5),
+            "free": TierSpec(requests=base, borrow_share=0.0),
+        }
+    )
+    env = Env(config, fleet(load, age_s))
+    ok = 0
+    for _ in range(admitted + 20):
+        ok += (await env.limiter.admit(Admission("acme", tier_name))).allowed
+    assert ok == admitted
+
+
+def test_retry_after_formula() -> None:
+    assert retry_after_ms(2.0, 0.0, 0, 1.0) == 1_000  # clamped up to 1 s
+    assert retry_after_ms(2.0, 0.7, 0, 1.0) == 2_000
+    assert retry_after_ms(2.0, 1.4, 0, 1.2) == 4_800
+    assert retry_after_ms(20.0, 1.0, 0, 1.2) == 30_000  # clamped down to 30 s
+    assert retry_after_ms(1.0, 0.7, 45_000, 1.0) == 45_000  # never before the window frees
+
+
+async def test_refusal_retry_after_within_jitter_bounds() -> None:
+    env = Env(tier(requests=PerUnit(second=1), retry_base_s=2.0), fleet(1.0))
+    await admit_n(env, 1)
+    waits = {(await env.limiter.admit(Admission("acme", "t"))).retry_after_ms for _ in range(20)}
+    base = 2000 * (1.0 / 0.7)
+    assert all(0.8 * base - 1 <= w <= 1.2 * base + 1 for w in waits) and len(waits) > 1

@@ -1,0 +1,105 @@
+"""Config: plugin profiles rejected at load naming the plugin; --check-config on files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmgw.config import ConfigError
+from router.plugins.base import PluginError
+from router.registry import PluginSpec, ProfileSpec, WeightedRef, default_registry
+from router.settings import check
+
+PICK = PluginSpec(name="pick", type="best-with-exploration")
+
+
+def build(plugins: list[PluginSpec], scorers: list[str], filters: list[str] | None = None) -> None:
+    profile = ProfileSpec(
+        filters=filters or [], scorers=[WeightedRef(ref=s) for s in scorers], picker="pick"
+    )
+    default_registry().build(plugins, profile)
+
+
+def test_unknown_type_names_the_plugin() -> None:
+    with pytest.raises(PluginError, match=r"plugin 'x': unknown type 'nope'"):
+        build([PluginSpec(name="x", type="nope"), PICK], ["x"])
+
+
+def test_duplicate_names_rejected() -> None:
+    with pytest.raises(PluginError, match=r"plugin 'kv': duplicate name"):
+        build([PluginSpec(name="kv", type="kv-headroom")] * 2 + [PICK], ["kv"])
+
+
+def test_dangling_reference_rejected() -> None:
+    with pytest.raises(PluginError, match=r"undefined plugin 'ghost'"):
+        build([PICK], ["ghost"])
+
+
+def test_wrong_kind_rejected() -> None:
+    with pytest.raises(PluginError, match=r"plugin 'pick' is not a scorer"):
+        build([PICK], ["pick"])
+
+
+def test_bad_params_name_the_plugin_and_key() -> None:
+    spec = PluginSpec(name="s", type="seed-formula", params={"theta": 2})
+    with pytest.raises(PluginError, match=r"plugin 's': theta"):
+        build([spec, PICK], ["s"])
+    spec = PluginSpec(name="p", type="tenant-priority", params={"low": 8, "high": 3})
+    with pytest.raises(PluginError, match=r"plugin 'p': .*low must be below high"):
+        build([spec, PICK], ["p"])
+    spec = PluginSpec(name="h", type="healthy", params={"x": 1})
+    with pytest.raises(PluginError, match=r"plugin 'h': takes no params"):
+        build([spec, PICK], [], ["h"])
+
+
+def test_registering_a_type_twice_fails() -> None:
+    from router.plugins import load
+
+    with pytest.raises(PluginError, match="registered twice"):
+        default_registry().register(load.TYPE, load.factory)
+
+
+BAD = {
+    "unknown_key.yaml": ("fleet:\n  scrape_every: 1\n", "fleet.scrape_every"),
+    "unknown_type.yaml": (
+        "plugins:\n  - {name: pick, type: best-with-exploration}\n  - {name: q, type: magic}\n"
+        "profile: {filters: [], scorers: [{ref: q}], picker: pick}\n",
+        "plugin 'q': unknown type",
+    ),
+    "dangling.yaml": (
+        "plugins:\n  - {name: pick, type: best-with-exploration}\n"
+        "profile: {filters: [healthy], scorers: [], picker: pick}\n",
+        "undefined plugin 'healthy'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_check_config_rejects_bad_files(tmp_path: Path, name: str) -> None:
+    text, needle = BAD[name]
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle) as err:
+        check(path, default_registry())
+    assert str(path) in str(err.value)
+
+
+def test_check_config_cli(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("fleet:\n  pods: ['127.0.0.1:8001']\npick: {buffered_body: true}\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD["dangling.yaml"][0])
+    ok = subprocess.run(
+        [sys.executable, "-m", "router", "--check-config", str(good)],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    fail = subprocess.run(
+        [sys.executable, "-m", "router", "--check-config", str(bad)], capture_output=True, text=True
+    )
+    assert fail.returncode == 1
+    assert str(bad) in fail.stderr and "healthy" in fail.stderr

@@ -1,0 +1,185 @@
+"""Scraping and the fleet: parsing, failures, staleness, error replies, resolving, fleet load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import redis.asyncio
+
+from llmgw import wire
+from router.fleet import DnsTarget, Fleet, FleetSettings
+from router.scrape import parse_metrics
+from router.types import PodMetrics
+from tests.router.conftest import Clock, FakePod, metrics_text
+
+
+def test_parse_v1_names_and_cache_config() -> None:
+    p = parse_metrics(metrics_text(running=3, waiting=2, kv=0.25, blocks=777))
+    assert (p.running, p.waiting, p.kv_usage) == (3.0, 2.0, 0.25)
+    assert (p.block_size, p.num_gpu_blocks) == (16, 777)
+
+
+def test_parse_older_gpu_cache_name_and_several_engines() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 3.0\n'
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.2\n'
+        'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.4\n'
+        "vllm:num_requests_waiting 1\n"
+        "vllm:num_requests_waiting_by_reason 9\n"
+    )
+    p = parse_metrics(text)
+    assert (p.running, p.waiting) == (5.0, 1.0)
+    assert p.kv_usage == pytest.approx(0.3)
+    assert p.block_size is None
+
+
+def test_parse_prefers_v1_kv_name_and_ignores_garbage() -> None:
+    text = (
+        "vllm:kv_cache_usage_perc 0.5\nvllm:gpu_cache_usage_perc 0.9\nvllm:num_requests_running x\n"
+    )
+    p = parse_metrics(text)
+    assert p.kv_usage == 0.5 and p.running == 0.0
+
+
+async def test_scrape_reads_metrics_and_models(fake_pods: list[FakePod]) -> None:
+    a, b, c = fake_pods
+    a.text = metrics_text(running=4, waiting=1, kv=0.5, blocks=2048)
+    b.models = ["other"]
+    fleet = Fleet(FleetSettings(scrape_timeout=1.0))
+    fleet.set_pods([a.pod, b.pod, c.pod])
+    async with aiohttp.ClientSession() as session:
+        await fleet.scrape_once(session)
+    snap = fleet.snapshots[a.pod]
+    assert snap.ok and (snap.running, snap.waiting, snap.kv_usage) == (4, 1, 0.5)
+    assert snap.kv_tokens == 2048 * 16 and snap.models == frozenset({"m"})
+    assert fleet.snapshots[b.pod].models == frozenset({"other"})
+    assert all(c.healthy and c.fresh for c in fleet.candidates())
+
+
+async def test_failed_scrape_makes_pod_unpickable_until_it_recovers(
+    fake_pods: list[FakePod],
+) -> None:
+    a, b, _ = fake_pods
+    fleet = Fleet(FleetSettings(scrape_timeout=1.0))
+    fleet.set_pods([a.pod, b.pod])
+    a.status = 500
+    async with aiohttp.ClientSession() as session:
+        await fleet.scrape_once(session)
+        healthy = {c.pod: c.healthy for c in fleet.candidates()}
+        assert healthy == {a.pod: False, b.pod: True}
+        a.status = 200
+        await fleet.scrape_once(session)
+    assert all(c.healthy for c in fleet.candidates())
+
+
+async def test_unreachable_pod_is_unpickable() -> None:
+    fleet = Fleet(FleetSettings(scrape_timeout=0.2))
+    fleet.set_pods(["127.0.0.1:1"])
+    async with aiohttp.ClientSession() as session:
+        await fleet.scrape_once(session)
+    assert not fleet.candidates()[0].healthy
+
+
+def test_staleness_counts_as_fully_loaded() -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(stale_after=0.5, capacity=10), clock=clock)
+    fleet.set_pods(["a:1"])
+    fleet.snapshots["a:1"] = PodMetrics("a:1", clock.now, ok=True, running=1, kv_usage=0.1)
+    fresh = fleet.candidates()[0]
+    assert fresh.fresh and fresh.load == pytest.approx(0.1) and fresh.kv == 0.1
+    clock.now += 0.6
+    stale = fleet.candidates()[0]
+    assert stale.healthy and not stale.fresh
+    assert (stale.kv, stale.queue, stale.load) == (1.0, 10, 1.0)
+    assert not fleet.snapshots["a:1"].fresh(0.5, clock.now)
+
+
+def test_error_replies_take_a_pod_out_for_the_cooldown() -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(error_threshold=3, error_cooldown=2.0), clock=clock)
+    fleet.set_pods(["a:1"])
+    fleet.snapshots["a:1"] = PodMetrics("a:1", clock.now, ok=True)
+    for status in (503, 502, 200, 500, 500):  # a success resets the streak
+        fleet.report("a:1", status)
+    assert fleet.candidates()[0].healthy
+    fleet.report("a:1", 503)
+    assert not fleet.candidates()[0].healthy
+    clock.now += 2.1
+    assert fleet.candidates()[0].healthy
+
+
+def test_in_flight_counts_follow_acquire_and_release() -> None:
+    fleet = Fleet(FleetSettings())
+    fleet.set_pods(["a:1"])
+    fleet.acquire("a:1")
+    fleet.acquire("a:1")
+    fleet.release("a:1")
+    fleet.release("a:1")
+    fleet.release("a:1")  # never below zero
+    fleet.acquire("gone:1")  # unknown pods are ignored
+    assert fleet.in_flight == {"a:1": 0}
+
+
+async def test_resolve_static_and_dns_targets() -> None:
+    fleet = Fleet(
+        FleetSettings(pods=["127.0.0.1:8001"], dns=DnsTarget(name="localhost", port=8002))
+    )
+    found = await fleet.resolve()
+    assert "127.0.0.1:8001" in found and "127.0.0.1:8002" in found
+    fleet.set_pods(found)
+    fleet.set_pods(["127.0.0.1:8001"])
+    assert list(fleet.snapshots) == ["127.0.0.1:8001"]
+
+
+def test_fleet_load() -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(capacity=10, pod_tpm=1000, pod_rpm=60), clock=clock)
+    fleet.set_pods(["a:1", "b:1"])
+    fleet.snapshots["a:1"] = PodMetrics(
+        "a:1",
+        clock.now,
+        ok=True,
+        running=4,
+        waiting=1,
+        kv_usage=0.2,
+        block_size=16,
+        num_gpu_blocks=100,
+    )
+    body = fleet.load()  # b was never scraped: counts as load 1
+    assert body["load"] == pytest.approx((0.5 + 1.0) / 2)
+    assert body["capacity"] == {
+        "pods": 2,
+        "pickable_pods": 1,
+        "max_num_seqs": 10.0,
+        "kv_tokens": 1600,
+        "running": 4.0,
+        "waiting": 1.0,
+    }
+    assert (body["capacity_tpm"], body["capacity_rpm"]) == (1000, 60)
+
+
+async def test_publisher_writes_the_fleet_load_key(redis_port: int) -> None:
+    fleet = Fleet(FleetSettings(publish_interval=0.05, publish_ttl=5))
+    fleet.set_pods(["a:1"])
+    client = redis.asyncio.Redis(port=redis_port)
+    await client.delete(wire.FLEET_LOAD_KEY)
+    task = asyncio.create_task(fleet.run_publisher(client))
+    try:
+        raw = None
+        for _ in range(100):
+            raw = await client.get(wire.FLEET_LOAD_KEY)
+            if raw is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert raw is not None
+        body = json.loads(raw)
+        assert body["load"] == 1.0 and body["capacity"]["pods"] == 1 and body["ts"] > 0
+        assert 0 < await client.pttl(wire.FLEET_LOAD_KEY) <= 5000
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()

@@ -1,0 +1,183 @@
+"""Each filter, scorer and the picker on hand-made candidates."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from router.plugins import (
+    best_picker,
+    healthy,
+    kv_headroom,
+    load,
+    not_saturated,
+    prefix_affinity,
+    queue_depth,
+    seed,
+    serves_model,
+    session_affinity,
+    tenant_priority,
+)
+from router.prefix import block_hashes, render
+from router.types import Candidate, PickRequest
+from tests.router.conftest import cand
+
+REQ = PickRequest()
+
+
+def pods(cands: list[Candidate]) -> list[str]:
+    return [c.pod for c in cands]
+
+
+def test_healthy_drops_unhealthy() -> None:
+    f = healthy.factory("h", {})
+    assert pods(f.filter(REQ, [cand("a"), cand("b", healthy=False)])) == ["a"]
+
+
+def test_serves_model_keeps_pods_serving_it_or_not_yet_known() -> None:
+    f = serves_model.factory("m", {})
+    cands = [
+        cand("a", models=frozenset({"llama"})),
+        cand("b", models=frozenset({"qwen"})),
+        cand("c"),
+    ]
+    assert pods(f.filter(PickRequest(model="llama"), cands)) == ["a", "c"]
+    assert pods(f.filter(REQ, cands)) == ["a", "b", "c"]
+    assert f.filter(PickRequest(model="gpt"), cands[:2]) == []
+
+
+def test_not_saturated_drops_saturated_and_stale_unless_all_are() -> None:
+    f = not_saturated.factory("s", {"kv_max": 0.9, "queue_max": 4})
+    cands = [cand("a"), cand("b", kv=0.95), cand("c", waiting=4), cand("d", fresh=False)]
+    assert pods(f.filter(REQ, cands)) == ["a"]
+    assert pods(f.filter(REQ, cands[1:])) == ["b", "c", "d"]
+
+
+def test_kv_headroom_prefers_free_cache_and_stale_scores_zero() -> None:
+    s = kv_headroom.factory("kv", {})
+    assert list(s.score(REQ, [cand("a", kv=0.2), cand("b", kv=0.9), cand("c", fresh=False)])) == (
+        pytest.approx([0.8, 0.1, 0.0])
+    )
+
+
+def test_queue_depth_min_max_normalised() -> None:
+    s = queue_depth.factory("q", {})
+    assert list(
+        s.score(REQ, [cand("a", waiting=0), cand("b", waiting=4), cand("c", waiting=2)])
+    ) == [
+        1.0,
+        0.0,
+        0.5,
+    ]
+    assert list(s.score(REQ, [cand("a", waiting=3), cand("b", waiting=3)])) == [1.0, 1.0]
+
+
+def test_load_counts_running_and_in_flight() -> None:
+    s = load.factory("l", {})
+    scores = s.score(
+        REQ, [cand("a", running=2), cand("b", running=2, in_flight=3), cand("c", fresh=False)]
+    )
+    assert list(scores) == pytest.approx([0.8, 0.5, 0.0])
+
+
+def test_seed_formula() -> None:
+    s = seed.factory("s", {"w1": 1, "w2": 1, "w3": 1, "theta": 0.8})
+    # S = max(0, 0.9 - 0.8) + 2/10 + 5/10 = 0.8; S_max = 0.2 + 1 + 1 = 2.2
+    a, b = s.score(REQ, [cand("a", kv=0.9, waiting=2, running=5), cand("b", kv=0.5)])
+    assert a == pytest.approx(1 - 0.8 / 2.2)
+    assert b == pytest.approx(1.0)
+
+
+def test_tenant_priority_high_to_least_loaded_low_fills() -> None:
+    s = tenant_priority.factory("p", {})
+    cands = [cand("idle"), cand("busy", running=8)]
+    assert list(s.score(PickRequest(priority=10), cands)) == pytest.approx([1.0, 0.2])
+    assert list(s.score(PickRequest(priority=1), cands)) == pytest.approx([0.0, 0.8])
+    assert list(s.score(PickRequest(priority=5), cands)) == [0.5, 0.5]
+
+
+def test_session_affinity_is_stable_and_moves_only_sessions_of_a_removed_pod() -> None:
+    s = session_affinity.factory("s", {})
+    cands = [cand(f"10.0.0.{i}:8000") for i in range(8)]
+    owners = {}
+    for n in range(200):
+        scores = s.score(PickRequest(session=f"sess_{n}"), cands)
+        assert sorted(scores) == [0.0] * 7 + [1.0]
+        owners[n] = cands[scores.index(1.0)].pod
+    assert len(set(owners.values())) == 8  # spread over the fleet
+    fewer = [c for c in cands if c.pod != "10.0.0.3:8000"]
+    for n in range(200):
+        scores = s.score(PickRequest(session=f"sess_{n}"), fewer)
+        if owners[n] != "10.0.0.3:8000":
+            assert fewer[scores.index(1.0)].pod == owners[n]
+    assert list(s.score(REQ, cands)) == [0.0] * 8
+
+
+def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
+    s = session_affinity.factory("s", {"imbalance": {"abs_threshold": 0.2, "rel_threshold": 1.5}})
+    cands = [cand("a"), cand("b")]
+    req = PickRequest(session="sess_x")
+    owner = s.score(req, cands).index(1.0)
+    cands[owner] = cand(cands[owner].pod, running=6)  # load 0.6 vs 0: imbalanced
+    assert list(s.score(req, cands)) == [0.0, 0.0]
+    cands[owner] = cand(cands[owner].pod, running=1)  # within the threshold: keeps affinity
+    assert s.score(req, cands)[owner] == 1.0
+
+
+def _blocks(text: str) -> tuple[int, ...]:
+    return block_hashes(render({"messages": [{"role": "system", "content": text}]}), 64)
+
+
+def test_prefix_affinity_prefers_the_pod_holding_the_longest_prefix() -> None:
+    s = prefix_affinity.factory("p", {})
+    a, b = cand("a"), cand("b")
+    system = "You are a helpful assistant for ACME. " * 20
+    first = _blocks(system + "Question one?" * 10)
+    assert list(s.score(PickRequest(prefix_blocks=first), [a, b])) == [0.0, 0.0]
+    s.observe(PickRequest(prefix_blocks=first), a)
+    second = _blocks(system + "Another question entirely." * 10)
+    scores = s.score(PickRequest(prefix_blocks=second), [a, b])
+    assert 0.2 < scores[0] < 1.0 and scores[1] == 0.0
+    assert s.score(PickRequest(prefix_blocks=first), [a, b])[0] == 1.0
+
+
+def test_prefix_affinity_capacity_follows_pod_kv_size_and_evicts_lru() -> None:
+    s = prefix_affinity.factory("p", {})
+    small = cand("small", blocks=4)  # 4 blocks of 16 tokens: 4 of our blocks
+    old = _blocks("old prompt text " * 40)
+    new = _blocks("new prompt text " * 40)
+    s.observe(PickRequest(prefix_blocks=old), small)
+    s.observe(PickRequest(prefix_blocks=new), small)
+    assert s.index.size("small") == 4
+    assert s.score(PickRequest(prefix_blocks=old), [small]) == [0.0]
+    assert s.score(PickRequest(prefix_blocks=new), [small])[0] == pytest.approx(4 / len(new))
+
+
+def test_prefix_affinity_yields_to_avoid_a_hot_spot() -> None:
+    s = prefix_affinity.factory("p", {})
+    blocks = _blocks("shared system prompt " * 40)
+    s.observe(PickRequest(prefix_blocks=blocks), cand("a"))
+    assert s.score(PickRequest(prefix_blocks=blocks), [cand("a", running=9), cand("b")]) == [
+        0.0,
+        0.0,
+    ]
+    assert s.score(PickRequest(prefix_blocks=blocks), [cand("a", running=1), cand("b")])[0] == 1.0
+
+
+def test_picker_orders_best_first_and_bounds_the_answer() -> None:
+    p = best_picker.factory("p", {"epsilon": 0.0, "max_endpoints": 2})
+    cands = [cand("a"), cand("b"), cand("c")]
+    ordered, explored = p.pick(cands, [0.1, 0.9, 0.5])
+    assert pods(ordered) == ["b", "c"] and not explored
+
+
+def test_picker_explores_only_among_near_equal_pods_and_at_most_max_ties() -> None:
+    p = best_picker.factory("p", {"epsilon": 0.05, "max_ties": 3, "seed": 7})
+    cands = [cand(str(i)) for i in range(6)]
+    scores = [1.0, 0.99, 0.97, 0.96, 0.96, 0.5]
+    firsts = Counter(p.pick(cands, scores)[0][0].pod for _ in range(600))
+    assert set(firsts) == {"0", "1", "2"}  # 3 and 4 are near-equal too, but over max_ties
+    assert min(firsts.values()) > 100  # a real spread, not a token one
+    clear = [1.0, 0.5, 0.4, 0.3, 0.2, 0.1]
+    assert {p.pick(cands, clear)[0][0].pod for _ in range(100)} == {"0"}

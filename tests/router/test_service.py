@@ -1,0 +1,234 @@
+"""The ext_proc servicer over real gRPC, with ProcessingRequest messages as Envoy fills them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.json_format import MessageToDict
+from opentelemetry import trace
+
+from llmgw import procs, wire
+from router.engine import Engine
+from router.fleet import Fleet, FleetSettings
+from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
+from router.service import RouterService
+from router.settings import PickSettings
+from router.types import PodMetrics
+from tests.router.conftest import FakePod, metrics_text
+
+Served = tuple[RouterService, pb_grpc.ExternalProcessorStub]
+Starter = Callable[[Fleet, PickSettings], Awaitable[Served]]
+
+
+def headers_msg(
+    extra: dict[str, str] | None = None, end_of_stream: bool = True
+) -> pb.ProcessingRequest:
+    values = {":method": "POST", ":path": "/v1/chat/completions", **(extra or {})}
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()
+                ]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+
+
+def destination(resp: pb.ProcessingResponse) -> str | None:
+    meta = MessageToDict(resp.dynamic_metadata)
+    dest = meta.get(wire.LB_NAMESPACE, {}).get(wire.DESTINATION_ENDPOINT)
+    return str(dest) if dest is not None else None
+
+
+def make_fleet(pods: list[str]) -> Fleet:
+    fleet = Fleet(FleetSettings(capacity=10, stale_after=60))
+    fleet.set_pods(pods)
+    for pod in pods:
+        fleet.snapshots[pod] = PodMetrics(pod, fleet.clock(), ok=True, models=frozenset({"m"}))
+    return fleet
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Starter]:
+    servers: list[grpc.aio.Server] = []
+    channels: list[grpc.aio.Channel] = []
+
+    async def start(fleet: Fleet, pick: PickSettings) -> Served:
+        engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
+        service = RouterService(fleet, engine, trace.get_tracer("test"), pick)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        servers.append(server)
+        channels.append(channel)
+        return service, pb_grpc.ExternalProcessorStub(channel)
+
+    yield start
+    for channel in channels:
+        await channel.close(None)
+    for server in servers:
+        await server.stop(None)
+
+
+async def test_pick_on_request_headers_and_release_at_stream_end(serve: Starter) -> None:
+    fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"])
+    fleet.snapshots["10.0.0.1:8000"] = PodMetrics(
+        "10.0.0.1:8000", fleet.clock(), ok=True, running=9, kv_usage=0.9
+    )
+    _, stub = await serve(fleet, PickSettings())
+    call = stub.Process()
+    await call.write(
+        headers_msg(
+            {wire.HEADER_TENANT: "acme", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+        )
+    )
+    resp = await call.read()
+    assert resp.WhichOneof("response") == "request_headers"
+    dest = destination(resp)
+    assert dest is not None
+    listed = dest.split(",")
+    assert 1 < len(listed) <= 3 and listed[0] != "10.0.0.1:8000"
+    assert fleet.in_flight[listed[0]] == 1
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF  # type: ignore[attr-defined]
+    assert await call.code() == grpc.StatusCode.OK
+    assert sum(fleet.in_flight.values()) == 0
+
+
+async def test_response_headers_release_and_report_status(serve: Starter) -> None:
+    fleet = make_fleet(["10.0.0.1:8000"])
+    fleet.settings = FleetSettings(error_threshold=1)
+    _, stub = await serve(fleet, PickSettings())
+    call = stub.Process()
+    await call.write(headers_msg())
+    assert destination(await call.read()) == "10.0.0.1:8000"
+    assert fleet.in_flight["10.0.0.1:8000"] == 1
+    await call.write(
+        pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=":status", raw_value=b"503")]
+                )
+            )
+        )
+    )
+    assert (await call.read()).WhichOneof("response") == "response_headers"
+    assert fleet.in_flight["10.0.0.1:8000"] == 0
+    assert not fleet.candidates()[0].healthy  # one 5xx reaches the threshold of 1
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_buffered_body_gives_model_and_prefix(serve: Starter) -> None:
+    fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"])
+    fleet.snapshots["10.0.0.2:8000"] = PodMetrics(
+        "10.0.0.2:8000", fleet.clock(), ok=True, models=frozenset({"big"})
+    )
+    _, stub = await serve(fleet, PickSettings(buffered_body=True))
+    body = {"model": "big", "messages": [{"role": "user", "content": "hello " * 100}]}
+    call = stub.Process()
+    await call.write(headers_msg(end_of_stream=False))
+    first = await call.read()
+    assert first.WhichOneof("response") == "request_headers" and destination(first) is None
+    await call.write(
+        pb.ProcessingRequest(
+            request_body=pb.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)
+        )
+    )
+    second = await call.read()
+    assert second.WhichOneof("response") == "request_body"
+    assert destination(second) == "10.0.0.2:8000"  # the only pod serving "big"
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_no_pod_left_answers_without_metadata(serve: Starter) -> None:
+    fleet = make_fleet(["10.0.0.1:8000"])
+    _, stub = await serve(fleet, PickSettings())
+    call = stub.Process()
+    await call.write(headers_msg({wire.HEADER_MODEL: "unknown-model"}))
+    resp = await call.read()
+    assert resp.WhichOneof("response") == "request_headers"
+    assert not resp.HasField("dynamic_metadata")
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_two_replicas_keep_a_session_on_one_pod(
+    serve: Starter, fake_pods: list[FakePod]
+) -> None:
+    for i, pod in enumerate(fake_pods):
+        pod.text = metrics_text(running=i % 2, kv=0.1)
+    stubs = []
+    fleets = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            fleet = Fleet(FleetSettings(pods=[p.pod for p in fake_pods], scrape_timeout=1.0))
+            fleet.set_pods(await fleet.resolve())
+            await fleet.scrape_once(session)
+            fleets.append(fleet)
+            stubs.append((await serve(fleet, PickSettings()))[1])
+    for n in range(20):
+        session_id = f"sess_{n}"
+        firsts = []
+        for turn in range(3):
+            stub = stubs[turn % 2]  # turns alternate between the replicas
+            call = stub.Process()
+            await call.write(headers_msg({wire.HEADER_SESSION: session_id}))
+            dest = destination(await call.read())
+            assert dest is not None
+            firsts.append(dest.split(",")[0])
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+        assert len(set(firsts)) == 1, (session_id, firsts)
+
+
+async def test_subprocess_serves_picks_and_exits_0_on_sigterm(
+    tmp_path: Path, fake_pods: list[FakePod]
+) -> None:
+    port = procs.free_port()
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        f"fleet:\n  pods: [{fake_pods[0].pod!r}]\n  scrape_interval: 0.05\n  scrape_timeout: 0.5\n"
+    )
+    env = {**os.environ, "LLMGW_ROUTER__SERVE__PORT": str(port)}
+    proc = procs.Process(
+        "router",
+        [sys.executable, "-m", "router", "--config", str(config)],
+        procs.grpc_serving(f"127.0.0.1:{port}", "router"),
+        tmp_path / "router.log",
+        env=env,
+    )
+    await asyncio.to_thread(proc.start)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            dest = None
+            for _ in range(100):  # until the first scrape landed
+                call = stub.Process()
+                await call.write(headers_msg())
+                dest = destination(await call.read())
+                await call.done_writing()
+                assert await call.code() == grpc.StatusCode.OK
+                if dest is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert dest == fake_pods[0].pod
+    finally:
+        code = await asyncio.to_thread(proc.stop)
+    assert code == 0, proc.log_tail()
