@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+from extauthz import cli as extauthz_cli
 from llmgw import config, envoyconf, logs
 from llmgw.envoyconf import Address
 from llmgw.stack import Stack, StackSettings
-
 
 ADMIN_PORT = 9901  # Envoy's conventional admin port, for rendered deployments
 
@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--listen", default="0.0.0.0:8080")
     render.add_argument("--upstream", action="append", required=True, help="host:port")
     render.set_defaults(func=cmd_render_envoy)
+
+    extauthz_cli.register(sub)  # `tenants` and `keys`
     return top
 
 

@@ -68,6 +68,17 @@ class Circuit(Strict):
     min_retry_concurrency: int = 32
 
 
+class Services(Strict):
+    """Where the callout services listen; a service left out is not in the config."""
+
+    extauthz: Address | None = None
+    timeout: str = "0.5s"
+
+    @property
+    def grpc(self) -> list[tuple[str, Address]]:
+        return [(name, a) for name, a in (("extauthz", self.extauthz),) if a is not None]
+
+
 class EnvoySettings(Strict):
     admin: Address = Address()
     timeouts: Timeouts = Timeouts()
@@ -98,36 +109,46 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def _reply(
+    status: int, message: str, kind: str, code: str | None = None, flags: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    return {"status": status, "message": message, "type": kind, "code": code, "flags": flags}
+
+
 def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
+    """Mappers for Envoy's own replies, first match wins; flags narrow a mapper to one cause."""
     body = "%LOCAL_REPLY_BODY%"
     return [
-        {"status": 400, "message": body, "type": "invalid_request_error", "code": None},
-        {
-            "status": 404,
-            "message": "Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)",
-            "type": "invalid_request_error",
-            "code": None,
-        },
-        {
-            "status": 413,
-            "message": f"Request body too large: the limit is {max_request_bytes} bytes.",
-            "type": "invalid_request_error",
-            "code": "request_too_large",
-        },
-        {"status": 431, "message": body, "type": "invalid_request_error", "code": None},
-        {"status": 500, "message": body, "type": "server_error", "code": None},
-        {"status": 502, "message": body, "type": "server_error", "code": None},
-        {
-            "status": 503,
-            "message": f"The model servers are unavailable or overloaded: {body}",
-            "type": "server_error",
-            "code": "server_is_overloaded",
-        },
-        {"status": 504, "message": body, "type": "server_error", "code": "timeout"},
+        _reply(400, body, "invalid_request_error", flags=("DPE",)),
+        _reply(404, "Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)", "invalid_request_error"),
+        _reply(
+            413,
+            f"Request body too large: the limit is {max_request_bytes} bytes.",
+            "invalid_request_error",
+            "request_too_large",
+        ),
+        _reply(431, body, "invalid_request_error"),
+        _reply(500, body, "server_error"),
+        _reply(502, body, "server_error"),
+        _reply(
+            503,
+            "The authorization service is unavailable; please retry.",
+            "server_error",
+            flags=("UAEX",),
+        ),
+        _reply(
+            503,
+            f"The model servers are unavailable or overloaded: {body}",
+            "server_error",
+            "server_is_overloaded",
+        ),
+        _reply(504, body, "server_error", "timeout"),
     ]
 
 
-def render(settings: EnvoySettings, listen: Address, pods: list[Address]) -> str:
+def render(
+    settings: EnvoySettings, listen: Address, pods: list[Address], services: Services | None = None
+) -> str:
     if not pods:
         raise ValueError("at least one pod is needed")
     env = jinja2.Environment(
@@ -151,6 +172,7 @@ def render(settings: EnvoySettings, listen: Address, pods: list[Address]) -> str
         max_downstream_connections=settings.max_downstream_connections,
         access_log_path=settings.access_log_path,
         routes=routes,
+        services=services or Services(),
         local_replies=_local_replies(settings.max_request_bytes),
         pods={
             "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",

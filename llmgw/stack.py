@@ -7,6 +7,8 @@ user runs.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
 import time
 import urllib.request
@@ -15,14 +17,16 @@ from typing import Any
 
 from pydantic import Field
 
+from extauthz.demo import seed_demo
 from llmgw import envoyconf
 from llmgw.config import Strict
-from llmgw.envoyconf import Address, EnvoySettings
+from llmgw.envoyconf import Address, EnvoySettings, Services
 from llmgw.procs import (
     Process,
     StartError,
     bin_path,
     free_port,
+    grpc_serving,
     http_ok,
     redis_ping,
     stop_all,
@@ -53,6 +57,10 @@ class Stack:
         self.listen = settings.listen
         self.admin = settings.envoy.admin
         self.redis_port = 0
+        self.services = Services()
+        self.metrics: dict[str, str] = {}
+        self.tenants_file = state_dir / "tenants.yaml"
+        self.tenants: list[dict[str, str]] = []
 
     # Composition.
 
@@ -61,6 +69,7 @@ class Stack:
         try:
             self._start_redis()
             self._start_pods()
+            self._start_services()
             self._start_envoy()
         except BaseException:
             self.stop()
@@ -76,8 +85,10 @@ class Stack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _process(self, name: str, argv: list[str], ready: Any) -> Process:
-        proc = Process(name, argv, ready, self.state_dir / f"{name}.log")
+    def _process(
+        self, name: str, argv: list[str], ready: Any, env: dict[str, str] | None = None
+    ) -> Process:
+        proc = Process(name, argv, ready, self.state_dir / f"{name}.log", env)
         self.processes.append(proc)
         return proc
 
@@ -106,14 +117,43 @@ class Stack:
         argv += ["--seed", str(index), *self.settings.sim_args]
         return self._process(f"pod-{index}", argv, http_ok(f"http://{pod.host}:{pod.port}/health"))
 
+    def _start_services(self) -> None:
+        self.tenants = seed_demo(self.tenants_file)
+        extauthz = self._start_service(
+            "extauthz",
+            {
+                "TENANTS_FILE": str(self.tenants_file),
+                "SESSIONS__SECRET": secrets.token_hex(32),
+                "DECISION__MAX_BODY_BYTES": str(self.settings.envoy.max_request_bytes),
+            },
+        )
+        self.services = Services(extauthz=extauthz)
+
+    def _start_service(self, name: str, settings: dict[str, str]) -> Address:
+        """`python -m NAME` with its settings as LLMGW_NAME__... overrides; ready when SERVING."""
+        port, metrics_port = free_port(), free_port()
+        settings = {**settings, "SERVE__PORT": str(port), "SERVE__METRICS_PORT": str(metrics_port)}
+        env = {**os.environ, **{f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}}
+        ready = grpc_serving(f"127.0.0.1:{port}", name)
+        self._process(name, [sys.executable, "-m", name], ready, env).start(
+            self.settings.start_timeout
+        )
+        self.metrics[name] = f"http://127.0.0.1:{metrics_port}/metrics"
+        return Address(port=port)
+
     def _start_envoy(self) -> None:
         if self.listen.port == 0:
             self.listen = self.listen.model_copy(update={"port": free_port(self.listen.host)})
         if self.admin.port == 0:
             self.admin = self.admin.model_copy(update={"port": free_port(self.admin.host)})
-        settings = self.settings.envoy.model_copy(update={"admin": self.admin})
+        settings = self.settings.envoy.model_copy(
+            update={
+                "admin": self.admin,
+                "access_log_path": self.settings.envoy.access_log_path or str(self.access_log),
+            }
+        )
         config = self.state_dir / "envoy.yaml"
-        config.write_text(envoyconf.render(settings, self.listen, self.pods))
+        config.write_text(envoyconf.render(settings, self.listen, self.pods, self.services))
         argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart"]
         argv += ["--base-id", str(self.admin.port), "--concurrency", str(settings.concurrency)]
         argv += ["--file-flush-interval-msec", "200", "--log-level", "warn"]
@@ -148,6 +188,12 @@ class Stack:
                     healthy.add(f"{sock['address']}:{sock['port_value']}")
         return healthy
 
+    def envoy_stats(self) -> dict[str, int]:
+        """Envoy's counters and gauges by name."""
+        with urllib.request.urlopen(f"{self.admin_url}/stats?format=json", timeout=5) as r:
+            stats = json.load(r)["stats"]
+        return {s["name"]: int(s["value"]) for s in stats if "value" in s}
+
     def wait_healthy(self, expected: set[str], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -161,6 +207,10 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://{self.listen.host}:{self.listen.port}/v1"
+
+    @property
+    def access_log(self) -> Path:
+        return self.state_dir / "access.log"
 
     @property
     def admin_url(self) -> str:
@@ -177,7 +227,7 @@ class Stack:
     def ready_info(self) -> dict[str, Any]:
         return {
             "base_url": self.base_url,
-            "tenants": [],
+            "tenants": self.tenants,
             "pods": [
                 {
                     "url": self.pod_url(i),
@@ -189,5 +239,6 @@ class Stack:
             "redis_url": self.redis_url,
             "processes": {proc.name: proc.pid for proc in self.processes},
             "envoy_admin_url": self.admin_url,
+            "metrics": self.metrics,
             "logs": str(self.state_dir),
         }

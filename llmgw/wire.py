@@ -37,6 +37,16 @@ HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 LB_NAMESPACE = "envoy.lb"
 DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 
+# Client-sent copies of these are removed before any filter reads them.
+TRUSTED_HEADERS = (
+    HEADER_TENANT,
+    HEADER_TIER,
+    HEADER_PRIORITY,
+    HEADER_MODEL,
+    HEADER_TOKEN_ESTIMATE,
+    DESTINATION_ENDPOINT,
+)
+
 # Rate limiting.
 RATELIMIT_DOMAIN = "llmgw"
 

@@ -23,6 +23,7 @@ def stack_settings(pods: int = 2, **envoy: object) -> StackSettings:
             health=Health(interval="0.25s", timeout="0.5s"),
             outlier=Outlier(base_ejection_time="1s", interval="0.25s"),
             timeouts=Timeouts(upstream_idle="10s", stream_idle="30s"),
+            slow_start="1s",
             **envoy,  # type: ignore[arg-type]
         ),
     )
@@ -40,3 +41,7 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
     """A stack of this test's own, for tests that break pods."""
     with Stack(stack_settings(pods=3), tmp_path / "stack") as running:
         yield running
+
+
+def api_key(stack: Stack, tier: str = "platinum") -> str:
+    return next(t["api_key"] for t in stack.tenants if t["tier"] == tier)

@@ -8,12 +8,18 @@ import openai
 import pytest
 
 from llmgw.stack import Stack
+from tests.conftest import api_key
 from tests.http import Reply, call
 
 
 @pytest.fixture
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="sk-test", max_retries=0)
+    return openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0)
+
+
+@pytest.fixture
+def auth(stack: Stack) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key(stack)}"}
 
 
 @pytest.fixture
@@ -80,8 +86,8 @@ def test_unknown_model_is_the_pods_error(client: openai.OpenAI) -> None:
         )
 
 
-def test_unknown_path_is_an_openai_404(stack: Stack) -> None:
-    resp = call("POST", stack.base_url.replace("/v1", "/v2/nothing"), {})
+def test_unknown_path_is_an_openai_404(stack: Stack, auth: dict[str, str]) -> None:
+    resp = call("POST", stack.base_url.replace("/v1", "/v2/nothing"), {}, auth)
     error = assert_openai_error(resp, 404, None)
     assert error["type"] == "invalid_request_error"
     assert "/v2/nothing" in str(error["message"])
@@ -92,13 +98,16 @@ def test_unknown_path_raises_not_found_in_the_sdk(client: openai.OpenAI) -> None
         client.get("/fine_tuning/jobs", cast_to=object)
 
 
-def test_oversize_body_is_an_openai_413(stack: Stack, client: openai.OpenAI, model: str) -> None:
+def test_oversize_body_is_an_openai_413(
+    stack: Stack, client: openai.OpenAI, model: str, auth: dict[str, str]
+) -> None:
     limit = stack.settings.envoy.max_request_bytes
     huge = "x" * (limit + 1)
     resp = call(
         "POST",
         f"{stack.base_url}/chat/completions",
         {"model": model, "messages": [{"role": "user", "content": huge}]},
+        auth,
     )
     error = assert_openai_error(resp, 413, "request_too_large")
     assert error["type"] == "invalid_request_error"
@@ -107,12 +116,14 @@ def test_oversize_body_is_an_openai_413(stack: Stack, client: openai.OpenAI, mod
     assert raised.value.status_code == 413
 
 
-def test_destination_header_from_the_client_is_ignored(stack: Stack, model: str) -> None:
+def test_destination_header_from_the_client_is_ignored(
+    stack: Stack, model: str, auth: dict[str, str]
+) -> None:
     # A client must not pick the pod; a bogus destination would be a 503 if Envoy honoured it.
     resp = call(
         "POST",
         f"{stack.base_url}/chat/completions",
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        headers={"x-gateway-destination-endpoint": "127.0.0.1:1"},
+        headers={**auth, "x-gateway-destination-endpoint": "127.0.0.1:1"},
     )
     assert resp.status == 200, resp.body

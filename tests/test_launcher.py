@@ -60,9 +60,12 @@ def test_up_serves_and_stops_cleanly(
 ) -> None:
     proc, info, log = up
     assert set(info) >= {"base_url", "tenants", "pods", "redis_url"}
-    assert call("GET", f"{info['base_url']}/models").status == 200
+    key = info["tenants"][0]["api_key"]  # type: ignore[index]
+    models = call("GET", f"{info['base_url']}/models", headers={"authorization": f"Bearer {key}"})
+    assert models.status == 200
     children = list(info["processes"].values())  # type: ignore[attr-defined]
-    assert len(children) == 4  # redis, two pods, envoy
+    assert len(children) == 5  # redis, two pods, extauthz, envoy
+    assert {t["tier"] for t in info["tenants"]} == {"free", "standard", "platinum"}  # type: ignore[attr-defined]
     assert "base_url" in log.read_text()
 
     proc.send_signal(signal.SIGTERM)
@@ -79,9 +82,10 @@ def test_a_dead_pod_is_reported_and_the_stack_stays_up(
     wait_for(lambda: "child exited" in log.read_text(), 10, "the launcher to report the pod")
     assert "pod-0" in log.read_text()
     assert proc.poll() is None
-    model = call("GET", f"{info['base_url']}/models").json()["data"][0]["id"]
+    auth = {"authorization": f"Bearer {info['tenants'][0]['api_key']}"}  # type: ignore[index]
+    model = call("GET", f"{info['base_url']}/models", headers=auth).json()["data"][0]["id"]
     body = {"model": model, "prompt": "hi", "max_tokens": 2}
-    assert call("POST", f"{info['base_url']}/completions", body).status == 200
+    assert call("POST", f"{info['base_url']}/completions", body, auth).status == 200
 
 
 def test_killed_launcher_leaves_no_orphans(

@@ -8,6 +8,7 @@ import urllib.request
 import openai
 
 from llmgw.stack import Stack
+from tests.conftest import api_key
 
 REQUESTS = 240
 CONCURRENCY = 12
@@ -25,7 +26,9 @@ def served_requests(pod_url: str) -> float:
 
 
 async def test_killing_a_pod_under_load_fails_no_request(own_stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=own_stack.base_url, api_key="sk-test", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=own_stack.base_url, api_key=api_key(own_stack), max_retries=0
+    )
     model = (await client.models.list()).data[0].id
     done = 0
     killed = asyncio.Event()
@@ -46,6 +49,7 @@ async def test_killing_a_pod_under_load_fails_no_request(own_stack: Stack) -> No
     failures = [r for r in results if isinstance(r, BaseException)]
     assert killed.is_set()
     assert failures == []
+    assert own_stack.envoy_stats()["cluster.pods.upstream_rq_retry"] > 0  # saved, not spared
 
     everyone = {f"{p.host}:{p.port}" for p in own_stack.pods}
     dead = f"{own_stack.pods[0].host}:{own_stack.pods[0].port}"
@@ -53,9 +57,12 @@ async def test_killing_a_pod_under_load_fails_no_request(own_stack: Stack) -> No
 
     own_stack.restart_pod(0)
     own_stack.wait_healthy(everyone, timeout=15)
-    for i in range(30):
+    # Slow start ramps the healed pod's share up; it must get traffic again, and soon.
+    for i in range(300):
         await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"after {i}"}], max_tokens=2
         )
+        if served_requests(own_stack.pod_url(0)) > 0:
+            break
     assert served_requests(own_stack.pod_url(0)) > 0
     await client.close()

@@ -1,0 +1,86 @@
+"""`python -m llmgw.sim`: one simulated vLLM pod until SIGTERM or SIGINT (then exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmgw import logs
+from llmgw.config import ConfigError, load, validate
+from llmgw.serve import run
+from llmgw.sim.pod import SimPod
+from llmgw.sim.profile import PROFILES
+from llmgw.sim.types import DEFAULT_MODEL, SimSettings
+
+ENV_PREFIX = "LLMGW_SIM"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m llmgw.sim",
+        description="A simulated vLLM OpenAI server. Settings: --config YAML, then "
+        f"{ENV_PREFIX}__FIELD=value, then these flags.",
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--model", help=f"served model name (default {DEFAULT_MODEL})")
+    p.add_argument("--profile", choices=sorted(PROFILES), help="GPU timing profile")
+    p.add_argument(
+        "--speed-factor",
+        type=float,
+        help="> 1 is a FASTER pod: 2 halves every step time (metrics show the faster times)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        help="wall seconds per simulated second: 0.1 runs 10x faster; metrics stay simulated",
+    )
+    p.add_argument("--seed", type=int, help="seed for generated text, lengths and fault dice")
+    p.add_argument("--max-num-seqs", type=int, help="seats in the running batch (default 256)")
+    p.add_argument("--num-gpu-blocks", type=int, help="KV-cache blocks (default 28000)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-model-len", type=int, help="context length (default 131072)")
+    p.add_argument(
+        "--force-include-usage",
+        action="store_true",
+        default=None,
+        help="end every stream with a usage chunk, like vLLM's --enable-force-include-usage",
+    )
+    p.add_argument("--config", type=Path, help="YAML file of settings (field names as above)")
+    return p
+
+
+def settings_from(argv: list[str]) -> SimSettings:
+    args = vars(parser().parse_args(argv))
+    path = args.pop("config")
+    base = load(SimSettings, path, ENV_PREFIX)
+    flags: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
+    return validate(SimSettings, base.model_dump() | flags, "flags")
+
+
+async def main(settings: SimSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with SimPod(settings):
+        await stop.wait()
+
+
+def cli(argv: list[str]) -> int:
+    logs.setup()
+    try:
+        settings = settings_from(argv)
+    except ConfigError as exc:
+        print(f"llmgw.sim: {exc}", file=sys.stderr)
+        return 2
+    run(lambda: main(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

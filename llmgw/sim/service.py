@@ -1,0 +1,212 @@
+"""The HTTP adapter: vLLM's OpenAI-compatible endpoints, /metrics and the fault admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+from llmgw.sim.engine import Engine, Sequence
+from llmgw.sim.faults import CLOSE_AFTER_CHUNKS, FaultState
+from llmgw.sim.protocol import DONE, ApiError, Kind, Reply, Request, dumps, parse
+from llmgw.sim.types import SimSettings
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_ERROR_TYPES = {500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+# Exactly what vLLM (Starlette) and its prometheus_client send.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    """A JSON reply with vLLM's bare `application/json` content type (no charset)."""
+    return web.Response(body=dumps(body).encode(), status=status, content_type="application/json")
+
+
+def error_response(error: ApiError) -> web.Response:
+    return json_response(error.body(), error.status)
+
+
+class Service:
+    def __init__(
+        self,
+        settings: SimSettings,
+        engine: Engine,
+        registry: CollectorRegistry,
+        faults: FaultState,
+        die: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.registry = registry
+        self.faults = faults
+        self.die = die
+        self.closing = asyncio.Event()  # set at shutdown: releases hung requests
+        self.started = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._inject_faults])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self.completion_handler("chat"))
+        app.router.add_post("/v1/completions", self.completion_handler("completion"))
+        app.router.add_get("/admin/faults", self.get_faults)
+        app.router.add_put("/admin/faults", self.put_faults)
+        app.router.add_delete("/admin/faults", self.delete_faults)
+        return app
+
+    @web.middleware
+    async def _inject_faults(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        faults = self.faults.current
+        if faults.hang:
+            await self.closing.wait()
+            return error_response(ApiError(503, "shutting down", _ERROR_TYPES[503]))
+        if faults.latency_ms:
+            await asyncio.sleep(faults.latency_ms / 1e3)
+        if self.faults.error():
+            status = faults.error_status
+            return error_response(ApiError(status, "injected fault", _ERROR_TYPES[status]))
+        return await handler(request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.faults.current.unhealthy else 200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self.settings.model
+        permission = {
+            "id": "modelperm-" + "0" * 32,
+            "object": "model_permission",
+            "created": self.started,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        card = {"id": model, "object": "model", "created": self.started, "owned_by": "vllm"}
+        card |= {"root": model, "parent": None, "max_model_len": self.settings.max_model_len}
+        return json_response({"object": "list", "data": [card | {"permission": [permission]}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    # Completions.
+
+    def completion_handler(self, kind: Kind) -> Handler:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                body = json.loads(await request.read())
+            except ValueError as exc:
+                return error_response(ApiError(400, f"invalid JSON body: {exc}"))
+            try:
+                parsed = parse(kind, body, self.settings)
+            except ApiError as exc:
+                return error_response(exc)
+            return await self._complete(request, parsed)
+
+        return handle
+
+    async def _complete(self, request: web.Request, parsed: Request) -> web.StreamResponse:
+        reply = Reply(parsed, self.settings.model)
+        seq = await self.engine.submit(parsed.job)
+        try:
+            if parsed.stream:
+                return await self._stream(request, reply, seq)
+            await seq.ended.wait()
+            if not seq.done:
+                return error_response(ApiError(503, "shutting down", _ERROR_TYPES[503]))
+            whole = reply.whole(seq.output, parsed.job.finish_reason)
+            if self.faults.close():
+                return await _send_half(request, dumps(whole).encode())
+            return json_response(whole)
+        finally:
+            self.engine.abort(seq)  # a no-op unless the client left early
+
+    async def _stream(
+        self, request: web.Request, reply: Reply, seq: Sequence
+    ) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream"
+        response.charset = "utf-8"
+        await response.prepare(request)
+        close_after = CLOSE_AFTER_CHUNKS if self.faults.close() else None
+        job, sent = seq.job, 0
+        try:
+            for _ in range(job.output_tokens + 1):  # each wake-up brings a token or the end
+                await seq.progress.wait()
+                seq.progress.clear()
+                chunks = [reply.role()] if sent == 0 and seq.output and reply.chat else []
+                last = len(seq.output)
+                for i in range(sent, last):
+                    finish = job.finish_reason if seq.done and i == last - 1 else None
+                    chunks.append(reply.token(seq.output[i], finish))
+                sent = last
+                if close_after is not None and sent >= close_after:
+                    await response.write(b"".join(chunks))
+                    _drop(request)
+                    return response
+                if chunks:
+                    await response.write(b"".join(chunks))
+                if seq.finished:
+                    break
+            if not seq.done:
+                _drop(request)  # shutting down: end the stream without [DONE]
+                return response
+            tail = reply.usage_chunk(sent) if reply.request.include_usage else b""
+            await response.write(tail + DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; the finally of _complete aborts the sequence
+        return response
+
+    # Fault admin.
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return json_response(self.faults.current.model_dump())
+
+    async def put_faults(self, request: web.Request) -> web.StreamResponse:
+        try:
+            faults = self.faults.update(json.loads(await request.read()))
+        except ValueError as exc:
+            return error_response(ApiError(400, str(exc)))
+        response = json_response(faults.model_dump())
+        if faults.die:
+            await response.prepare(request)
+            await response.write_eof()
+            self.die()
+        return response
+
+    async def delete_faults(self, request: web.Request) -> web.Response:
+        return json_response(self.faults.clear().model_dump())
+
+
+def _drop(request: web.Request) -> None:
+    """Close the TCP connection under a response (after flushing what was written)."""
+    if request.transport is not None:
+        request.transport.close()
+
+
+async def _send_half(request: web.Request, body: bytes) -> web.StreamResponse:
+    """Send the headers and half the body of a JSON reply, then drop the connection."""
+    response = web.StreamResponse()
+    response.content_type = "application/json"
+    response.content_length = len(body)
+    await response.prepare(request)
+    await response.write(body[: len(body) // 2])
+    _drop(request)
+    return response

@@ -1,0 +1,214 @@
+"""The pod looks like a vLLM OpenAI server to the official SDK and to a Prometheus scraper."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.sim import SimPod
+from tests.sim.conftest import MakePod, chat
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def client(pod: SimPod) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=pod.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_chat_non_stream_parses_with_the_sdk(pod: SimPod) -> None:
+    async with client(pod) as sdk:
+        reply = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=7
+        )
+    assert reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 7
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 7
+
+
+async def test_chat_stream_sends_role_then_one_token_per_chunk(pod: SimPod) -> None:
+    async with client(pod) as sdk:
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    tokens = [c.choices[0].delta.content for c in chunks[1:]]
+    assert len(tokens) == 5 and all(tokens)
+    assert [c.choices[0].finish_reason for c in chunks[1:]] == [None] * 4 + ["length"]
+    assert all(c.usage is None for c in chunks)
+    assert {c.id for c in chunks} == {chunks[0].id}
+
+
+async def test_completion_stream_and_non_stream(pod: SimPod) -> None:
+    async with client(pod) as sdk:
+        whole = await sdk.completions.create(model=MODEL, prompt="Once upon", max_tokens=6)
+        stream = await sdk.completions.create(
+            model=MODEL, prompt="Once upon", max_tokens=6, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert len(chunks) == 6 and chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_include_usage_ends_the_stream_with_a_usage_chunk(pod: SimPod) -> None:
+    async with client(pod) as sdk:
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_force_include_usage_adds_usage_to_every_stream(make_pod: MakePod) -> None:
+    pod = await make_pod(force_include_usage=True)
+    async with client(pod) as sdk:
+        stream = await sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+async def test_raw_stream_framing(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    body = chat("hi", model=MODEL, max_tokens=2, stream=True)
+    async with http.post(pod.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert len(events) == 2 + 1 + 2  # [DONE], trailing "", role, two tokens
+
+
+async def test_default_length_is_bounded_and_stops(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(pod.url + "/v1/completions", json={"prompt": "tell me"}) as resp:
+        reply = await resp.json()
+    natural = reply["usage"]["completion_tokens"]
+    assert 16 <= natural <= 256
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    body = {"prompt": "tell me", "max_tokens": natural + 5}  # honoured in full
+    async with http.post(pod.url + "/v1/completions", json=body) as resp:
+        assert (await resp.json())["usage"]["completion_tokens"] == natural + 5
+
+
+async def test_ignore_eos_without_max_tokens_runs_to_the_context_limit(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await make_pod(max_model_len=300)
+    body = {"prompt": "x" * 40, "ignore_eos": True}  # 10 prompt tokens
+    async with http.post(pod.url + "/v1/completions", json=body) as resp:
+        reply = await resp.json()
+    assert reply["usage"]["completion_tokens"] == 290
+    assert reply["choices"][0]["finish_reason"] == "length"
+
+
+async def test_models_has_vllm_shape(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    async with client(pod) as sdk:
+        models = await sdk.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with http.get(pod.url + "/v1/models") as resp:
+        assert resp.content_type == "application/json"
+        card = (await resp.json())["data"][0]
+    assert card["owned_by"] == "vllm" and card["max_model_len"] == 131072
+
+
+async def test_health_is_200_with_an_empty_body(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    async with http.get(pod.url + "/health") as resp:
+        assert resp.status == 200 and await resp.read() == b""
+
+
+ERRORS: list[tuple[str, Any, int, str]] = [
+    ("/v1/chat/completions", "{not json", 400, "BadRequestError"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "BadRequestError"),
+    ("/v1/completions", {"model": MODEL}, 400, "BadRequestError"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "NotFoundError"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "BadRequestError"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "BadRequestError"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "BadRequestError"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 200_000}, 400, "BadRequestError"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "BadRequestError"),
+    ("/v1/chat/completions", chat("x" * 600_000), 400, "BadRequestError"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "type_"), ERRORS)
+async def test_errors_have_vllm_shape(
+    pod: SimPod, http: aiohttp.ClientSession, path: str, body: Any, status: int, type_: str
+) -> None:
+    data = body if isinstance(body, str) else json.dumps(body)
+    async with http.post(pod.url + path, data=data) as resp:
+        assert resp.status == status
+        assert resp.headers["content-type"] == "application/json"  # no charset, as vLLM
+        error = await resp.json()
+    assert error == {
+        "object": "error",
+        "message": error["message"],
+        "type": type_,
+        "param": None,
+        "code": status,
+    }
+    assert error["message"]
+
+
+async def test_sdk_raises_its_own_error_classes(pod: SimPod) -> None:
+    async with client(pod) as sdk:
+        with pytest.raises(openai.NotFoundError):
+            await sdk.completions.create(model="nope", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            await sdk.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
+
+
+VLLM_NAMES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
+
+
+async def test_metrics_carry_vllm_names_and_labels(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    async with client(pod) as sdk:
+        await sdk.completions.create(model=MODEL, prompt="count me", max_tokens=4)
+    async with http.get(pod.url + "/metrics") as resp:
+        text = await resp.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {name: families[name].type for name in VLLM_NAMES} == VLLM_NAMES
+    for line in ("vllm:prompt_tokens_total{", "vllm:generation_tokens_total{"):
+        assert line in text
+    assert "_created" not in text
+    samples = {s.name: s for f in families.values() for s in f.samples}
+    gen = samples["vllm:generation_tokens_total"]
+    assert gen.labels == {"model_name": MODEL, "engine": "0"} and gen.value == 4
+    info = samples["vllm:cache_config_info"].labels
+    assert info["block_size"] == "16" and info["num_gpu_blocks"] == "28000"
+    assert samples["vllm:time_to_first_token_seconds_count"].value == 1
+    assert samples["vllm:inter_token_latency_seconds_count"].value == 3
+    assert samples["vllm:e2e_request_latency_seconds_count"].value == 1

@@ -1,0 +1,234 @@
+"""extauthz through the real Envoy: keys, trusted context, sessions, hot reload, fail closed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+
+from extauthz import tenants
+from llmgw import cli
+from llmgw.stack import Stack
+from tests.conftest import api_key
+from tests.http import Reply, call
+
+RELOAD_SECONDS = 2.0  # a key change must apply within this
+
+
+def chat(stack: Stack, headers: dict[str, str], body: dict[str, object] | None = None) -> Reply:
+    body = body or {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    model = body.get("model") or served_model(stack)
+    return call("POST", f"{stack.base_url}/chat/completions", {"model": model, **body}, headers)
+
+
+def served_model(stack: Stack) -> str:
+    auth = {"authorization": f"Bearer {api_key(stack)}"}
+    return str(call("GET", f"{stack.base_url}/models", headers=auth).json()["data"][0]["id"])
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def assert_error(reply: Reply, status: int, code: str) -> None:
+    assert reply.status == status, reply.body
+    assert reply.headers["content-type"] == "application/json"
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["code"] == code
+
+
+def eventually(check: Callable[[], bool], within: float, what: str) -> float:
+    """Seconds until `check()` held; fails after `within` seconds."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not within {within}s")
+
+
+def create_key(stack: Stack, tenant: str, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    argv = ["keys", "create", "--tenant", tenant, "--tenants-file", str(stack.tenants_file)]
+    assert cli.main([*argv, *extra]) == 0
+    return capsys.readouterr().out.strip()
+
+
+def key_id(path: Path, key: str) -> str:
+    digest = tenants.digest(key).hex()
+    return next(k.id for t in tenants.read(path).tenants for k in t.keys if k.sha256 == digest)
+
+
+def access_log(stack: Stack, request_id: str) -> dict[str, str]:
+    """The access-log entry of one request (the log is flushed every 200 ms)."""
+    found: dict[str, str] = {}
+
+    def logged() -> bool:
+        for line in stack.access_log.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["request_id"] == request_id:
+                found.update(entry)
+                return True
+        return False
+
+    eventually(logged, 5, f"access log entry {request_id}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer"},
+        {"authorization": "Basic dXNlcjpwYXNz"},
+        {"authorization": "Bearer sk-llmgw-" + "A" * 43},
+        {"api-key": "not-a-key"},
+    ],
+    ids=["missing", "empty", "basic", "unknown", "api-key-unknown"],
+)
+def test_bad_keys_are_401(stack: Stack, headers: dict[str, str]) -> None:
+    assert_error(chat(stack, headers), 401, "invalid_api_key")
+
+
+def test_sdk_raises_authentication_error(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="sk-llmgw-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_api_key_header_is_accepted(stack: Stack) -> None:
+    assert chat(stack, {"api-key": api_key(stack)}).status == 200
+
+
+def test_expired_and_revoked_keys_stop_working(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expiring = create_key(stack, "demo-standard", capsys, "--expires", "2s")
+    revoked = create_key(stack, "demo-standard", capsys)
+    eventually(lambda: chat(stack, bearer(expiring)).status == 200, RELOAD_SECONDS, "new key")
+    eventually(lambda: chat(stack, bearer(revoked)).status == 200, RELOAD_SECONDS, "new key")
+
+    revoke = ["keys", "revoke", key_id(stack.tenants_file, revoked)]
+    assert cli.main([*revoke, "--tenants-file", str(stack.tenants_file)]) == 0
+    eventually(lambda: chat(stack, bearer(revoked)).status == 401, RELOAD_SECONDS, "revocation")
+    assert_error(chat(stack, bearer(revoked)), 401, "invalid_api_key")
+    eventually(lambda: chat(stack, bearer(expiring)).status == 401, 5, "expiry")
+    assert_error(chat(stack, bearer(expiring)), 401, "invalid_api_key")
+
+
+def test_forged_context_headers_never_reach_the_pod(stack: Stack) -> None:
+    forged = {
+        "x-llmgw-tenant": "demo-platinum",
+        "x-llmgw-tier": "platinum",
+        "x-llmgw-priority": "10",
+        "x-llmgw-model": "other",
+        "x-gateway-destination-endpoint": "127.0.0.1:1",
+    }
+    reply = chat(stack, {**bearer(api_key(stack, "free")), **forged})
+    assert reply.status == 200, reply.body
+    entry = access_log(stack, reply.headers["x-request-id"])
+    assert entry["tenant"] == "demo-free"
+    assert entry["model"] == served_model(stack)
+    assert entry["authorization"] is None  # the pod never sees the client's key
+
+
+def test_sessions_are_minted_continued_and_bound_to_the_tenant(stack: Stack) -> None:
+    platinum, free = bearer(api_key(stack, "platinum")), bearer(api_key(stack, "free"))
+    first = chat(stack, platinum)
+    session = first.headers["x-session-id"]
+    assert session.startswith("sess_")
+    again = chat(stack, {**platinum, "x-session-id": session})
+    assert again.status == 200 and again.headers["x-session-id"] == session
+
+    assert_error(chat(stack, {**free, "x-session-id": session}), 400, "invalid_session_id")
+    mutated = session[:-1] + ("A" if session[-1] != "A" else "B")
+    assert_error(chat(stack, {**platinum, "x-session-id": mutated}), 400, "invalid_session_id")
+
+
+def test_sdk_continues_a_session_with_default_headers(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=served_model(stack), messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    session = raw.headers["x-session-id"]
+    continued = client.with_options(default_headers={"X-Session-ID": session})
+    raw = continued.chat.completions.with_raw_response.create(
+        model=served_model(stack), messages=[{"role": "user", "content": "more"}], max_tokens=2
+    )
+    assert raw.headers["x-session-id"] == session
+
+
+def test_model_not_allowed_is_403(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+    with tenants.editing(stack.tenants_file):
+        data = tenants.read(stack.tenants_file)
+        restricted = [
+            t.model_copy(update={"models": ("some-other-model",)}) if t.id == "demo-free" else t
+            for t in data.tenants
+        ]
+        tenants.write(stack.tenants_file, data.model_copy(update={"tenants": tuple(restricted)}))
+    key = bearer(api_key(stack, "free"))
+    eventually(lambda: chat(stack, key).status == 403, RELOAD_SECONDS, "model restriction")
+    assert_error(chat(stack, key), 403, "model_not_allowed")
+    client = openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack, "free"), max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        client.chat.completions.create(
+            model=served_model(stack), messages=[{"role": "user", "content": "hi"}]
+        )
+    with tenants.editing(stack.tenants_file):
+        tenants.write(stack.tenants_file, data)
+    eventually(lambda: chat(stack, key).status == 200, RELOAD_SECONDS, "restriction lifted")
+
+
+async def test_reload_and_revocation_under_load_fail_no_other_tenant(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0)
+    model = served_model(stack)
+    stop = asyncio.Event()
+    outcomes: list[BaseException | None] = []
+
+    async def steady() -> None:
+        for i in range(2000):  # bounded; stops as soon as the key changes are done
+            if stop.is_set():
+                return
+            try:
+                await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"{i}"}], max_tokens=2
+                )
+                outcomes.append(None)
+            except openai.APIError as exc:
+                outcomes.append(exc)
+
+    def churn_keys() -> None:
+        for _ in range(3):
+            key = create_key(stack, "demo-standard", capsys)
+            works = lambda k=key: chat(stack, bearer(k)).status == 200  # noqa: E731
+            eventually(works, RELOAD_SECONDS, "new key")
+            argv = ["keys", "revoke", key_id(stack.tenants_file, key)]
+            assert cli.main([*argv, "--tenants-file", str(stack.tenants_file)]) == 0
+            refused = lambda k=key: chat(stack, bearer(k)).status == 401  # noqa: E731
+            eventually(refused, RELOAD_SECONDS, "revocation")
+
+    async def churn() -> None:
+        try:
+            await asyncio.to_thread(churn_keys)
+        finally:
+            stop.set()
+
+    await asyncio.gather(churn(), *(steady() for _ in range(4)))
+    await client.close()
+    assert len(outcomes) > 20
+    assert [o for o in outcomes if o is not None] == []
+
+
+def test_auth_service_down_is_an_openai_503(own_stack: Stack) -> None:
+    next(p for p in own_stack.processes if p.name == "extauthz").kill()
+    reply = chat(own_stack, bearer(api_key(own_stack)), {"model": "any", "messages": []})
+    assert reply.status == 503, reply.body
+    error = reply.json()["error"]
+    assert error["type"] == "server_error" and "authorization" in error["message"]
