@@ -72,11 +72,20 @@ class Services(Strict):
     """Where the callout services listen; a service left out is not in the config."""
 
     extauthz: Address | None = None
-    timeout: str = "0.5s"
+    ratelimit: Address | None = None
+    router: Address | None = None
+    timeout: str = "0.5s"  # extauthz; fail closed
+    ratelimit_timeout: str = "0.05s"  # fail open (failure_mode_deny: false)
+    router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
 
     @property
     def grpc(self) -> list[tuple[str, Address]]:
-        return [(name, a) for name, a in (("extauthz", self.extauthz),) if a is not None]
+        named = (
+            ("extauthz", self.extauthz),
+            ("ratelimit", self.ratelimit),
+            ("router", self.router),
+        )
+        return [(name, a) for name, a in named if a is not None]
 
 
 class EnvoySettings(Strict):

@@ -127,14 +127,25 @@ class Stack:
                 "DECISION__MAX_BODY_BYTES": str(self.settings.envoy.max_request_bytes),
             },
         )
-        self.services = Services(extauthz=extauthz)
+        ratelimit = self._start_service(
+            "ratelimit", {"REDIS__HOST": "127.0.0.1", "REDIS__PORT": str(self.redis_port)}
+        )
+        router = self._start_service(
+            "router",
+            {
+                "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
+                "REDIS_URL": self.redis_url,
+                "PICK__BUFFERED_BODY": "true",
+            },
+        )
+        self.services = Services(extauthz=extauthz, ratelimit=ratelimit, router=router)
 
     def _start_service(self, name: str, settings: dict[str, str]) -> Address:
         """`python -m NAME` with its settings as LLMGW_NAME__... overrides; ready when SERVING."""
         port, metrics_port = free_port(), free_port()
         settings = {**settings, "SERVE__PORT": str(port), "SERVE__METRICS_PORT": str(metrics_port)}
         env = {**os.environ, **{f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}}
-        ready = grpc_serving(f"127.0.0.1:{port}", name)
+        ready = grpc_serving(f"127.0.0.1:{port}")
         self._process(name, [sys.executable, "-m", name], ready, env).start(
             self.settings.start_timeout
         )

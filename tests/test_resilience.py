@@ -15,14 +15,24 @@ CONCURRENCY = 12
 KILL_AFTER = 60
 
 
-def served_requests(pod_url: str) -> float:
+def metric(pod_url: str, name: str) -> float:
+    """Sum of a vLLM metric's samples on one pod."""
     with urllib.request.urlopen(f"{pod_url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:e2e_request_latency_seconds_count")
+        if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def busiest_pod(stack: Stack) -> int:
+    """The pod with the most requests running, once one has some (bounded wait)."""
+    for _ in range(200):
+        running = [metric(stack.pod_url(i), "vllm:num_requests_running") for i in range(3)]
+        if max(running) > 0:
+            break
+    return running.index(max(running))
 
 
 async def test_killing_a_pod_under_load_fails_no_request(own_stack: Stack) -> None:
@@ -31,38 +41,39 @@ async def test_killing_a_pod_under_load_fails_no_request(own_stack: Stack) -> No
     )
     model = (await client.models.list()).data[0].id
     done = 0
-    killed = asyncio.Event()
+    victim: list[int] = []
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(i: int) -> None:
         nonlocal done
         async with gate:
             await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=16
+                model=model, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=200
             )
         done += 1
-        if done == KILL_AFTER:
-            own_stack.pod_processes[0].kill()
-            killed.set()
+        if done == KILL_AFTER:  # kill the pod with the most requests in flight
+            victim.append(await asyncio.to_thread(busiest_pod, own_stack))
+            own_stack.pod_processes[victim[0]].kill()
 
     results = await asyncio.gather(*(one(i) for i in range(REQUESTS)), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
-    assert killed.is_set()
+    assert victim
     assert failures == []
     assert own_stack.envoy_stats()["cluster.pods.upstream_rq_retry"] > 0  # saved, not spared
 
     everyone = {f"{p.host}:{p.port}" for p in own_stack.pods}
-    dead = f"{own_stack.pods[0].host}:{own_stack.pods[0].port}"
-    own_stack.wait_healthy(everyone - {dead}, timeout=10)
+    dead = own_stack.pods[victim[0]]
+    own_stack.wait_healthy(everyone - {f"{dead.host}:{dead.port}"}, timeout=10)
 
-    own_stack.restart_pod(0)
+    own_stack.restart_pod(victim[0])
     own_stack.wait_healthy(everyone, timeout=15)
-    # Slow start ramps the healed pod's share up; it must get traffic again, and soon.
+    # The healed pod must get traffic again, and soon (slow start ramps its share up).
+    healed = own_stack.pod_url(victim[0])
     for i in range(300):
         await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"after {i}"}], max_tokens=2
         )
-        if served_requests(own_stack.pod_url(0)) > 0:
+        if metric(healed, "vllm:e2e_request_latency_seconds_count") > 0:
             break
-    assert served_requests(own_stack.pod_url(0)) > 0
+    assert metric(healed, "vllm:e2e_request_latency_seconds_count") > 0
     await client.close()

@@ -114,7 +114,7 @@ async def test_ok_response_statuses_and_headers(stubs: list[Stub]) -> None:
     assert requests.current_limit.requests_per_unit == 100
     assert requests.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.MINUTE
     assert tokens.limit_remaining == 9_600
-    assert 50 < tokens.duration_until_reset.seconds <= 60
+    assert 50 <= tokens.duration_until_reset.seconds <= 60
     headers = {h.key: h.value for h in reply.response_headers_to_add}
     assert headers["x-ratelimit-limit-tokens"] == "10000"
     assert headers["x-ratelimit-remaining-tokens"] == "9600"
