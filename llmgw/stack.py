@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -33,6 +33,7 @@ from llmgw.procs import (
 )
 
 SIM_MODULE = "llmgw.sim"
+ServiceName = Literal["extauthz", "ratelimit", "router"]
 
 
 class StackSettings(Strict):
@@ -41,6 +42,9 @@ class StackSettings(Strict):
     # Real vLLM servers (host:port or http://host:port); when given, no pods are simulated.
     upstreams: tuple[str, ...] = ()
     sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m llmgw.sim --help`
+    # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
+    # without extauthz they count nothing.
+    services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router")
     envoy: EnvoySettings = EnvoySettings()
     start_timeout: float = 60.0
 
@@ -118,27 +122,25 @@ class Stack:
         return self._process(f"pod-{index}", argv, http_ok(f"http://{pod.host}:{pod.port}/health"))
 
     def _start_services(self) -> None:
-        self.tenants = seed_demo(self.tenants_file)
-        extauthz = self._start_service(
-            "extauthz",
-            {
+        """Each service the settings name, with the settings it needs from the stack."""
+        settings: dict[ServiceName, dict[str, str]] = {
+            "extauthz": {
                 "TENANTS_FILE": str(self.tenants_file),
                 "SESSIONS__SECRET": secrets.token_hex(32),
                 "DECISION__MAX_BODY_BYTES": str(self.settings.envoy.max_request_bytes),
             },
-        )
-        ratelimit = self._start_service(
-            "ratelimit", {"REDIS__HOST": "127.0.0.1", "REDIS__PORT": str(self.redis_port)}
-        )
-        router = self._start_service(
-            "router",
-            {
+            "ratelimit": {"REDIS__HOST": "127.0.0.1", "REDIS__PORT": str(self.redis_port)},
+            "router": {
                 "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
                 "REDIS_URL": self.redis_url,
                 "PICK__BUFFERED_BODY": "true",
             },
+        }
+        if "extauthz" in self.settings.services:
+            self.tenants = seed_demo(self.tenants_file)
+        self.services = Services.model_validate(
+            {name: self._start_service(name, settings[name]) for name in self.settings.services}
         )
-        self.services = Services(extauthz=extauthz, ratelimit=ratelimit, router=router)
 
     def _start_service(self, name: str, settings: dict[str, str]) -> Address:
         """`python -m NAME` with its settings as LLMGW_NAME__... overrides; ready when SERVING."""
