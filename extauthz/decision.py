@@ -176,7 +176,8 @@ class Decider:
             wire.META_PRIORITY: float(tenant.priority),
             wire.META_SESSION: session,
             wire.META_REQUEST_ID: request_id,
-            wire.META_TOKEN_ESTIMATE: float(estimate),
+            # A string: Envoy's rate-limit `metadata` action drops non-string values.
+            wire.META_TOKEN_ESTIMATE: str(estimate),
             **tenant.limits,
         }
         if model is not None:

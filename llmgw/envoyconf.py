@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import jinja2
@@ -98,8 +98,12 @@ class EnvoySettings(Strict):
     max_request_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_downstream_connections: int = 50_000
     slow_start: str = "5s"
+    # Envoy's own pick when the router names no pod (no router, router down).
+    fallback_policy: Literal["least_request", "round_robin"] = "least_request"
     concurrency: int = 2
     access_log_path: str | None = None
+    otlp: Address | None = None  # an OpenTelemetry collector (OTLP/gRPC); None: no tracing
+    tracing_percent: float = Field(default=100.0, ge=0, le=100)
 
 
 def parse_endpoint(spec: str) -> Address:
@@ -180,6 +184,8 @@ def render(
         max_request_bytes=settings.max_request_bytes,
         max_downstream_connections=settings.max_downstream_connections,
         access_log_path=settings.access_log_path,
+        otlp=settings.otlp,
+        tracing_percent=settings.tracing_percent,
         routes=routes,
         services=services or Services(),
         local_replies=_local_replies(settings.max_request_bytes),
@@ -187,6 +193,7 @@ def render(
             "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",
             "endpoints": pods,
             "slow_start": settings.slow_start,
+            "fallback_policy": settings.fallback_policy,
         },
     )
 

@@ -8,6 +8,7 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from llmgw.stack import Stack
 
@@ -16,16 +17,16 @@ log = logging.getLogger("llmgw.up")
 POLL_SECONDS = 0.5
 
 
-def banner(info: dict[str, object]) -> str:
+def banner(info: dict[str, Any]) -> str:
     lines = [
         "llmgw is up.",
         f"  base_url:  {info['base_url']}",
-        f"  pods:      {', '.join(str(p['url']) for p in info['pods'])}",  # type: ignore[attr-defined]
+        f"  pods:      {', '.join(str(p['url']) for p in info['pods'])}",
         f"  redis:     {info['redis_url']}",
         f"  admin:     {info['envoy_admin_url']} (localhost only)",
         f"  logs:      {info['logs']}",
     ]
-    for tenant in info["tenants"]:  # type: ignore[attr-defined]
+    for tenant in info["tenants"]:
         lines.append(f"  tenant {tenant['id']} ({tenant['tier']}): api_key={tenant['api_key']}")
     lines += [
         "",

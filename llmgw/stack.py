@@ -42,9 +42,13 @@ class StackSettings(Strict):
     # Real vLLM servers (host:port or http://host:port); when given, no pods are simulated.
     upstreams: tuple[str, ...] = ()
     sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m llmgw.sim --help`
+    pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
     # without extauthz they count nothing.
     services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router")
+    ratelimit_limits: Path | None = None  # tiers and tenant limits (ratelimit/limits.py)
+    # Unsettled token reservations (aborted streams) are given back after this long.
+    ratelimit_reservation_ttl_s: float = Field(default=300.0, gt=0)
     envoy: EnvoySettings = EnvoySettings()
     start_timeout: float = 60.0
 
@@ -64,6 +68,7 @@ class Stack:
         self.services = Services()
         self.metrics: dict[str, str] = {}
         self.tenants_file = state_dir / "tenants.yaml"
+        self.limits_file = state_dir / "limits.yaml"
         self.tenants: list[dict[str, str]] = []
 
     # Composition.
@@ -118,7 +123,10 @@ class Stack:
     def _pod_process(self, index: int) -> Process:
         pod = self.pods[index]
         argv = [sys.executable, "-m", SIM_MODULE, "--host", pod.host, "--port", str(pod.port)]
-        argv += ["--seed", str(index), *self.settings.sim_args]
+        # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
+        argv += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
+        if index < len(self.settings.pod_args):
+            argv += self.settings.pod_args[index]
         return self._process(f"pod-{index}", argv, http_ok(f"http://{pod.host}:{pod.port}/health"))
 
     def _start_services(self) -> None:
@@ -129,7 +137,11 @@ class Stack:
                 "SESSIONS__SECRET": secrets.token_hex(32),
                 "DECISION__MAX_BODY_BYTES": str(self.settings.envoy.max_request_bytes),
             },
-            "ratelimit": {"REDIS__HOST": "127.0.0.1", "REDIS__PORT": str(self.redis_port)},
+            "ratelimit": {
+                "REDIS__HOST": "127.0.0.1",
+                "REDIS__PORT": str(self.redis_port),
+                "RESERVATION_TTL_S": str(self.settings.ratelimit_reservation_ttl_s),
+            },
             "router": {
                 "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
                 "REDIS_URL": self.redis_url,
@@ -138,6 +150,10 @@ class Stack:
         }
         if "extauthz" in self.settings.services:
             self.tenants = seed_demo(self.tenants_file)
+        if self.settings.ratelimit_limits is not None:
+            # A copy in the state dir: the stack's whole configuration lives in one place.
+            self.limits_file.write_bytes(self.settings.ratelimit_limits.read_bytes())
+            settings["ratelimit"]["LIMITS_FILE"] = str(self.limits_file)
         self.services = Services.model_validate(
             {name: self._start_service(name, settings[name]) for name in self.settings.services}
         )
@@ -146,6 +162,8 @@ class Stack:
         """`python -m NAME` with its settings as LLMGW_NAME__... overrides; ready when SERVING."""
         port, metrics_port = free_port(), free_port()
         settings = {**settings, "SERVE__PORT": str(port), "SERVE__METRICS_PORT": str(metrics_port)}
+        if (otlp := self.settings.envoy.otlp) is not None:
+            settings["TRACING__OTLP_ENDPOINT"] = f"http://{otlp.host}:{otlp.port}"
         env = {**os.environ, **{f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}}
         ready = grpc_serving(f"127.0.0.1:{port}")
         self._process(name, [sys.executable, "-m", name], ready, env).start(

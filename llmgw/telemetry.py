@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -38,3 +38,15 @@ def setup(service: str, settings: TracingSettings) -> trace.Tracer:
 def parent_context(headers: Mapping[str, str]) -> Context:
     """The trace Envoy started, from its `traceparent` header (lower-case header names)."""
     return propagate.extract(headers)
+
+
+def carrier(
+    metadata: Iterable[tuple[str, str | bytes]] | None, headers: Mapping[str, str]
+) -> dict[str, str]:
+    """Where a callout's trace context is: Envoy puts its egress span for the call in the gRPC
+    metadata, which wins over the HTTP request's own `traceparent`."""
+    found = {k: v for k, v in (metadata or ()) if k in _TRACE_KEYS and isinstance(v, str)}
+    return {**headers, **found}
+
+
+_TRACE_KEYS = ("traceparent", "tracestate")

@@ -49,6 +49,10 @@ TRUSTED_HEADERS = (
 
 # Rate limiting.
 RATELIMIT_DOMAIN = "llmgw"
+# Actual token usage of a response, written by Envoy (sse_to_metadata, json_to_metadata) and sent
+# to ratelimit at stream end as the `usage` descriptor's hits_addend.
+USAGE_NAMESPACE = "llmgw.usage"
+META_TOTAL_TOKENS = "total_tokens"
 
 # Fleet load published by the router for quota borrowing (Redis).
 FLEET_LOAD_KEY = "llmgw:fleet:load"

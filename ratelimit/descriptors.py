@@ -18,6 +18,10 @@ Stream done (`apply_on_stream_done: true`, a separate fire-and-forget call):
   RateLimitDescriptor.hits_addend carries the actual usage (RateLimitRequest.hits_addend is 0).
   The reservation R is settled to it; without a live reservation the tokens are charged as is.
 
+A descriptor's `limit` (Envoy's `limit: {dynamic_metadata}` override from extauthz's
+limit_requests / limit_tokens, the tenant's own limit in the tenants file) replaces the tier's
+limit of that unit for its kind.
+
 Descriptors with another domain, another `kind`, or missing entries are answered OK and not
 counted. Envoy leaves out a descriptor when one of its metadata keys is absent (except those
 marked `skip_if_absent`), so an unauthenticated request is never counted here.
@@ -31,10 +35,18 @@ from typing import Literal
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from llmgw import wire
-from ratelimit.types import Admission, Settlement
+from ratelimit.types import Admission, Limit, Settlement, Unit
 
 KIND = "kind"
 Role = Literal["requests", "tokens", "usage"]
+_RateLimit = rls_pb2.RateLimitResponse.RateLimit
+UNITS: dict[Unit, int] = {
+    Unit.SECOND: _RateLimit.SECOND,
+    Unit.MINUTE: _RateLimit.MINUTE,
+    Unit.HOUR: _RateLimit.HOUR,
+    Unit.DAY: _RateLimit.DAY,
+}
+UNIT_OF = {code: unit for unit, code in UNITS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +65,13 @@ def _int(value: str | None) -> int | None:
         return None
 
 
+def _limit(descriptor: rls_pb2.RateLimitDescriptor) -> Limit | None:
+    if not descriptor.HasField("limit"):
+        return None
+    unit = UNIT_OF.get(descriptor.limit.unit)
+    return Limit(unit, descriptor.limit.requests_per_unit) if unit is not None else None
+
+
 def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
     roles: list[Role | None] = []
     if request.domain != wire.RATELIMIT_DOMAIN:
@@ -60,6 +79,7 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
     tenant = tier = session = request_id = None
     estimate: int | None = None
     counted = False
+    limits: dict[str, Limit | None] = {"requests": None, "tokens": None}
     settlements: list[Settlement] = []
     for descriptor in request.descriptors:
         entries = {e.key: e.value for e in descriptor.entries}
@@ -74,6 +94,7 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
                 counted, role = True, "requests"
             elif (n := _int(entries.get(wire.META_TOKEN_ESTIMATE))) is not None:
                 estimate, role = n, "tokens"
+            limits[kind] = _limit(descriptor)
         elif who and kind == "usage" and descriptor.HasField("hits_addend"):
             role = "usage"
             settlements.append(
@@ -82,10 +103,20 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
                     tier=entries.get(wire.META_TIER, ""),
                     request_id=entries.get(wire.META_REQUEST_ID),
                     tokens=descriptor.hits_addend.value,
+                    tokens_limit=_limit(descriptor),
                 )
             )
         roles.append(role)
     admission = None
     if tenant is not None and (counted or estimate is not None):
-        admission = Admission(tenant, tier or "", session, request_id, estimate, counted)
+        admission = Admission(
+            tenant,
+            tier or "",
+            session,
+            request_id,
+            estimate,
+            counted,
+            requests_limit=limits["requests"],
+            tokens_limit=limits["tokens"],
+        )
     return Parsed(tuple(roles), admission, tuple(settlements))

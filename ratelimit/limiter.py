@@ -15,11 +15,13 @@ from ratelimit.fleet import FleetLoad, borrowable, effective_load
 from ratelimit.redis_store import tenant_prefix
 from ratelimit.store import Store
 from ratelimit.types import (
+    UNIT_MS,
     Admission,
     Check,
     CheckState,
     Kind,
     KindState,
+    Limit,
     Policy,
     Refusal,
     Settlement,
@@ -30,6 +32,25 @@ from ratelimit.windows import SLIDING, fixed, state
 
 RETRY_MIN_MS = 1_000
 RETRY_MAX_MS = 30_000
+
+
+def overridden(policy: Policy, requests: Limit | None, tokens: Limit | None) -> Policy:
+    """The policy with a tenant's own limits, each replacing the limit of its unit."""
+    if requests is None and tokens is None:
+        return policy
+
+    def merge(limits: tuple[Limit, ...], own: Limit | None) -> tuple[Limit, ...]:
+        if own is None:
+            return limits
+        return tuple(sorted((*(x for x in limits if x.unit != own.unit), own), key=_unit_ms))
+
+    return replace(
+        policy, requests=merge(policy.requests, requests), tokens=merge(policy.tokens, tokens)
+    )
+
+
+def _unit_ms(limit: Limit) -> int:
+    return UNIT_MS[limit.unit]
 
 
 def retry_after_ms(base_s: float, load: float, free_ms: int, jitter: float) -> int:
@@ -94,7 +115,7 @@ class Limiter:
         return checks, bases
 
     async def admit(self, req: Admission) -> Verdict:
-        policy = self.limits(req.tenant, req.tier)
+        policy = overridden(self.limits(req.tenant, req.tier), req.requests_limit, req.tokens_limit)
         now_s = self.clock()
         now_ms = int(now_s * 1000)
         fleet = self.fleet()
@@ -142,7 +163,7 @@ class Limiter:
 
     async def settle(self, req: Settlement) -> int:
         """Settle the reservation of `req.request_id` to the actual tokens; returns tokens added."""
-        policy = self.limits(req.tenant, req.tier)
+        policy = overridden(self.limits(req.tenant, req.tier), None, req.tokens_limit)
         now_s = self.clock()
         checks = self.checks(policy, req.tokens, self.fleet(), now_s, count_request=False)[0]
         if not checks:

@@ -12,18 +12,12 @@ from opentelemetry import trace
 
 from llmgw.telemetry import parent_context
 from ratelimit import metrics
-from ratelimit.descriptors import Parsed, parse
+from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
 from ratelimit.response import rate_headers, refusal
 from ratelimit.types import KindState, Verdict
 
 Code = rls_pb2.RateLimitResponse.Code
-UNITS = {
-    "second": rls_pb2.RateLimitResponse.RateLimit.SECOND,
-    "minute": rls_pb2.RateLimitResponse.RateLimit.MINUTE,
-    "hour": rls_pb2.RateLimitResponse.RateLimit.HOUR,
-    "day": rls_pb2.RateLimitResponse.RateLimit.DAY,
-}
 
 
 def _status(state: KindState | None, over: bool) -> rls_pb2.RateLimitResponse.DescriptorStatus:
@@ -33,7 +27,7 @@ def _status(state: KindState | None, over: bool) -> rls_pb2.RateLimitResponse.De
             rls_pb2.RateLimitResponse.RateLimit(
                 name=f"{state.kind}_per_{state.unit.value}",
                 requests_per_unit=state.limit,
-                unit=UNITS[state.unit.value],
+                unit=UNITS[state.unit],
             )
         )
         status.limit_remaining = state.remaining
@@ -80,9 +74,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
     ) -> rls_pb2.RateLimitResponse:
         started = time.perf_counter()
         parsed = parse(request)
-        carrier = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
+        parent = None
+        if not isinstance(self.tracer, trace.NoOpTracer):
+            carrier = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
+            parent = parent_context(carrier)
         with self.tracer.start_as_current_span(
-            "ratelimit.decide", context=parent_context(carrier), kind=trace.SpanKind.SERVER
+            "ratelimit.decide", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             for settlement in parsed.settlements:
                 span.set_attribute("tenant.id", settlement.tenant)

@@ -111,6 +111,10 @@ class Admission:
     request_id: str | None = None
     token_estimate: int | None = None  # None: no token check
     count_request: bool = True  # False: only the token check
+    # The tenant's own limits (tenants file, via Envoy's descriptor `limit` override): each
+    # replaces the policy's limit of the same unit.
+    requests_limit: Limit | None = None
+    tokens_limit: Limit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,7 @@ class Settlement:
     tier: str
     request_id: str | None
     tokens: int
+    tokens_limit: Limit | None = None  # as in Admission, so the same windows are settled
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,10 @@ both re-resolved every `resolve_seconds` (pod IDs are `ip:port`, what Envoy's ov
 matches). Every pod's `/metrics` is scraped concurrently every `scrape_interval` with a short
 timeout; each scrape replaces the pod's immutable `PodMetrics`. A pod is pickable only when its
 last scrape succeeded and it has not answered `error_threshold` requests in a row with 5xx (then
-it is out for `error_cooldown` seconds). Metrics older than `stale_after` count as fully loaded.
+it is out for `error_cooldown` seconds, doubled each time it fails again before answering well,
+up to 16x). A pick that Envoy had to retry on another pod (the `upstream.address` Envoy reports
+with the response headers is not the pick) counts as a 5xx of the picked pod. Metrics older than
+`stale_after` count as fully loaded.
 
 Fleet load contract (Redis key `llmgw.wire.FLEET_LOAD_KEY` = "llmgw:fleet:load", written every
 `publish_interval` seconds with a TTL of `publish_ttl` seconds, as JSON):
@@ -48,6 +51,7 @@ from router.scrape import fetch_models, scrape_metrics
 from router.types import Candidate, PodId, PodMetrics
 
 log = logging.getLogger(__name__)
+MAX_COOLDOWN_DOUBLINGS = 4
 
 
 class DnsTarget(Strict):
@@ -91,6 +95,7 @@ class Fleet:
         self.snapshots: dict[PodId, PodMetrics] = {}
         self.in_flight: dict[PodId, int] = {}
         self._errors: dict[PodId, int] = {}
+        self._trips: dict[PodId, int] = {}  # times taken out since the pod last answered well
         self._down_until: dict[PodId, float] = {}
         self._models_at: dict[PodId, float] = {}
 
@@ -100,7 +105,8 @@ class Fleet:
         wanted = set(pods)
         for pod in set(self.snapshots) - wanted:
             del self.snapshots[pod]
-            for table in (self.in_flight, self._errors, self._down_until, self._models_at):
+            tables = (self.in_flight, self._errors, self._trips, self._down_until, self._models_at)
+            for table in tables:
                 table.pop(pod, None)
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
@@ -163,10 +169,14 @@ class Fleet:
             return
         if status < 500:
             self._errors[pod] = 0
+            self._trips[pod] = 0
             return
         self._errors[pod] = self._errors.get(pod, 0) + 1
         if self._errors[pod] >= self.settings.error_threshold:
-            self._down_until[pod] = self.clock() + self.settings.error_cooldown
+            trips = self._trips.get(pod, 0)
+            cooldown = self.settings.error_cooldown * 2 ** min(trips, MAX_COOLDOWN_DOUBLINGS)
+            self._down_until[pod] = self.clock() + cooldown
+            self._trips[pod] = trips + 1
             self._errors[pod] = 0
 
     # Scraping.

@@ -36,6 +36,14 @@ def render(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+def is_first_turn(body: dict[str, Any]) -> bool:
+    """A chat request with no assistant message yet, or a completions request."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return True
+    return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+
+
 def block_hashes(text: str, max_blocks: int) -> tuple[int, ...]:
     """Chained hashes of the leading full blocks."""
     data = text.encode()

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from llmgw import wire
-from router.prefix import block_hashes, parse_body, render
+from router.prefix import block_hashes, is_first_turn, parse_body, render
 from router.types import PickRequest
 
 
@@ -33,4 +33,5 @@ def with_body(req: PickRequest, raw: bytes, max_blocks: int) -> PickRequest:
         req,
         model=model if isinstance(model, str) and model else req.model,
         prefix_blocks=block_hashes(render(body), max_blocks),
+        first_turn=is_first_turn(body),
     )

@@ -2,8 +2,9 @@
 
 Per request stream: pick on `request_headers` (or on `request_body` when Envoy buffers the body),
 answer with `x-gateway-destination-endpoint` = "ip:port,..." best first; count the request in
-flight on the first pod until response headers (whose status also feeds pod health) or the
-stream's end. When no pod is left the answer carries no metadata and Envoy's fallback picks.
+flight on the first pod until response headers (whose status also feeds pod health; an answer
+from another pod, Envoy's `upstream.address`, means Envoy retried because our pick failed) or
+the stream's end. When no pod is left the answer carries no metadata and Envoy's fallback picks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from router.request import from_headers, with_body
 from router.settings import PickSettings
 from router.types import PickRequest, PodId
 
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"  # key of the attributes Envoy sends
+
 
 def lb_metadata(pods: tuple[PodId, ...]) -> Struct:
     meta = Struct()
@@ -36,6 +39,15 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
         h.key: h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
         for h in msg.headers.headers
     }
+
+
+def upstream_address(msg: pb.ProcessingRequest) -> str | None:
+    """The `upstream.address` attribute (the pod that answered), when Envoy sent it."""
+    attrs = msg.attributes.get(EXT_PROC_FILTER)
+    if attrs is None or "upstream.address" not in attrs.fields:
+        return None
+    value = attrs.fields["upstream.address"].string_value
+    return value or None
 
 
 class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -103,7 +115,10 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 elif kind == "response_headers":
                     if pod is not None:
                         status = header_map(msg.response_headers).get(":status", "")
-                        if status.isdigit():
+                        answered = upstream_address(msg)
+                        if answered and answered != pod:  # Envoy retried: our pick failed
+                            self.fleet.report(pod, 503)
+                        elif status.isdigit():
                             self.fleet.report(pod, int(status))
                         self.fleet.release(pod)
                         pod = None

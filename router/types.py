@@ -77,6 +77,9 @@ class PickRequest:
     session: str | None = None
     request_id: str | None = None
     prefix_blocks: tuple[int, ...] = field(default=())  # chained hashes of the leading blocks
+    # The body is known and carries no earlier turn (no assistant message): no pod holds this
+    # session's KV yet, so session affinity has nothing to keep.
+    first_turn: bool = False
 
 
 @dataclass(frozen=True, slots=True)

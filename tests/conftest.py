@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ from llmgw.stack import Stack, StackSettings
 FAST_PODS = ("--time-scale", "0.05")
 
 
-def stack_settings(pods: int = 2, **envoy: object) -> StackSettings:
+def stack_settings(pods: int = 2, **envoy: Any) -> StackSettings:
     return StackSettings(
         listen=Address(port=0),
         pods=pods,
@@ -24,7 +25,7 @@ def stack_settings(pods: int = 2, **envoy: object) -> StackSettings:
             outlier=Outlier(base_ejection_time="1s", interval="0.25s"),
             timeouts=Timeouts(upstream_idle="10s", stream_idle="30s"),
             slow_start="1s",
-            **envoy,  # type: ignore[arg-type]
+            **envoy,
         ),
     )
 

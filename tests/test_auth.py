@@ -232,3 +232,11 @@ def test_auth_service_down_is_an_openai_503(own_stack: Stack) -> None:
     assert reply.status == 503, reply.body
     error = reply.json()["error"]
     assert error["type"] == "server_error" and "authorization" in error["message"]
+
+
+def test_a_body_that_is_not_json_gets_the_pods_400(stack: Stack) -> None:
+    headers = {**bearer(api_key(stack)), "content-type": "application/json"}
+    reply = call("POST", f"{stack.base_url}/chat/completions", b"{not json", headers)
+    assert reply.status == 400, reply.body
+    assert reply.headers["content-type"] == "application/json"
+    assert "x-session-id" in reply.headers  # authorised, then answered by the pod

@@ -66,6 +66,15 @@ def test_override_host_reads_the_pickers_metadata(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.parametrize("fallback", ["least_request", "round_robin"])
+def test_fallback_policy_is_configurable(tmp_path: Path, fallback: str) -> None:
+    settings = EnvoySettings(fallback_policy=fallback)  # type: ignore[arg-type]
+    config = render_and_validate(tmp_path, settings, [Address(port=8001)])
+    policy = cluster(config)["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    inner = policy["typed_config"]["fallback_policy"]["policies"][0]["typed_extension_config"]
+    assert inner["name"] == f"envoy.load_balancing_policies.{fallback}"
+
+
 @pytest.mark.parametrize(
     ("spec", "host", "port"),
     [("10.0.0.1:8000", "10.0.0.1", 8000), ("http://vllm-0:8000/", "vllm-0", 8000)],
@@ -85,3 +94,11 @@ def test_render_envoy_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     path = tmp_path / "out.yaml"
     path.write_text(capsys.readouterr().out)
     envoyconf.validate(path)
+
+
+def test_tracing_config_is_valid(tmp_path: Path) -> None:
+    settings = EnvoySettings(otlp=Address(host="127.0.0.1", port=4317))
+    config = render_and_validate(tmp_path, settings, [Address(port=8001)])
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert hcm["typed_config"]["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
+    assert "otel" in {c["name"] for c in config["static_resources"]["clusters"]}

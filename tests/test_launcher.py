@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,17 +28,17 @@ def pid_alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-def wait_for(predicate: object, timeout: float, what: str) -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
-def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, object], Path]]:
+def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], Path]]:
     ready = tmp_path / "ready.json"
     log = tmp_path / "up.log"
     argv = [sys.executable, "-m", "llmgw", "up", "--listen", "127.0.0.1:0", "--pods", "2"]
@@ -56,17 +57,17 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, obje
 
 
 def test_up_serves_and_stops_cleanly(
-    up: tuple[subprocess.Popen[bytes], dict[str, object], Path],
+    up: tuple[subprocess.Popen[bytes], dict[str, Any], Path],
 ) -> None:
     proc, info, log = up
     assert set(info) >= {"base_url", "tenants", "pods", "redis_url"}
-    key = info["tenants"][0]["api_key"]  # type: ignore[index]
+    key = info["tenants"][0]["api_key"]
     models = call("GET", f"{info['base_url']}/models", headers={"authorization": f"Bearer {key}"})
     assert models.status == 200
-    children = list(info["processes"].values())  # type: ignore[attr-defined]
+    children = list(info["processes"].values())
     names = {"redis", "pod-0", "pod-1", "extauthz", "ratelimit", "router", "envoy"}
-    assert set(info["processes"]) == names  # type: ignore[arg-type]
-    assert {t["tier"] for t in info["tenants"]} == {"free", "standard", "platinum"}  # type: ignore[attr-defined]
+    assert set(info["processes"]) == names
+    assert {t["tier"] for t in info["tenants"]} == {"free", "standard", "platinum"}
     assert "base_url" in log.read_text()
 
     proc.send_signal(signal.SIGTERM)
@@ -75,25 +76,25 @@ def test_up_serves_and_stops_cleanly(
 
 
 def test_a_dead_pod_is_reported_and_the_stack_stays_up(
-    up: tuple[subprocess.Popen[bytes], dict[str, object], Path],
+    up: tuple[subprocess.Popen[bytes], dict[str, Any], Path],
 ) -> None:
     proc, info, log = up
-    pod_pid = info["pods"][0]["pid"]  # type: ignore[index]
+    pod_pid = info["pods"][0]["pid"]
     os.kill(pod_pid, signal.SIGKILL)
     wait_for(lambda: "child exited" in log.read_text(), 10, "the launcher to report the pod")
     assert "pod-0" in log.read_text()
     assert proc.poll() is None
-    auth = {"authorization": f"Bearer {info['tenants'][0]['api_key']}"}  # type: ignore[index]
+    auth = {"authorization": f"Bearer {info['tenants'][0]['api_key']}"}
     model = call("GET", f"{info['base_url']}/models", headers=auth).json()["data"][0]["id"]
     body = {"model": model, "prompt": "hi", "max_tokens": 2}
     assert call("POST", f"{info['base_url']}/completions", body, auth).status == 200
 
 
 def test_killed_launcher_leaves_no_orphans(
-    up: tuple[subprocess.Popen[bytes], dict[str, object], Path],
+    up: tuple[subprocess.Popen[bytes], dict[str, Any], Path],
 ) -> None:
     proc, info, _ = up
-    children = list(info["processes"].values())  # type: ignore[attr-defined]
+    children = list(info["processes"].values())
     proc.kill()
     proc.wait()
     wait_for(lambda: not [p for p in children if pid_alive(p)], 10, "children to exit")

@@ -1,10 +1,15 @@
-"""Scorer: keep a session on one pod, the same on every router replica.
+"""Scorer: keep a conversation on one pod, the same on every router replica.
 
-The session's pod is derived, not stored: rendezvous (highest-random-weight) hashing of the
-session ID over the candidate pods, with a process-independent hash. Two replicas with the same
-view of the fleet pick the same pod, with no shared state and no Redis on the pick path; when a
-pod leaves, only its sessions move. Yields (all zeros) when that pod is overloaded per the
-imbalance thresholds, so affinity never makes a hot spot.
+The conversation's pod is derived, not stored: rendezvous (highest-random-weight) hashing over
+the candidate pods of its root, the prompt's first block (the system prompt's start, or the first
+message), else the session ID, with process-independent hashes. Conversations that share a system
+prompt thus share a pod and its prefix cache instead of spreading every tenant's prompt over the
+fleet. Two replicas with the same view of the fleet pick the same pod, with no shared state and no
+Redis on the pick path; when a pod leaves, only its conversations move. A first turn gets no
+affinity (nothing of it is cached anywhere; pinning fresh requests by hash would be random
+routing): prefix affinity and load place it. Loads are bounded (`bound`: a busy pod passes the
+conversation to the next pod in rendezvous order), and affinity yields (all zeros) when even that
+pod is overloaded per the imbalance thresholds, so affinity never makes a hot spot.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
+
+from pydantic import Field
 
 from llmgw.config import Strict
 from router.balance import Imbalance
@@ -24,6 +31,12 @@ _MASK = (1 << 64) - 1
 
 
 class Params(Strict):
+    # Bounded loads: a pod takes a conversation only while its requests (running, waiting and
+    # in flight), plus this one, stay within `bound` x the fleet mean; else the next pod in the
+    # key's rendezvous order does. A hot tenant spills over its next pods, the same on every
+    # replica, rather than queueing on one.
+    bound: float = Field(default=1.25, ge=1.0)
+    slack: float = Field(default=2.0, ge=0.0)  # requests over the bound any pod may take
     imbalance: Imbalance = Imbalance()
 
 
@@ -39,24 +52,36 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def owner(session: str, cands: list[Candidate]) -> int:
-    """Index of the session's rendezvous pod among the candidates."""
-    key = stable_hash(session)
+def requests(c: Candidate) -> float:
+    return c.load * c.capacity + c.queue
+
+
+def owner(key: int, cands: list[Candidate], bound: float, slack: float) -> int:
+    """Index of the key's pod: the first in rendezvous order within the bounded load."""
     weights = [_mix(key ^ stable_hash(c.pod)) for c in cands]
-    return max(range(len(cands)), key=weights.__getitem__)
+    order = sorted(range(len(cands)), key=weights.__getitem__, reverse=True)
+    loads = [requests(c) for c in cands]
+    allowed = bound * (sum(loads) + 1) / len(cands) + slack
+    return next((i for i in order if loads[i] + 1 <= allowed), order[0])
 
 
 class SessionAffinity:
     def __init__(self, name: str, params: Params) -> None:
         self.name = name
-        self.imbalance = params.imbalance
+        self.p = params
 
     def score(self, req: PickRequest, cands: list[Candidate]) -> Sequence[float]:
         scores = [0.0] * len(cands)
-        if req.session is None:
+        if req.first_turn:
             return scores
-        best = owner(req.session, cands)
-        if not self.imbalance.yields(cands[best], cands):
+        if req.prefix_blocks:
+            key = req.prefix_blocks[0]
+        elif req.session is not None:
+            key = stable_hash(req.session)
+        else:
+            return scores
+        best = owner(key, cands, self.p.bound, self.p.slack)
+        if not self.p.imbalance.yields(cands[best], cands):
             scores[best] = 1.0
         return scores
 

@@ -126,8 +126,8 @@ async def test_allow_over_grpc(running: Running, keys: Keys, raw: bool) -> None:
     assert meta[wire.META_MODEL] == "llama-3-8b"
     assert meta[wire.META_PRIORITY] == 5
     kind = reply.dynamic_metadata.fields[wire.META_TOKEN_ESTIMATE].WhichOneof("kind")
-    assert kind == "number_value"
-    assert meta[wire.META_TOKEN_ESTIMATE] == 109
+    assert kind == "string_value"  # Envoy's metadata action reads strings only
+    assert meta[wire.META_TOKEN_ESTIMATE] == "109"
     assert meta[wire.META_LIMIT_REQUESTS] == {"requests_per_unit": 100, "unit": "MINUTE"}
 
     after = metrics.DECISIONS.labels(result="allow", tenant="acme")._value.get()

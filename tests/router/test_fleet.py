@@ -112,6 +112,23 @@ def test_error_replies_take_a_pod_out_for_the_cooldown() -> None:
     assert fleet.candidates()[0].healthy
 
 
+def test_a_pod_failing_again_stays_out_longer_until_it_answers_well() -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(error_threshold=1, error_cooldown=1.0), clock=clock)
+    fleet.set_pods(["a:1"])
+    fleet.snapshots["a:1"] = PodMetrics("a:1", clock.now, ok=True)
+    for cooldown in (1.0, 2.0, 4.0):
+        fleet.report("a:1", 503)
+        clock.now += cooldown - 0.1
+        assert not fleet.candidates()[0].healthy
+        clock.now += 0.2
+        assert fleet.candidates()[0].healthy
+    fleet.report("a:1", 200)
+    fleet.report("a:1", 503)
+    clock.now += 1.1
+    assert fleet.candidates()[0].healthy  # back to the base cooldown
+
+
 def test_in_flight_counts_follow_acquire_and_release() -> None:
     fleet = Fleet(FleetSettings())
     fleet.set_pods(["a:1"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -20,6 +21,7 @@ from router.plugins import (
     tenant_priority,
 )
 from router.prefix import block_hashes, render
+from router.request import with_body
 from router.types import Candidate, PickRequest
 from tests.router.conftest import cand
 
@@ -114,8 +116,22 @@ def test_session_affinity_is_stable_and_moves_only_sessions_of_a_removed_pod() -
     assert list(s.score(REQ, cands)) == [0.0] * 8
 
 
+def test_session_affinity_spills_over_in_rendezvous_order_when_its_pod_is_busy() -> None:
+    s = session_affinity.factory("s", {"bound": 1.25, "slack": 1.0})
+    cands = [cand("a"), cand("b"), cand("c")]
+    req = PickRequest(session="sess_x")
+    first = s.score(req, cands).index(1.0)
+    cands[first] = cand(cands[first].pod, running=6)  # 7 > 1.25 * 7 / 3 + 1
+    second = s.score(req, cands).index(1.0)
+    assert second != first
+    assert s.score(req, cands).index(1.0) == second  # deterministic: the same next pod
+    cands = [cand(c.pod, running=1) for c in cands]  # 1 + 1 <= 1.25 * 4 / 3 + 1: keeps it
+    assert s.score(req, cands).index(1.0) == first
+
+
 def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
-    s = session_affinity.factory("s", {"imbalance": {"abs_threshold": 0.2, "rel_threshold": 1.5}})
+    params = {"bound": 100.0, "imbalance": {"abs_threshold": 0.2, "rel_threshold": 1.5}}
+    s = session_affinity.factory("s", params)
     cands = [cand("a"), cand("b")]
     req = PickRequest(session="sess_x")
     owner = s.score(req, cands).index(1.0)
@@ -123,6 +139,34 @@ def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
     assert list(s.score(req, cands)) == [0.0, 0.0]
     cands[owner] = cand(cands[owner].pod, running=1)  # within the threshold: keeps affinity
     assert s.score(req, cands)[owner] == 1.0
+
+
+def test_session_affinity_skips_a_first_turn() -> None:
+    s = session_affinity.factory("s", {})
+    cands = [cand("a"), cand("b")]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    first = with_body(PickRequest(session="sess_x"), json.dumps(body).encode(), 4)
+    assert first.first_turn
+    assert list(s.score(first, cands)) == [0.0, 0.0]
+    body["messages"] += [
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "?"},
+    ]
+    later = with_body(PickRequest(session="sess_x"), json.dumps(body).encode(), 4)
+    assert not later.first_turn
+    assert sorted(s.score(later, cands)) == [0.0, 1.0]
+
+
+def test_conversations_sharing_a_system_prompt_share_a_pod() -> None:
+    s = session_affinity.factory("s", {})
+    cands = [cand(f"10.0.0.{i}:8000") for i in range(8)]
+    owners = set()
+    for n in range(20):
+        req = PickRequest(session=f"sess_{n}", prefix_blocks=(42, n))
+        owners.add(list(s.score(req, cands)).index(1.0))
+    assert len(owners) == 1
+    roots = {list(s.score(PickRequest(prefix_blocks=(n,)), cands)).index(1.0) for n in range(50)}
+    assert len(roots) == 8  # different prompts spread over the fleet
 
 
 def _blocks(text: str) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.struct_pb2 import Struct
 from opentelemetry import trace
 
 from llmgw import procs, wire
@@ -130,6 +131,34 @@ async def test_response_headers_release_and_report_status(serve: Starter) -> Non
     assert (await call.read()).WhichOneof("response") == "response_headers"
     assert fleet.in_flight["10.0.0.1:8000"] == 0
     assert not fleet.candidates()[0].healthy  # one 5xx reaches the threshold of 1
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_pick_envoy_retried_elsewhere_counts_as_a_failure(serve: Starter) -> None:
+    fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"])
+    fleet.settings = FleetSettings(error_threshold=1)
+    _, stub = await serve(fleet, PickSettings())
+    call = stub.Process()
+    await call.write(headers_msg())
+    picked = (destination(await call.read()) or "").split(",")[0]
+    other = next(p for p in fleet.snapshots if p != picked)
+    answered = Struct()
+    answered.update({"upstream.address": other})
+    await call.write(
+        pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]
+                )
+            ),
+            attributes={"envoy.filters.http.ext_proc": answered},
+        )
+    )
+    assert (await call.read()).WhichOneof("response") == "response_headers"
+    healthy = {c.pod: c.healthy for c in fleet.candidates()}
+    assert healthy == {picked: False, other: True}
+    assert fleet.in_flight[picked] == 0
     await call.done_writing()
     assert await call.code() == grpc.StatusCode.OK
 

@@ -1,0 +1,275 @@
+"""Rate limits through the real stack: Envoy, extauthz, ratelimit, Redis and simulated pods.
+
+One stack with small limits (tests/… limits below) serves the module; each test adds a tenant of
+its own to the tenants file, so counters never mix. Redis is read directly to check counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from extauthz import tenants
+from extauthz.types import Limits, Tenant, TenantsFile, TierDef
+from llmgw.stack import Stack
+from tests.conftest import api_key, stack_settings
+from tests.http import Reply, call
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+RESERVATION_TTL_S = 2.0
+LIMITS = """
+tiers:
+  free: {requests: {second: 2}, tokens: {minute: 1000000}, retry_base_s: 0.5}
+  standard: {requests: {second: 1000}, tokens: {minute: 1000000}}
+  capped: {requests: {second: 1000}, tokens: {minute: 1000000}, budget: {tokens: 10, per: day}}
+"""
+RATE_HEADERS = [
+    f"x-ratelimit-{what}-{kind}"
+    for kind in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+]
+
+
+@pytest.fixture(scope="module")
+def rl_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    state = tmp_path_factory.mktemp("rl-stack")
+    (state / "limits-src.yaml").write_text(LIMITS)
+    settings = stack_settings().model_copy(
+        update={
+            "ratelimit_limits": state / "limits-src.yaml",
+            "ratelimit_reservation_ttl_s": RESERVATION_TTL_S,
+        }
+    )
+    with Stack(settings, state / "stack") as running:
+        yield running
+
+
+def add_tenant(stack: Stack, tenant_id: str, tier: str, limits: Limits | None = None) -> str:
+    """A tenant with one fresh key, once extauthz has reloaded the file (bounded wait)."""
+    with tenants.editing(stack.tenants_file):
+        data = tenants.read(stack.tenants_file)
+        key, record = tenants.new_key(datetime.now(UTC).replace(microsecond=0))
+        limits = limits or Limits()
+        tenant = Tenant(
+            id=tenant_id, name=tenant_id, tier=tier, priority=5, models="*", limits=limits,
+            keys=(record,),
+        )  # fmt: skip
+        tiers = data.tiers
+        if tier == "capped":
+            tiers = {**tiers, "capped": TierDef(rpm=1000, tpm=1_000_000)}
+        tenants.write(stack.tenants_file, TenantsFile(tiers=tiers, tenants=(*data.tenants, tenant)))
+    deadline = time.monotonic() + 10
+    while call("GET", f"{stack.base_url}/models", headers=auth(key)).status == 401:
+        assert time.monotonic() < deadline, "extauthz did not load the new tenant"
+        time.sleep(0.05)
+    return key
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def chat(stack: Stack, key: str, max_tokens: int = 8, **extra: object) -> Reply:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return call(
+        "POST", f"{stack.base_url}/chat/completions", {**body, "max_tokens": max_tokens}, auth(key)
+    )
+
+
+def counter(stack: Stack, tenant: str, check: str = "tokens:minute") -> int:
+    with redis.Redis(port=stack.redis_port) as r:
+        keys = r.keys(f"llmgw:rl:{{{tenant}}}:{check}:*")
+        return sum(int(v) for v in r.mget(keys) if v is not None) if keys else 0
+
+
+def reservations(stack: Stack, tenant: str) -> list[bytes]:
+    with redis.Redis(port=stack.redis_port) as r:
+        return list(r.keys(f"llmgw:rl:{{{tenant}}}:res:*"))
+
+
+def logged_tokens(stack: Stack, tenant: str, requests: int) -> list[int | None]:
+    """Each access-log line's usage for the tenant, once `requests` lines are there (bounded)."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in stack.access_log.read_text().splitlines()]
+        mine = [
+            line
+            for line in lines
+            if line["tenant"] == tenant and line["path"].endswith("/completions")
+        ]
+        if len(mine) >= requests or time.monotonic() > deadline:
+            return [line["tokens"] for line in mine]
+        time.sleep(0.05)
+
+
+def wait_for(condition: object, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_tokens_are_reserved_at_admission_and_settled_to_the_json_usage(rl_stack: Stack) -> None:
+    key = add_tenant(rl_stack, "rl-json", "standard")
+    reply = chat(rl_stack, key, max_tokens=20)
+    assert reply.status == 200
+    usage = reply.json()["usage"]["total_tokens"]
+    # The reservation (extauthz's estimate, a string in metadata) was counted before the pod ran.
+    estimate = 1_000_000 - int(reply.headers["x-ratelimit-remaining-tokens"])
+    assert estimate > 0 and estimate != usage
+    wait_for(lambda: counter(rl_stack, "rl-json") == usage, "settled to the actual usage")
+    assert reservations(rl_stack, "rl-json") == []
+
+
+async def test_streams_settle_to_their_actual_usage_and_hide_forced_usage(rl_stack: Stack) -> None:
+    key = add_tenant(rl_stack, "rl-stream", "standard")
+    client = openai.AsyncOpenAI(base_url=rl_stack.base_url, api_key=key, max_retries=0)
+
+    async def stream(i: int) -> tuple[bool, list[openai.types.chat.ChatCompletionChunk]]:
+        asked = i % 2 == 0
+        options = {"stream_options": {"include_usage": True}} if asked else {}
+        chunks = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"tell me {i}" * (i + 1)}],
+            max_tokens=5 + 3 * i,
+            stream=True,
+            **options,  # type: ignore[arg-type]
+        )
+        return asked, [chunk async for chunk in chunks]
+
+    results = await asyncio.gather(*(stream(i) for i in range(8)))
+    await client.close()
+    for asked, chunks in results:
+        with_usage = [c for c in chunks if c.usage is not None]
+        assert len(with_usage) == (1 if asked else 0)  # no extra chunk for those who did not ask
+        assert all(c.choices for c in chunks if c.usage is None)
+    logged = logged_tokens(rl_stack, "rl-stream", 8)
+    assert len(logged) == 8 and all(isinstance(t, int) and t > 0 for t in logged)  # usage known
+    reported = sorted(chunks[-1].usage.total_tokens for asked, chunks in results if asked)  # type: ignore[union-attr]
+    assert set(reported) <= set(logged)
+    wait_for(lambda: counter(rl_stack, "rl-stream") == sum(logged), "sum of actual usage")  # type: ignore[arg-type]
+    assert reservations(rl_stack, "rl-stream") == []
+
+
+async def test_aborted_streams_hold_no_quota_after_the_reservation_ttl(rl_stack: Stack) -> None:
+    key = add_tenant(rl_stack, "rl-abort", "standard")
+    client = openai.AsyncOpenAI(base_url=rl_stack.base_url, api_key=key, max_retries=0)
+
+    async def stream(abort: bool) -> None:
+        chunks = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a long story"}],
+            max_tokens=2000 if abort else 10, stream=True,
+        )  # fmt: skip
+        async for _ in chunks:
+            if abort:
+                break
+        await chunks.close()
+
+    started = time.monotonic()
+    await asyncio.gather(*(stream(abort=i % 2 == 1) for i in range(8)))
+    await client.close()
+    logged = logged_tokens(rl_stack, "rl-abort", 8)
+    assert len(logged) == 8 and logged.count(None) >= 1  # some aborted before their usage
+    # Each admission gives back expired reservations: poll with small requests until it has.
+    polls = 0
+    deadline = started + RESERVATION_TTL_S + 15
+    while True:
+        assert chat(rl_stack, key, max_tokens=1).status == 200
+        polls += 1
+        settled = [t for t in logged_tokens(rl_stack, "rl-abort", 8 + polls) if t is not None]
+        expired = time.monotonic() > started + RESERVATION_TTL_S
+        if (
+            expired
+            and not reservations(rl_stack, "rl-abort")
+            and counter(rl_stack, "rl-abort") == sum(settled)
+        ):
+            break
+        assert time.monotonic() < deadline, (counter(rl_stack, "rl-abort"), sum(settled))
+        await asyncio.sleep(0.2)
+
+
+def test_sdk_gets_rate_limit_error_then_retries_after_retry_after(rl_stack: Stack) -> None:
+    key = add_tenant(rl_stack, "rl-sdk", "free")  # 2 requests per second
+    bare = openai.OpenAI(base_url=rl_stack.base_url, api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(4):
+            bare.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    bare.close()
+    response = refused.value.response
+    assert response.headers["content-type"] == "application/json"
+    assert 1 <= int(response.headers["retry-after"]) <= 2
+    assert int(response.headers["retry-after-ms"]) >= 1000
+    assert all(name in response.headers for name in RATE_HEADERS)
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert "rl-sdk" in error["message"] and "Limit 2" in error["message"]
+
+    retrying = openai.OpenAI(base_url=rl_stack.base_url, api_key=key)  # the SDK's defaults
+    for _ in range(2):  # fill the second again, then one more: refused, waited for, served
+        retrying.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    started = time.monotonic()
+    raw = retrying.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=2,  # type: ignore[arg-type]
+    )
+    retrying.close()
+    assert raw.http_response.status_code == 200
+    assert raw.retries_taken >= 1
+    assert time.monotonic() - started >= 0.9  # it waited what retry-after-ms said
+
+
+def test_exhausted_budget_is_insufficient_quota_and_not_retried(rl_stack: Stack) -> None:
+    key = add_tenant(rl_stack, "rl-capped", "capped")  # a budget of 10 tokens a day
+    reply = chat(rl_stack, key, max_tokens=50)
+    assert reply.status == 429
+    assert reply.headers["content-type"] == "application/json"
+    assert reply.headers["x-should-retry"] == "false"
+    error = reply.json()["error"]
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+
+
+def test_tenant_limits_from_the_tenants_file_reach_the_limiter(rl_stack: Stack) -> None:
+    # add_tenant's readiness probe is the first of 4 requests a minute.
+    key = add_tenant(rl_stack, "rl-own", "standard", Limits(rpm=4, tpm=5000))
+    replies = [chat(rl_stack, key) for _ in range(4)]
+    assert [r.status for r in replies] == [200, 200, 200, 429]
+    assert replies[0].headers["x-ratelimit-limit-requests"] == "4"
+    assert replies[0].headers["x-ratelimit-limit-tokens"] == "5000"
+    assert replies[3].json()["error"]["type"] == "requests"
+
+
+def test_every_response_carries_the_rate_limit_headers(rl_stack: Stack) -> None:
+    key = add_tenant(rl_stack, "rl-headers", "standard", Limits(rpm=3))  # the probe, then 2
+    replies = [
+        chat(rl_stack, key),
+        chat(rl_stack, key, stream=True),
+        chat(rl_stack, key, stream=True, stream_options={"include_usage": True}),
+    ]
+    assert [r.status for r in replies] == [200, 200, 429]
+    for reply in replies:
+        assert all(name in reply.headers for name in RATE_HEADERS), reply.headers
+    assert b"data: [DONE]" in replies[1].body and b'"usage"' not in replies[1].body
+
+
+def test_redis_killed_during_load_fails_no_request(tmp_path: Path) -> None:
+    with Stack(stack_settings(), tmp_path / "stack") as stack:
+        key = api_key(stack, "platinum")
+        with ThreadPoolExecutor(6) as pool:
+            sent = [pool.submit(lambda: chat(stack, key, max_tokens=4)) for _ in range(180)]
+            sent[59].result()
+            assert counter(stack, "demo-platinum", "requests:minute") >= 60  # counted in Redis
+            next(p for p in stack.processes if p.name == "redis").kill()
+            replies = [f.result() for f in sent]
+        assert {r.status for r in replies} == {200}
+        assert all(name in replies[-1].headers for name in RATE_HEADERS)  # from local counters

@@ -1,0 +1,176 @@
+"""The router through real Envoy and simulated pods: affinity, failing pods, router loss, replicas.
+
+Where a request went is read from Envoy's access log (`upstream`, by request ID), what the router
+picked from its own metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmgw import wire
+from llmgw.stack import Stack, StackSettings
+from tests.conftest import api_key, stack_settings
+from tests.http import call
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SYSTEM = "You are the support assistant of the Example Corporation. " * 40  # ~600 tokens
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with Stack(stack_settings(pods=4), tmp_path_factory.mktemp("routed")) as running:
+        yield running
+
+
+def chat(stack: Stack, messages: list[dict[str, str]], session: str | None = None) -> Any:
+    headers = {"authorization": f"Bearer {api_key(stack)}"} if stack.tenants else {}
+    if session:
+        headers[wire.HEADER_SESSION] = session
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+    reply = call("POST", f"{stack.base_url}/chat/completions", body, headers)
+    assert reply.status == 200, reply.body
+    return reply
+
+
+def upstreams(stack: Stack, request_ids: list[str]) -> list[str]:
+    """The pod each request went to, from the access log (flushed every 200 ms; bounded wait)."""
+    found: dict[str, str] = {}
+    for _ in range(100):
+        if stack.access_log.exists():
+            for line in stack.access_log.read_text().splitlines():
+                entry = json.loads(line)
+                found[entry["request_id"]] = entry["upstream"]
+        if all(r in found for r in request_ids):
+            return [found[r] for r in request_ids]
+        time.sleep(0.05)
+    raise AssertionError(f"requests missing from the access log: {set(request_ids) - set(found)}")
+
+
+def router_picks(stack: Stack, pod: str) -> float:
+    with urllib.request.urlopen(stack.metrics["router"], timeout=5) as resp:
+        text = resp.read().decode()
+    prefix = f'llmgw_router_picks_total{{pod="{pod}"'
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    )
+
+
+def converse(stacks: list[Stack], turns: int, session: str | None = None) -> tuple[str, list[str]]:
+    """One session's turns (alternating over `stacks`), with the history; the pods they hit."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    pods = []
+    for turn in range(turns):
+        stack = stacks[turn % len(stacks)]
+        messages.append({"role": "user", "content": f"question {turn}"})
+        reply = chat(stack, messages, session)
+        session = reply.headers.get(wire.HEADER_SESSION, session)
+        pods += upstreams(stack, [reply.headers["x-request-id"]])
+        messages.append(
+            {"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]}
+        )
+    assert session is not None
+    return session, pods
+
+
+def test_a_session_stays_on_one_pod(routed: Stack) -> None:
+    for _ in range(3):
+        _, pods = converse([routed], turns=5)
+        assert len(set(pods[1:])) == 1, pods  # the first turn has no affinity yet
+
+
+def test_a_shared_prompt_prefix_lands_on_the_pod_that_holds_it(routed: Stack) -> None:
+    """New sessions (no affinity yet) with one long system prompt follow the prefix."""
+    prefix = "Tenant 42 instructions: answer tersely and cite sources. " * 40
+    ids = []
+    for i in range(6):
+        messages = [{"role": "system", "content": prefix}, {"role": "user", "content": f"q{i}"}]
+        ids.append(chat(routed, messages).headers["x-request-id"])
+    pods = upstreams(routed, ids)
+    assert len(set(pods[1:])) == 1, pods
+    assert router_picks(routed, pods[-1]) >= 5  # the router named that pod
+
+
+async def load(
+    stack: Stack, seconds: float, concurrency: int, on_done: Any = None
+) -> tuple[int, list[BaseException]]:
+    """Chat requests from `concurrency` workers for `seconds`: how many, and the failures."""
+    headers = {"authorization": f"Bearer {api_key(stack)}"}
+    deadline = time.monotonic() + seconds
+    done = 0
+    failures: list[BaseException] = []
+
+    async def worker(session: aiohttp.ClientSession, w: int) -> None:
+        nonlocal done
+        while time.monotonic() < deadline:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"w{w} {done}"}]}
+            try:
+                async with session.post(
+                    f"{stack.base_url}/chat/completions", json=body | {"max_tokens": 20}
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{resp.status}: {text}")
+            except (RuntimeError, aiohttp.ClientError) as exc:
+                failures.append(exc)
+            done += 1
+            if on_done is not None:
+                await on_done(done)
+
+    async with aiohttp.ClientSession(headers=headers) as session:
+        await asyncio.gather(*(worker(session, w) for w in range(concurrency)))
+    return done, failures
+
+
+async def test_a_failing_pod_stops_receiving_picks_and_no_request_fails(own_stack: Stack) -> None:
+    bad = own_stack.pods[0]
+    bad_id = f"{bad.host}:{bad.port}"
+    faults = {"error_rate": 1.0, "error_status": 503}
+    assert call("PUT", f"{own_stack.pod_url(0)}/admin/faults", faults).status == 200
+    failed_at = time.monotonic()
+    marks: list[float] = []
+
+    async def mark(done: int) -> None:
+        if not marks and time.monotonic() - failed_at >= 1.0:
+            marks.append(await asyncio.to_thread(router_picks, own_stack, bad_id))
+
+    done, failures = await load(own_stack, 2.5, 6, mark)
+    assert done > 50 and failures == []  # every 503 was retried on another pod
+    assert marks
+    # After a second, the bad pod gets at most one probe after its cooldown: `error_threshold`
+    # (3) picks plus those made while the probe's answers are on their way (6 workers).
+    assert router_picks(own_stack, bad_id) - marks[0] <= 3 + 6
+
+
+async def test_killing_the_router_mid_load_fails_no_request(own_stack: Stack) -> None:
+    router = next(p for p in own_stack.processes if p.name == "router")
+
+    async def kill(done: int) -> None:
+        if done == 40:
+            router.kill()
+
+    done, failures = await load(own_stack, 3.0, 8, kill)
+    assert router.popen is not None and router.popen.poll() is not None
+    assert done > 80 and failures == []
+
+
+def test_two_router_replicas_keep_sessions_on_one_pod(tmp_path: Path) -> None:
+    """Two stacks (two Envoys, two routers) in front of the same pods; turns alternate."""
+    first = stack_settings(pods=3).model_copy(update={"services": ("router",)})
+    with Stack(first, tmp_path / "a") as a:
+        second = StackSettings.model_validate(
+            first.model_dump() | {"pods": 0, "upstreams": tuple(a.pod_url(i) for i in range(3))}
+        )
+        with Stack(second, tmp_path / "b") as b:
+            for n in range(4):
+                _, pods = converse([a, b], turns=4, session=f"sess_replicas_{n}")
+                assert len(set(pods[1:])) == 1, pods  # the first turn has no affinity yet
