@@ -31,8 +31,9 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
+## a benchmark from bench/ (BENCH=overhead, routing, extauthz_decision, ratelimit_decision, router_pick)
 bench: $(STAMP)
-	$(PY) -m bench.overhead
+	$(PY) -m bench.$(or $(BENCH),overhead) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache

@@ -1,14 +1,16 @@
 """Process executor: start a child, wait until it answers at the protocol level, stop it.
 
-Shared by the launcher (`llmgw up`) and the test fixtures. Every child gets
-PR_SET_PDEATHSIG, so even a launcher killed with SIGKILL leaves no orphan behind.
+Shared by the launcher (`llmgw up`) and the test fixtures. Every child runs under
+`setpriv --pdeathsig TERM` (util-linux), so even a launcher killed with SIGKILL leaves no orphan
+behind. Not a `preexec_fn`: that forces a plain fork() of a process that may hold gRPC threads,
+whose fork handlers then deadlock the parent (seen here); without it Python spawns by vfork.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,8 +20,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-
-_PR_SET_PDEATHSIG = 1
 
 
 class StartError(RuntimeError):
@@ -40,9 +40,12 @@ def bin_path(name: str) -> str:
     raise FileNotFoundError(f"{name} not found beside {sys.executable}: run `make install`")
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _with_parent(argv: Sequence[str]) -> list[str]:
+    """argv, run so that the child gets SIGTERM when the thread that started it dies."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise FileNotFoundError("setpriv not found: install util-linux")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 # Readiness probes: each returns True once the child answers.
@@ -139,12 +142,11 @@ class Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
-                self.argv,
+                _with_parent(self.argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
-                preexec_fn=_die_with_parent,
             )
         return self
 
