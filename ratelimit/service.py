@@ -10,7 +10,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2
 from opentelemetry import trace
 
-from llmgw.telemetry import parent_context
+from llmgw.telemetry import carrier, parent_context
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
@@ -74,12 +74,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
     ) -> rls_pb2.RateLimitResponse:
         started = time.perf_counter()
         parsed = parse(request)
-        parent = None
-        if not isinstance(self.tracer, trace.NoOpTracer):
-            carrier = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
-            parent = parent_context(carrier)
         with self.tracer.start_as_current_span(
-            "ratelimit.decide", context=parent, kind=trace.SpanKind.SERVER
+            "ratelimit.decide",
+            context=parent_context(carrier(context.invocation_metadata(), {})),
+            kind=trace.SpanKind.SERVER,
         ) as span:
             for settlement in parsed.settlements:
                 span.set_attribute("tenant.id", settlement.tenant)

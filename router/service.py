@@ -18,7 +18,7 @@ from google.protobuf.struct_pb2 import Struct
 from opentelemetry import trace
 
 from llmgw import wire
-from llmgw.telemetry import parent_context
+from llmgw.telemetry import carrier, parent_context
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
 from router.request import from_headers, with_body
@@ -84,6 +84,7 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.ProcessingResponse]:
         req: PickRequest | None = None
         headers: dict[str, str] = {}
+        rpc_metadata = context.invocation_metadata()
         pod: PodId | None = None
         decided = False
         try:
@@ -95,7 +96,7 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if self.settings.buffered_body and not msg.request_headers.end_of_stream:
                         yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                         continue
-                    meta, pod = self.decide(req, headers)
+                    meta, pod = self.decide(req, carrier(rpc_metadata, headers))
                     decided = True
                     yield pb.ProcessingResponse(
                         request_headers=pb.HeadersResponse(), dynamic_metadata=meta
@@ -105,7 +106,7 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
                     req = with_body(req, msg.request_body.body, self.settings.max_prefix_blocks)
-                    meta, pod = self.decide(req, headers)
+                    meta, pod = self.decide(req, carrier(rpc_metadata, headers))
                     decided = True
                     yield pb.ProcessingResponse(
                         request_body=pb.BodyResponse(), dynamic_metadata=meta
