@@ -16,6 +16,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.telemetry import parent_context
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
 from router.prefix import block_hashes, render
@@ -85,7 +86,7 @@ def bench_picks(n_pods: int, picks: int) -> tuple[float, float]:
     times = []
     for req, headers in reqs:
         t0 = time.perf_counter()
-        _, pod = service.decide(req, headers)
+        _, pod = service.decide(req, parent_context(None, headers))
         times.append(time.perf_counter() - t0)
         if pod is not None:
             fleet.release(pod)

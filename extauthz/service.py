@@ -18,7 +18,7 @@ from extauthz import metrics
 from extauthz.decision import Decider
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, MetaValue
-from llmgw.telemetry import carrier, parent_context
+from llmgw.telemetry import parent_context
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON = base_pb2.HeaderValueOption(
@@ -86,7 +86,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         body = http.raw_body or http.body.encode()
         with self.tracer.start_as_current_span(
             "extauthz.check",
-            context=parent_context(carrier(context.invocation_metadata(), headers)),
+            context=parent_context(context.invocation_metadata(), headers),
             kind=trace.SpanKind.SERVER,
         ) as span:
             started = time.perf_counter()

@@ -174,26 +174,14 @@ def render(
     ]
     return env.get_template(TEMPLATE).render(
         wire=wire,
+        settings=settings,
         listen=listen,
-        admin=settings.admin,
-        timeouts=settings.timeouts,
-        retries=settings.retries,
-        health=settings.health,
-        outlier=settings.outlier,
-        circuit=settings.circuit,
-        max_request_bytes=settings.max_request_bytes,
-        max_downstream_connections=settings.max_downstream_connections,
-        access_log_path=settings.access_log_path,
-        otlp=settings.otlp,
-        tracing_percent=settings.tracing_percent,
         routes=routes,
         services=services or Services(),
         local_replies=_local_replies(settings.max_request_bytes),
         pods={
             "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",
             "endpoints": pods,
-            "slow_start": settings.slow_start,
-            "fallback_policy": settings.fallback_policy,
         },
     )
 

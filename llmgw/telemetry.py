@@ -37,18 +37,13 @@ def setup(service: str, settings: TracingSettings) -> trace.Tracer:
     return trace.get_tracer(service)
 
 
-def parent_context(headers: Mapping[str, str]) -> Context:
-    """The trace Envoy started, from its `traceparent` header (lower-case header names)."""
-    return propagate.extract(headers)
-
-
-def carrier(
-    metadata: Iterable[tuple[str, str | bytes]] | None, headers: Mapping[str, str]
-) -> dict[str, str]:
-    """Where a callout's trace context is: Envoy puts its egress span for the call in the gRPC
-    metadata, which wins over the HTTP request's own `traceparent`."""
+def parent_context(
+    metadata: Iterable[tuple[str, str | bytes]] | None, headers: Mapping[str, str] | None = None
+) -> Context:
+    """The trace Envoy started for this callout. Envoy puts its egress span for the gRPC call in
+    the call's metadata, which wins over a `traceparent` in the HTTP request's own headers."""
     found = {k: v for k, v in (metadata or ()) if k in _TRACE_KEYS and isinstance(v, str)}
-    return {**headers, **found}
+    return propagate.extract({**(headers or {}), **found})
 
 
 _TRACE_KEYS = ("traceparent", "tracestate")

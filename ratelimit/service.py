@@ -10,7 +10,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2
 from opentelemetry import trace
 
-from llmgw.telemetry import carrier, parent_context
+from llmgw.telemetry import parent_context
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
@@ -76,7 +76,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         parsed = parse(request)
         with self.tracer.start_as_current_span(
             "ratelimit.decide",
-            context=parent_context(carrier(context.invocation_metadata(), {})),
+            context=parent_context(context.invocation_metadata()),
             kind=trace.SpanKind.SERVER,
         ) as span:
             for settlement in parsed.settlements:

@@ -16,9 +16,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from llmgw import wire
-from llmgw.telemetry import carrier, parent_context
+from llmgw.telemetry import parent_context
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
 from router.request import from_headers, with_body
@@ -59,14 +60,12 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tracer = tracer
         self.settings = settings
 
-    def decide(
-        self, req: PickRequest, headers: dict[str, str]
-    ) -> tuple[Struct | None, PodId | None]:
+    def decide(self, req: PickRequest, parent: Context) -> tuple[Struct | None, PodId | None]:
         attributes = {
             k: v for k, v in (("tenant.id", req.tenant), ("session.id", req.session)) if v
         }
         with self.tracer.start_as_current_span(
-            "router.pick", context=parent_context(headers), attributes=attributes
+            "router.pick", context=parent, attributes=attributes
         ) as span:
             result = self.engine.pick(req, self.fleet.candidates())
             if isinstance(result, NoPod):
@@ -83,8 +82,7 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         req: PickRequest | None = None
-        headers: dict[str, str] = {}
-        rpc_metadata = context.invocation_metadata()
+        parent = Context()  # replaced by Envoy's trace with the request headers
         pod: PodId | None = None
         decided = False
         try:
@@ -93,10 +91,11 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if kind == "request_headers":
                     headers = header_map(msg.request_headers)
                     req = from_headers(headers)
+                    parent = parent_context(context.invocation_metadata(), headers)
                     if self.settings.buffered_body and not msg.request_headers.end_of_stream:
                         yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                         continue
-                    meta, pod = self.decide(req, carrier(rpc_metadata, headers))
+                    meta, pod = self.decide(req, parent)
                     decided = True
                     yield pb.ProcessingResponse(
                         request_headers=pb.HeadersResponse(), dynamic_metadata=meta
@@ -106,7 +105,7 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
                     req = with_body(req, msg.request_body.body, self.settings.max_prefix_blocks)
-                    meta, pod = self.decide(req, carrier(rpc_metadata, headers))
+                    meta, pod = self.decide(req, parent)
                     decided = True
                     yield pb.ProcessingResponse(
                         request_body=pb.BodyResponse(), dynamic_metadata=meta
