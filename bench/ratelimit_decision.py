@@ -4,7 +4,7 @@
 
 Prints: decisions/s (one process, one core of the event loop), p50/p99 of one decision inside the
 service (Limiter.admit: policy, one EVALSHA over the RESP client, folding, metrics), the client
-cost of one EVALSHA via ratelimit.resp vs redis.asyncio, and admitted − limit under concurrency
+cost of one EVALSHA via llmgw.resp vs redis.asyncio, and admitted − limit under concurrency
 (4 engines sharing Redis, 400 concurrent requests against a limit of 100; must be 0).
 """
 
@@ -79,7 +79,7 @@ async def run(port: int, seconds: float) -> list[tuple[str, str]]:
 
     await asyncio.gather(*(worker() for _ in range(64)))
     rows.append(("decisions/s (64 concurrent)", f"{done / seconds:,.0f}"))
-    # The Redis client path alone: one EVALSHA, ratelimit.resp vs redis.asyncio.
+    # The Redis client path alone: one EVALSHA, llmgw.resp vs redis.asyncio.
     assert limiter.store.redis is not None  # type: ignore[attr-defined]
     client = limiter.store.redis.client  # type: ignore[attr-defined]
     ra = redis_asyncio.Redis(port=port)

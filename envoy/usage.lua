@@ -1,30 +1,37 @@
--- Usage is known for every stream: the pods end each stream with a usage chunk (vLLM
--- --enable-force-include-usage; the simulator's --force-include-usage), sse_to_metadata reads it
--- on its way out, and this filter then drops it for clients that did not ask for it
--- (stream_options.include_usage), so they see exactly what OpenAI would send them.
--- Only streams of such clients are touched; events are passed on as soon as they are complete.
+-- What a stream really delivered, and only the usage the client asked for.
+--
+-- Decided from extauthz's request facts (stream, include_usage), never from the raw body. For
+-- every SSE response it counts the content events (those with a choice) that reach the client
+-- into {{ wire.USAGE_NAMESPACE }}/{{ wire.META_STREAMED_EVENTS }}, so the access log of a stream cut
+-- short (client hung up, pod reset) still says how many tokens were streamed. Pods send usage for
+-- every stream (vLLM --enable-force-include-usage: a final usage-only event, or since vLLM 0.20
+-- usage on every event); sse_to_metadata has read it before this filter, which then removes it
+-- for clients that did not ask for it, so they see exactly what OpenAI would send them.
 
-function envoy_on_request(handle)
-  local body = handle:body()
-  if body == nil then
-    return
-  end
-  local text = body:getBytes(0, body:length())
-  if text:find('"stream"%s*:%s*true') and not text:find('"include_usage"%s*:%s*true') then
-    handle:streamInfo():dynamicMetadata():set("{{ wire.USAGE_NAMESPACE }}", "strip", "1")
-  end
+local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"
+local USAGE = "{{ wire.USAGE_NAMESPACE }}"
+local STREAMED = "{{ wire.META_STREAMED_EVENTS }}"
+
+local function has_choice(event)
+  return event:find('"choices"%s*:%s*%[%s*{') ~= nil
 end
 
-local function usage_only(event)
-  return event:find('"choices"%s*:%s*%[%s*%]') and event:find('"usage"%s*:%s*{')
+-- `,"usage":{...}` is structural JSON: inside a string value every quote is escaped.
+local function without_usage(event)
+  return (event:gsub(',%s*"usage"%s*:%s*%b{}', '', 1))
 end
 
 function envoy_on_response(handle)
-  local meta = handle:streamInfo():dynamicMetadata():get("{{ wire.USAGE_NAMESPACE }}")
-  if meta == nil or meta["strip"] == nil then
+  local facts = handle:streamInfo():dynamicMetadata():get(FACTS)
+  if facts == nil or facts["{{ wire.META_STREAM }}"] ~= true then
     return
   end
-  local held = ""
+  local ctype = handle:headers():get("content-type") or ""
+  if ctype:find("text/event-stream", 1, true) == nil then
+    return
+  end
+  local strip = facts["{{ wire.META_INCLUDE_USAGE }}"] ~= true
+  local streamed, held = 0, ""
   for chunk in handle:bodyChunks() do
     local text = held .. chunk:getBytes(0, chunk:length())
     local out, at = {}, 1
@@ -34,12 +41,21 @@ function envoy_on_response(handle)
         break
       end
       local event = text:sub(at, stop)
-      if not usage_only(event) then
+      if has_choice(event) then
+        streamed = streamed + 1
+        out[#out + 1] = strip and without_usage(event) or event
+      elseif not (strip and event:find('"usage"%s*:%s*{')) then
         out[#out + 1] = event
       end
       at = stop + 1
     end
     held = text:sub(at)
-    chunk:setBytes(table.concat(out))
+    -- Unchanged bytes pass as they came; only a stream that loses usage events is rewritten
+    -- (then a trailing partial event waits for the rest of it).
+    if strip then
+      chunk:setBytes(table.concat(out))
+    end
+    -- Fetched again each time: Envoy's objects do not outlive the yield to the next chunk.
+    handle:streamInfo():dynamicMetadata():set(USAGE, STREAMED, streamed)
   end
 end

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -17,8 +16,9 @@ from typing import Any
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
-from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, MetaValue, Snapshot
-from llmgw import wire
+from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, Snapshot
+from llmgw import facts, wire
+from llmgw.facts import MetaValue
 
 _MAX_KEY_CHARS = 256
 _MODEL_NAME = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: safe as a header value
@@ -43,42 +43,6 @@ def _api_key(headers: Mapping[str, str]) -> str | None:
     if key is not None:
         return key.strip()
     return None if auth is None else ""
-
-
-def _prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
-    """Estimated prompt tokens: characters of text / chars_per_token, token-ID prompts as given."""
-    chars = 0
-    tokens = 0
-    messages = request.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    text = part.get("text") if isinstance(part, dict) else None
-                    if isinstance(text, str):
-                        chars += len(text)
-    for name in ("prompt", "input"):
-        value = request.get(name)
-        if isinstance(value, str):
-            chars += len(value)
-        elif isinstance(value, list):
-            for item in value:
-                if isinstance(item, str):
-                    chars += len(item)
-                elif isinstance(item, int):
-                    tokens += 1
-    return math.ceil(chars / chars_per_token) + tokens
-
-
-def _max_output(request: Mapping[str, Any]) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = request.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
 
 
 class Decider:
@@ -120,13 +84,11 @@ class Decider:
                 tenant=tenant.id,
             )
 
-        model: str | None = None
-        estimate = 0
+        request_facts = facts.RequestFacts()
         request = _json_object(body)
         if request is not None:
             name = request.get("model")
-            if isinstance(name, str) and _MODEL_NAME.fullmatch(name):
-                model = name
+            model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
             if tenant.models is not None and "model" in request and model not in tenant.models:
                 return Deny(
                     403,
@@ -135,10 +97,14 @@ class Decider:
                     param="model",
                     tenant=tenant.id,
                 )
-            output = _max_output(request)
-            estimate = _prompt_tokens(request, self.settings.chars_per_token) + (
-                self.settings.default_output_tokens if output is None else output
+            request_facts = facts.from_body(
+                request,
+                chars_per_token=self.settings.chars_per_token,
+                default_output=self.settings.default_output_tokens,
+                max_blocks=self.settings.max_prefix_blocks,
+                model=model,
             )
+        model = request_facts.model
 
         now_ms = int(now * 1000)
         session = headers.get(wire.HEADER_SESSION, "")
@@ -157,7 +123,7 @@ class Decider:
 
         set_headers = (
             *tenant.headers,
-            (wire.HEADER_TOKEN_ESTIMATE, str(estimate)),
+            (wire.HEADER_TOKEN_ESTIMATE, str(request_facts.token_estimate)),
             (wire.HEADER_SESSION, session),
             (wire.HEADER_REQUEST_ID, request_id),
         )
@@ -176,12 +142,10 @@ class Decider:
             wire.META_PRIORITY: float(tenant.priority),
             wire.META_SESSION: session,
             wire.META_REQUEST_ID: request_id,
-            # A string: Envoy's rate-limit `metadata` action drops non-string values.
-            wire.META_TOKEN_ESTIMATE: str(estimate),
+            wire.META_KEY_ID: entry.key_id,
+            **request_facts.to_metadata(),
             **tenant.limits,
         }
-        if model is not None:
-            metadata[wire.META_MODEL] = model
         return Allow(
             headers=set_headers,
             headers_to_remove=remove,

@@ -17,7 +17,8 @@ from opentelemetry import trace
 from extauthz import metrics
 from extauthz.decision import Decider
 from extauthz.store import TenantsStore
-from extauthz.types import Allow, Decision, MetaValue
+from extauthz.types import Allow, Decision
+from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD

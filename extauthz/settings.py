@@ -25,6 +25,7 @@ class DecisionSettings(Strict):
     max_body_bytes: int = Field(default=2 * 1024 * 1024, gt=0)
     default_output_tokens: int = Field(default=256, ge=0)  # when the body names no max_tokens
     chars_per_token: float = Field(default=4.0, gt=0)
+    max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
 
 
 class Settings(Strict):

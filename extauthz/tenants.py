@@ -19,13 +19,13 @@ from extauthz.types import (
     KEY_PREFIX,
     ApiKey,
     KeyEntry,
-    MetaValue,
     Snapshot,
     TenantsFile,
     TenantView,
 )
 from llmgw import wire
 from llmgw.config import read_yaml, validate
+from llmgw.facts import MetaValue
 
 
 def digest(api_key: str) -> bytes:

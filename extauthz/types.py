@@ -11,13 +11,11 @@ from typing import Literal
 from pydantic import AwareDatetime, Field, field_validator, model_validator
 
 from llmgw.config import Strict
+from llmgw.facts import MetaValue
 
 BUILTIN_TIERS = ("free", "standard", "platinum")
 KEY_PREFIX = "sk-llmgw-"
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
-
-# Metadata values as they go into a protobuf Struct.
-MetaValue = str | float | bool | Mapping[str, "MetaValue"]
 
 
 class Limits(Strict):

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from extauthz import cli as extauthz_cli
-from llmgw import config, envoyconf, logs
+from llmgw import config, envoyconf, logs, usage
 from llmgw.envoyconf import Address
 from llmgw.stack import Stack, StackSettings
 
@@ -31,6 +31,10 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
         update["upstreams"] = args.upstream
     if args.sim_arg:
         update["sim_args"] = [a for arg in args.sim_arg for a in arg.split()]
+    if args.database_url:
+        update["database_url"] = args.database_url
+    if settings.postgres_dir is None:  # the local ledger outlives one run of the stack
+        update["postgres_dir"] = args.state_dir / "postgres"
     return config.validate(
         StackSettings, {**settings.model_dump(), **update}, str(args.config or "arguments")
     )
@@ -44,12 +48,33 @@ def cmd_up(args: argparse.Namespace) -> int:
     return supervise(Stack(settings, state_dir), args.ready_file)
 
 
+RENDERED_SERVICES = ("extauthz", "ratelimit", "router", "ledger")
+
+
 def cmd_render_envoy(args: argparse.Namespace) -> int:
+    if args.extauthz is None and not args.insecure_no_auth:
+        raise ValueError(
+            "render-envoy: no --extauthz HOST:PORT: the gateway would serve the pods to anyone "
+            "who reaches it. Pass --insecure-no-auth to render it anyway."
+        )
     settings = config.load(envoyconf.EnvoySettings, args.config, "LLMGW_ENVOY")
-    if settings.admin.port == 0:
-        settings = settings.model_copy(update={"admin": Address(port=ADMIN_PORT)})
+    update: dict[str, Address] = {}
+    if args.admin:
+        update["admin"] = _listen(args.admin)
+    elif settings.admin.port == 0:
+        update["admin"] = Address(port=ADMIN_PORT)
+    if args.otlp:
+        update["otlp"] = envoyconf.parse_endpoint(args.otlp)
+    settings = settings.model_copy(update=update)
+    services = envoyconf.Services.model_validate(
+        {
+            name: envoyconf.parse_endpoint(getattr(args, name))
+            for name in RENDERED_SERVICES
+            if getattr(args, name)
+        }
+    )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
-    sys.stdout.write(envoyconf.render(settings, _listen(args.listen), pods))
+    sys.stdout.write(envoyconf.render(settings, _listen(args.listen), pods, services))
     return 0
 
 
@@ -70,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flags for every pod")
     up.add_argument("--ready-file", type=Path, help="write base URL, keys and pods here as JSON")
+    up.add_argument(
+        "--database-url", help="PostgreSQL for the usage ledger (default: a local server of ours)"
+    )
     up.add_argument("--state-dir", type=Path, default=Path(".llmgw"), help="logs and configs")
     up.set_defaults(func=cmd_up)
 
@@ -77,9 +105,21 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--config", type=Path, help="Envoy settings YAML (EnvoySettings)")
     render.add_argument("--listen", default="0.0.0.0:8080")
     render.add_argument("--upstream", action="append", required=True, help="host:port")
+    for name in RENDERED_SERVICES:
+        render.add_argument(f"--{name}", metavar="HOST:PORT", help=f"the {name} service (gRPC)")
+    render.add_argument("--otlp", metavar="HOST:PORT", help="OpenTelemetry collector (OTLP/gRPC)")
+    render.add_argument(
+        "--admin", metavar="HOST:PORT", help=f"admin (default 127.0.0.1:{ADMIN_PORT})"
+    )
+    render.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="render without --extauthz: no API key checked, no tenant, no quota",
+    )
     render.set_defaults(func=cmd_render_envoy)
 
     extauthz_cli.register(sub)  # `tenants` and `keys`
+    usage.register(sub)  # `usage`, from the ledger
     return top
 
 

@@ -27,6 +27,11 @@ class Address(Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
 
+    @property
+    def cluster_type(self) -> str:
+        """Envoy's cluster type for this address: a name (compose, Kubernetes) is resolved."""
+        return "STATIC" if _is_ip(self.host) else "STRICT_DNS"
+
 
 class Timeouts(Strict):
     connect: str = "1s"
@@ -74,9 +79,11 @@ class Services(Strict):
     extauthz: Address | None = None
     ratelimit: Address | None = None
     router: Address | None = None
+    ledger: Address | None = None  # the access-log service: outcomes, settlement, usage ledger
     timeout: str = "0.5s"  # extauthz; fail closed
     ratelimit_timeout: str = "0.05s"  # fail open (failure_mode_deny: false)
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
+    log_flush: str = "0.2s"  # access-log batches to the ledger and the router, at least this often
 
     @property
     def grpc(self) -> list[tuple[str, Address]]:
@@ -84,6 +91,7 @@ class Services(Strict):
             ("extauthz", self.extauthz),
             ("ratelimit", self.ratelimit),
             ("router", self.router),
+            ("ledger", self.ledger),
         )
         return [(name, a) for name, a in named if a is not None]
 
@@ -159,6 +167,14 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
     ]
 
 
+# The pod's usage fields copied into metadata (wire.USAGE_NAMESPACE): key, path under `usage`.
+USAGE_FIELDS = (
+    (wire.META_PROMPT_TOKENS, ("prompt_tokens",)),
+    (wire.META_COMPLETION_TOKENS, ("completion_tokens",)),
+    (wire.META_CACHED_TOKENS, ("prompt_tokens_details", "cached_tokens")),
+)
+
+
 def render(
     settings: EnvoySettings, listen: Address, pods: list[Address], services: Services | None = None
 ) -> str:
@@ -179,6 +195,7 @@ def render(
         routes=routes,
         services=services or Services(),
         local_replies=_local_replies(settings.max_request_bytes),
+        usage_fields=USAGE_FIELDS,
         pods={
             "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",
             "endpoints": pods,

@@ -10,11 +10,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from prometheus_client import start_http_server
+
+from llmgw.procs import Process
 from llmgw.stack import Stack
+from llmgw.supervisor import Backoff, Supervisor, SupervisorMetrics
 
 log = logging.getLogger("llmgw.up")
 
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.1  # how soon a dead child is noticed
 
 
 def banner(info: dict[str, Any]) -> str:
@@ -33,15 +37,23 @@ def banner(info: dict[str, Any]) -> str:
         "  from openai import OpenAI",
         f'  client = OpenAI(base_url="{info["base_url"]}", api_key="...")',
         "",
-        "Ctrl-C stops everything.",
+        "A child that dies is restarted; Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
 
 
-def supervise(stack: Stack, ready_file: Path | None) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or until a core process dies (exit 1).
+def write_ready(ready_file: Path, info: dict[str, Any]) -> None:
+    """Replace the ready file atomically: readers never see half of it."""
+    tmp = ready_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(ready_file)
 
-    A pod that dies is reported and the stack stays up: Envoy's health checks route around it.
+
+def supervise(stack: Stack, ready_file: Path | None, backoff: Backoff | None = None) -> int:
+    """Run until SIGINT/SIGTERM (exit 0), restarting any child that dies (llmgw.supervisor).
+
+    The ready file is rewritten after each restart (new pid, restart counts); the supervisor's
+    metrics (`llmgw_child_restarts_total` ...) are served at `metrics.launcher` in it.
     """
     stop = threading.Event()
 
@@ -52,30 +64,32 @@ def supervise(stack: Stack, ready_file: Path | None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
 
-    code = 0
-    reported: set[str] = set()
+    metrics = SupervisorMetrics()
+    server, _ = start_http_server(0, "127.0.0.1", registry=metrics.registry)
+    metrics_url = f"http://127.0.0.1:{server.server_port}/metrics"
+    supervisor: Supervisor | None = None
+
+    def report(_restarted: Process | None = None) -> None:
+        if ready_file is None:
+            return
+        info = stack.ready_info()
+        info["metrics"] = {**info["metrics"], "launcher": metrics_url}
+        info["restarts"] = supervisor.restarts() if supervisor else {}
+        write_ready(ready_file, info)
+
     try:
         stack.start()
-        info = stack.ready_info()
-        print(banner(info), flush=True)
-        if ready_file is not None:
-            tmp = ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2))
-            tmp.replace(ready_file)
+        supervisor = Supervisor(
+            stack, backoff or Backoff(), stack.settings.start_timeout, report, metrics=metrics
+        )
+        supervisor.step()  # every child known before the first report
+        print(banner(stack.ready_info()), flush=True)
+        report()
         while not stop.wait(POLL_SECONDS):
-            for proc in stack.processes:
-                if proc.alive or proc.name in reported:
-                    continue
-                reported.add(proc.name)
-                log.error(
-                    "child exited",
-                    extra={"child": proc.name, "pid": proc.pid, "code": proc.returncode},
-                )
-                if proc not in stack.pod_processes:
-                    code = 1
-                    stop.set()
+            supervisor.step()
     finally:
         stack.stop()
+        server.shutdown()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
-    return code
+    return 0

@@ -137,6 +137,10 @@ class Process:
         except OSError:
             return ""
 
+    def fresh(self) -> Process:
+        """A new, unstarted Process for the same child: argv, env, probe and log file."""
+        return Process(self.name, self.argv, self.ready, self.log_path, self.env)
+
     def spawn(self) -> Process:
         """Start the child without waiting for it (see `wait_ready`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from extauthz.demo import seed_demo
 from llmgw import envoyconf
 from llmgw.config import Strict
 from llmgw.envoyconf import Address, EnvoySettings, Services
+from llmgw.postgres import Postgres
 from llmgw.procs import (
     Process,
     StartError,
@@ -33,7 +34,7 @@ from llmgw.procs import (
 )
 
 SIM_MODULE = "llmgw.sim"
-ServiceName = Literal["extauthz", "ratelimit", "router"]
+ServiceName = Literal["extauthz", "ratelimit", "router", "ledger"]
 
 
 class StackSettings(Strict):
@@ -45,10 +46,15 @@ class StackSettings(Strict):
     pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
     # without extauthz they count nothing.
-    services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router")
+    # The ledger settles tokens and keeps the usage ledger, in PostgreSQL.
+    services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
+    # An existing PostgreSQL server for the ledger; None: start one, its data in `postgres_dir`
+    # (None: inside the run's state directory, gone with it).
+    database_url: str | None = None
+    postgres_dir: Path | None = None
     ratelimit_limits: Path | None = None  # tiers and tenant limits (ratelimit/limits.py)
-    # Unsettled token reservations (aborted streams) are given back after this long.
-    ratelimit_reservation_ttl_s: float = Field(default=300.0, gt=0)
+    # How long a token reservation waits for the ledger's settlement (then it stays charged).
+    ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
     envoy: EnvoySettings = EnvoySettings()
     start_timeout: float = 60.0
 
@@ -65,6 +71,7 @@ class Stack:
         self.listen = settings.listen
         self.admin = settings.envoy.admin
         self.redis_port = 0
+        self.database_url: str | None = None
         self.services = Services()
         self.metrics: dict[str, str] = {}
         self.tenants_file = state_dir / "tenants.yaml"
@@ -104,7 +111,9 @@ class Stack:
     def _start_redis(self) -> None:
         self.redis_port = free_port()
         argv = [bin_path("redis-server"), "--bind", "127.0.0.1", "--port", str(self.redis_port)]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.state_dir)]
+        # Append-only file, fsync every second: counters survive a Redis restart (supervisor).
+        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec"]
+        argv += ["--dir", str(self.state_dir)]
         self._process("redis", argv, redis_ping("127.0.0.1", self.redis_port)).start()
 
     def _start_pods(self) -> None:
@@ -124,6 +133,7 @@ class Stack:
         pod = self.pods[index]
         argv = [sys.executable, "-m", SIM_MODULE, "--host", pod.host, "--port", str(pod.port)]
         # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
+        argv += ["--usage-mode", "final"]  # usage.lua strips only usage-only chunks, for now
         argv += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
         if index < len(self.settings.pod_args):
             argv += self.settings.pod_args[index]
@@ -145,9 +155,14 @@ class Stack:
             "router": {
                 "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
                 "REDIS_URL": self.redis_url,
-                "PICK__BUFFERED_BODY": "true",
+            },
+            "ledger": {
+                "REDIS__HOST": "127.0.0.1",
+                "REDIS__PORT": str(self.redis_port),
             },
         }
+        if "ledger" in self.settings.services:
+            settings["ledger"]["DATABASE_URL"] = self._database()
         if "extauthz" in self.settings.services:
             self.tenants = seed_demo(self.tenants_file)
         if self.settings.ratelimit_limits is not None:
@@ -157,6 +172,18 @@ class Stack:
         self.services = Services.model_validate(
             {name: self._start_service(name, settings[name]) for name in self.settings.services}
         )
+
+    def _database(self) -> str:
+        """The ledger's database: the one the settings name, else a local server of ours."""
+        if self.settings.database_url is not None:
+            self.database_url = self.settings.database_url
+            return self.database_url
+        home = self.settings.postgres_dir or self.state_dir / "postgres"
+        server = Postgres(home, self.state_dir / "postgres.log")
+        self.processes.append(server)
+        server.start(self.settings.start_timeout)
+        self.database_url = server.url
+        return self.database_url
 
     def _start_service(self, name: str, settings: dict[str, str]) -> Address:
         """`python -m NAME` with its settings as LLMGW_NAME__... overrides; ready when SERVING."""
@@ -194,14 +221,24 @@ class Stack:
 
     # Operations used by the launcher and by fault tests.
 
+    def renew(self, name: str) -> Process:
+        """Stop child `name` if it still runs and put a fresh, unstarted Process in its place:
+        the same argv, environment, readiness probe, port and log file (llmgw.supervisor)."""
+        old = next(p for p in self.processes if p.name == name)
+        old.stop()
+        new = old.fresh()
+        self.processes[self.processes.index(old)] = new  # start order is stop order: keep it
+        if old in self.pod_processes:
+            self.pod_processes[self.pod_processes.index(old)] = new
+        return new
+
+    def restart(self, name: str) -> Process:
+        """Start child `name` again and wait until it is ready, e.g. after a fault test."""
+        return self.renew(name).start(self.settings.start_timeout)
+
     def restart_pod(self, index: int) -> Process:
         """Start pod `index` again on its port, e.g. after a fault test killed it."""
-        old = self.pod_processes[index]
-        old.stop()
-        new = self._pod_process(index)
-        self.processes.remove(old)
-        self.pod_processes[index] = new
-        return new.start(self.settings.start_timeout)
+        return self.restart(self.pod_processes[index].name)
 
     def healthy_pods(self) -> set[str]:
         """`host:port` of the pods Envoy would route to now (health-checked and not ejected)."""
@@ -268,6 +305,7 @@ class Stack:
                 for i in range(len(self.pods))
             ],
             "redis_url": self.redis_url,
+            "database_url": self.database_url,
             "processes": {proc.name: proc.pid for proc in self.processes},
             "envoy_admin_url": self.admin_url,
             "metrics": self.metrics,

@@ -24,7 +24,16 @@ META_PRIORITY = "priority"
 META_SESSION = "session"
 META_REQUEST_ID = "request_id"
 META_MODEL = "model"
-META_TOKEN_ESTIMATE = "token_estimate"
+META_KEY_ID = "key_id"
+# The request facts (llmgw/facts.py), in the same namespace.
+META_TOKEN_ESTIMATE = "token_estimate"  # the token reservation, as a string (see facts.py)
+META_PROMPT_ESTIMATE = "prompt_estimate"
+META_STREAM = "stream"
+META_INCLUDE_USAGE = "include_usage"
+META_CHOICES = "n"
+META_MAX_OUTPUT = "max_output"
+META_FIRST_TURN = "first_turn"
+META_PREFIX_BLOCKS = "prefix_blocks"
 # Per-tenant limit overrides, shaped for Envoy's rate-limit `limit: {dynamic_metadata: ...}`:
 # a struct {"requests_per_unit": int, "unit": "MINUTE"}; absent when the tier defaults apply.
 META_LIMIT_REQUESTS = "limit_requests"
@@ -49,10 +58,22 @@ TRUSTED_HEADERS = (
 
 # Rate limiting.
 RATELIMIT_DOMAIN = "llmgw"
-# Actual token usage of a response, written by Envoy (sse_to_metadata, json_to_metadata) and sent
-# to ratelimit at stream end as the `usage` descriptor's hits_addend.
+# A response's token usage, written by Envoy on the way out and read from the access log by the
+# ledger: the pod's usage object (sse_to_metadata, json_to_metadata) when it arrived, and the
+# count of content events that reached the client (envoy/usage.lua) for streams cut short.
 USAGE_NAMESPACE = "llmgw.usage"
-META_TOTAL_TOKENS = "total_tokens"
+META_PROMPT_TOKENS = "prompt_tokens"
+META_COMPLETION_TOKENS = "completion_tokens"
+META_CACHED_TOKENS = "cached_tokens"
+META_STREAMED_EVENTS = "streamed"
+
+
+# Counters in Redis, one key prefix per tenant (ratelimit/admit.lua, ledger/settle.lua). The
+# `{tenant}` hash tag keeps a tenant's keys in one Redis Cluster slot.
+def tenant_prefix(tenant: str) -> str:
+    """The key prefix of a tenant; braces in the ID are escaped so the hash tag stays intact."""
+    return "llmgw:rl:{" + tenant.replace("{", "%7B").replace("}", "%7D") + "}"
+
 
 # Fleet load published by the router for quota borrowing (Redis).
 FLEET_LOAD_KEY = "llmgw:fleet:load"

@@ -9,22 +9,6 @@ local shadow = ARGV[2] == '1'
 local rid = ARGV[3]
 local ttl = tonumber(ARGV[4])
 local n = tonumber(ARGV[5])
-local zkey = p .. ':resv'
-
--- Reservations past their TTL give their tokens back to the buckets they took (64 per call).
-local expired = redis.call('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, 64)
-for _, id in ipairs(expired) do
-  local rkey = p .. ':res:' .. id
-  local r = redis.call('HMGET', rkey, 'n', 'k')
-  if r[1] then
-    for suffix in string.gmatch(r[2], '%S+') do
-      local k = p .. ':' .. suffix
-      if redis.call('EXISTS', k) == 1 then redis.call('DECRBY', k, r[1]) end
-    end
-    redis.call('DEL', rkey)
-  end
-  redis.call('ZREM', zkey, id)
-end
 
 local out = {0}
 local plan = {}
@@ -47,7 +31,7 @@ for i = 1, n do
   end
   if used + cost > limit then ok = false end
   if nb * bms > longest then longest = nb * bms end
-  plan[i] = {keys[1], name .. ':' .. string.format('%d', cur), cost, (nb + 1) * bms, reserve}
+  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. string.format('%d', cur), cost, (nb + 1) * bms, reserve}
 end
 
 if ok or shadow then
@@ -64,12 +48,18 @@ if ok or shadow then
       end
     end
   end
-  if rid ~= '' and #taken > 0 then
-    local rkey = p .. ':res:' .. rid
-    redis.call('HSET', rkey, 'n', amount, 'k', table.concat(taken, ' '))
-    redis.call('PEXPIRE', rkey, ttl + longest)
-    redis.call('ZADD', zkey, now + ttl, rid)
-    redis.call('PEXPIRE', zkey, ttl + longest)
+  if #taken > 0 then
+    local spec = table.concat(taken, ' ')
+    -- The reservation, for the ledger's settlement (ledger/settle.lua). Never given back by
+    -- itself: one that is never settled stays charged as reserved.
+    if rid ~= '' then
+      local rkey = p .. ':res:' .. rid
+      redis.call('HSET', rkey, 'n', amount, 's', spec)
+      redis.call('PEXPIRE', rkey, ttl)
+    end
+    -- The tenant's token windows, for settling usage that had no reservation (admitted while
+    -- this service was down or degraded, or settled after its reservation expired).
+    redis.call('SET', p .. ':tspec', spec, 'PX', longest + ttl)
   end
 end
 if ok then out[1] = 1 end

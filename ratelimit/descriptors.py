@@ -13,10 +13,7 @@ Request time (one RateLimitRequest, decided with one atomic store call):
   size travels as the entry `token_estimate`. Both are checked together: admitted only if the
   request and its tokens fit, and then both are counted.
 
-Stream done (`apply_on_stream_done: true`, a separate fire-and-forget call):
-    kind=usage  tenant=T  tier=X  request_id=R       hits_addend = actual total tokens
-  RateLimitDescriptor.hits_addend carries the actual usage (RateLimitRequest.hits_addend is 0).
-  The reservation R is settled to it; without a live reservation the tokens are charged as is.
+Tokens are settled after the response by the ledger (ledger/), from Envoy's access log.
 
 A descriptor's `limit` (Envoy's `limit: {dynamic_metadata}` override from extauthz's
 limit_requests / limit_tokens, the tenant's own limit in the tenants file) replaces the tier's
@@ -35,10 +32,10 @@ from typing import Literal
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from llmgw import wire
-from ratelimit.types import Admission, Limit, Settlement, Unit
+from ratelimit.types import Admission, Limit, Unit
 
 KIND = "kind"
-Role = Literal["requests", "tokens", "usage"]
+Role = Literal["requests", "tokens"]
 _RateLimit = rls_pb2.RateLimitResponse.RateLimit
 UNITS: dict[Unit, int] = {
     Unit.SECOND: _RateLimit.SECOND,
@@ -55,7 +52,6 @@ class Parsed:
 
     roles: tuple[Role | None, ...]
     admission: Admission | None
-    settlements: tuple[Settlement, ...]
 
 
 def _int(value: str | None) -> int | None:
@@ -75,12 +71,11 @@ def _limit(descriptor: rls_pb2.RateLimitDescriptor) -> Limit | None:
 def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
     roles: list[Role | None] = []
     if request.domain != wire.RATELIMIT_DOMAIN:
-        return Parsed(tuple(None for _ in request.descriptors), None, ())
+        return Parsed(tuple(None for _ in request.descriptors), None)
     tenant = tier = session = request_id = None
     estimate: int | None = None
     counted = False
     limits: dict[str, Limit | None] = {"requests": None, "tokens": None}
-    settlements: list[Settlement] = []
     for descriptor in request.descriptors:
         entries = {e.key: e.value for e in descriptor.entries}
         kind = entries.get(KIND)
@@ -95,17 +90,6 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
             elif (n := _int(entries.get(wire.META_TOKEN_ESTIMATE))) is not None:
                 estimate, role = n, "tokens"
             limits[kind] = _limit(descriptor)
-        elif who and kind == "usage" and descriptor.HasField("hits_addend"):
-            role = "usage"
-            settlements.append(
-                Settlement(
-                    tenant=who,
-                    tier=entries.get(wire.META_TIER, ""),
-                    request_id=entries.get(wire.META_REQUEST_ID),
-                    tokens=descriptor.hits_addend.value,
-                    tokens_limit=_limit(descriptor),
-                )
-            )
         roles.append(role)
     admission = None
     if tenant is not None and (counted or estimate is not None):
@@ -119,4 +103,4 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
             requests_limit=limits["requests"],
             tokens_limit=limits["tokens"],
         )
-    return Parsed(tuple(roles), admission, tuple(settlements))
+    return Parsed(tuple(roles), admission)

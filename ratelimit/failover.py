@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Sequence
 
+from llmgw.resp import Resp, RespError
 from ratelimit import metrics
 from ratelimit.redis_store import RedisStore
-from ratelimit.resp import Resp, RespError
 from ratelimit.store import LocalStore
 from ratelimit.types import Check, Outcome
 
@@ -97,21 +97,6 @@ class Failover:
         return await self.local.admit(
             prefix, checks, now_ms, shadow=shadow, reservation=reservation, ttl_ms=ttl_ms
         )
-
-    async def settle(
-        self, prefix: str, request_id: str, tokens: int, checks: Sequence[Check], now_ms: int
-    ) -> tuple[bool, int]:
-        redis = self.redis
-        if redis is not None:
-            try:
-                started = time.perf_counter()
-                async with asyncio.timeout(self.deadline_s):
-                    settled = await redis.settle(prefix, request_id, tokens, checks, now_ms)
-                metrics.REDIS_SECONDS.observe(time.perf_counter() - started)
-                return settled
-            except FAILURES as exc:
-                self._degrade(exc)
-        return await self.local.settle(prefix, request_id, tokens, checks, now_ms)
 
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key from Redis (None when degraded or absent)."""

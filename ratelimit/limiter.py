@@ -10,9 +10,9 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
+from llmgw.wire import tenant_prefix
 from ratelimit import metrics
 from ratelimit.fleet import FleetLoad, borrowable, effective_load
-from ratelimit.redis_store import tenant_prefix
 from ratelimit.store import Store
 from ratelimit.types import (
     UNIT_MS,
@@ -24,7 +24,6 @@ from ratelimit.types import (
     Limit,
     Policy,
     Refusal,
-    Settlement,
     Unit,
     Verdict,
 )
@@ -160,20 +159,6 @@ class Limiter:
             retry_after_ms=retry_ms,
             shadow=policy.shadow,
         )
-
-    async def settle(self, req: Settlement) -> int:
-        """Settle the reservation of `req.request_id` to the actual tokens; returns tokens added."""
-        policy = overridden(self.limits(req.tenant, req.tier), None, req.tokens_limit)
-        now_s = self.clock()
-        checks = self.checks(policy, req.tokens, self.fleet(), now_s, count_request=False)[0]
-        if not checks:
-            return 0
-        reserved, added = await self.store.settle(
-            tenant_prefix(req.tenant), req.request_id or "", req.tokens, checks, int(now_s * 1000)
-        )
-        metrics.SETTLEMENTS.labels(req.tenant, str(reserved).lower()).inc()
-        metrics.SETTLED_TOKENS.labels(req.tenant, policy.tier).inc(max(added, 0))
-        return added
 
     @staticmethod
     def _refusal(states: list[CheckState]) -> tuple[Refusal | None, KindState | None]:

@@ -24,16 +24,6 @@ BORROWED = Counter(
     "Requests or tokens admitted beyond the base limit from the fleet's idle capacity.",
     ["tenant", "tier", "kind"],
 )
-SETTLED_TOKENS = Counter(
-    "llmgw_ratelimit_settled_tokens_total",
-    "Tokens added at settlement (actual minus reserved; negative refunds count as 0 here).",
-    ["tenant", "tier"],
-)
-SETTLEMENTS = Counter(
-    "llmgw_ratelimit_settlements_total",
-    "Stream-end settlements, by whether a live reservation was found.",
-    ["tenant", "reserved"],
-)
 DEGRADED = Gauge(
     "llmgw_ratelimit_degraded", "1 while decisions are answered from in-process counters."
 )

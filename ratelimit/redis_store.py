@@ -1,7 +1,8 @@
-"""Counters in Redis: one EVALSHA per decision (scripts admit.lua and settle.lua).
+"""Counters in Redis: one EVALSHA per decision (admit.lua).
 
-Keys: `llmgw:rl:{<tenant>}:<check>:<bucket>` for buckets, `…:res:<request id>` for token
-reservations and `…:resv` for their expiry index. The `{tenant}` hash tag keeps one tenant's keys
+Keys (prefix `llmgw.wire.tenant_prefix`): `llmgw:rl:{<tenant>}:<check>:<bucket>` for buckets,
+`…:res:<request id>` for token reservations (settled by the ledger, ledger/settle.lua) and
+`…:tspec` for the tenant's token windows. The `{tenant}` hash tag keeps one tenant's keys
 in one Redis Cluster slot, so each script touches a single slot. A NOSCRIPT reply (Redis restarted
 or flushed its script cache) is answered by EVAL of the source, which caches it again.
 """
@@ -12,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
-from ratelimit.resp import Arg, Reply, Resp, RespError
+from llmgw.resp import Arg, Reply, Resp, RespError
 from ratelimit.types import Check, Outcome
 
 
@@ -22,12 +23,6 @@ def _script(name: str) -> tuple[str, str]:
 
 
 ADMIT = _script("admit.lua")
-SETTLE = _script("settle.lua")
-
-
-def tenant_prefix(tenant: str) -> str:
-    """The key prefix of a tenant; braces in the ID are escaped so the hash tag stays intact."""
-    return "llmgw:rl:{" + tenant.replace("{", "%7B").replace("}", "%7D") + "}"
 
 
 class RedisStore:
@@ -59,17 +54,6 @@ class RedisStore:
             at += c.window.buckets
         return Outcome(flat[0] == 1, tuple(counts))
 
-    async def settle(
-        self, prefix: str, request_id: str, tokens: int, checks: Sequence[Check], now_ms: int
-    ) -> tuple[bool, int]:
-        args: list[Arg] = [now_ms, request_id, tokens, len(checks)]
-        for c in checks:
-            args += [c.name, c.window.bucket_ms, c.window.buckets]
-        reply = await self._run(SETTLE, prefix, args)
-        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], int):
-            raise RespError(f"settle.lua returned {reply!r}")
-        return reply[0] == 1, reply[1]
-
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key as a string (JSON) or a hash; None when absent."""
         try:
@@ -83,7 +67,7 @@ class RedisStore:
         return value if isinstance(value, bytes) else None
 
     async def load_scripts(self) -> None:
-        for source, _ in (ADMIT, SETTLE):
+        for source, _ in (ADMIT,):
             await self.client.call("SCRIPT", "LOAD", source)
 
     async def _run(self, script: tuple[str, str], prefix: str, args: list[Arg]) -> Reply:

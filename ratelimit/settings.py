@@ -32,5 +32,7 @@ class Settings(Strict):
     redis: RedisSettings = RedisSettings()
     fleet: FleetSettings = FleetSettings()
     replicas: int = Field(default=1, ge=1)  # degraded mode holds limit / replicas locally
-    reservation_ttl_s: float = Field(default=300.0, gt=0)  # the request timeout
+    # A reservation waits this long for the ledger to settle it; past it the request is settled
+    # as if it had none (its reservation stays charged): keep it above the longest stream.
+    reservation_ttl_s: float = Field(default=3600.0, gt=0)
     near_limit_ratio: float = Field(default=0.1, ge=0, le=1)

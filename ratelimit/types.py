@@ -64,7 +64,7 @@ class Check:
     window: Window
     limit: int
     cost: int
-    reserve: bool = False  # part of the token reservation (settled at stream end)
+    reserve: bool = False  # part of the token reservation (settled by the ledger)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +115,6 @@ class Admission:
     # replaces the policy's limit of the same unit.
     requests_limit: Limit | None = None
     tokens_limit: Limit | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """Stream done: the request's actual total tokens."""
-
-    tenant: str
-    tier: str
-    request_id: str | None
-    tokens: int
-    tokens_limit: Limit | None = None  # as in Admission, so the same windows are settled
 
 
 @dataclass(frozen=True, slots=True)

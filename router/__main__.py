@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from opentelemetry import trace
 from redis.asyncio import Redis
@@ -19,7 +20,7 @@ from llmgw.serve import run, serve
 from router.engine import Engine
 from router.fleet import Fleet
 from router.registry import default_registry
-from router.service import RouterService
+from router.service import OutcomeService, RouterService
 from router.settings import Settings, check
 
 
@@ -28,7 +29,7 @@ async def amain(settings: Settings, tracer: trace.Tracer) -> None:
     engine = Engine(registry.build(settings.plugins, settings.profile))
     fleet = Fleet(settings.fleet)
     fleet.set_pods(await fleet.resolve())
-    service = RouterService(fleet, engine, tracer, settings.pick)
+    service = RouterService(fleet, engine, tracer)
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
     tasks = [
         asyncio.create_task(fleet.run_resolver()),
@@ -39,6 +40,7 @@ async def amain(settings: Settings, tracer: trace.Tracer) -> None:
 
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(OutcomeService(fleet), server)
 
     async def on_stop() -> None:
         for task in tasks:

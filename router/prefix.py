@@ -1,66 +1,11 @@
-"""Prompt prefixes as chained block hashes, and which pods recently served which blocks.
-
-The prompt is rendered the way a chat template would lay it out (role markers around each
-message), cut into blocks of 16 "tokens" of ~4 characters, and each block's hash covers every block
-before it, so equal hashes mean equal prefixes. The hashes are stable across processes.
-"""
+"""Which pods recently served which prompt blocks (the hashes come from extauthz's request
+facts: llmgw/facts.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
-from typing import Any
 
 from router.types import PodId
-
-BLOCK_TOKENS = 16
-CHARS_PER_TOKEN = 4
-BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
-
-
-def render(body: dict[str, Any]) -> str:
-    """Chat messages as a template would render them; a completions `prompt` as is."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for msg in messages:
-            if not isinstance(msg, dict):
-                continue
-            content = msg.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<|{msg.get('role', '')}|>\n{content or ''}<|end|>\n")
-        return "".join(parts)
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else ""
-
-
-def is_first_turn(body: dict[str, Any]) -> bool:
-    """A chat request with no assistant message yet, or a completions request."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return True
-    return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
-
-
-def block_hashes(text: str, max_blocks: int) -> tuple[int, ...]:
-    """Chained hashes of the leading full blocks."""
-    data = text.encode()
-    out: list[int] = []
-    prev = b""
-    for start in range(0, min(len(data) // BLOCK_CHARS, max_blocks) * BLOCK_CHARS, BLOCK_CHARS):
-        prev = hashlib.blake2b(prev + data[start : start + BLOCK_CHARS], digest_size=8).digest()
-        out.append(int.from_bytes(prev, "big"))
-    return tuple(out)
-
-
-def parse_body(raw: bytes) -> dict[str, Any] | None:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return body if isinstance(body, dict) else None
 
 
 class PrefixIndex:

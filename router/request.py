@@ -1,37 +1,32 @@
-"""From what Envoy sends to a `PickRequest`: trusted headers (set by extauthz), then the body."""
+"""From what Envoy sends to a `PickRequest`: extauthz's tenant context and request facts, which
+Envoy forwards in the ext_proc request's metadata (`forwarding_namespaces`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from llmgw import wire
-from router.prefix import block_hashes, is_first_turn, parse_body, render
+from llmgw.facts import RequestFacts
 from router.types import PickRequest
 
 
-def from_headers(headers: Mapping[str, str]) -> PickRequest:
-    """Headers with lower-case names. A malformed priority is ignored."""
-    raw_priority = headers.get(wire.HEADER_PRIORITY)
-    priority = int(raw_priority) if raw_priority and raw_priority.isdigit() else None
+def from_metadata(meta: Mapping[str, Any]) -> PickRequest:
+    """extauthz's namespace as a dict. Missing or malformed values are left out (fail open)."""
+    facts = RequestFacts.from_metadata(meta)
+    priority = meta.get(wire.META_PRIORITY)
     return PickRequest(
-        model=headers.get(wire.HEADER_MODEL) or None,
-        tenant=headers.get(wire.HEADER_TENANT) or None,
-        priority=priority,
-        session=headers.get(wire.HEADER_SESSION) or None,
-        request_id=headers.get(wire.HEADER_REQUEST_ID) or None,
+        model=facts.model,
+        tenant=_text(meta.get(wire.META_TENANT)),
+        priority=int(priority)
+        if isinstance(priority, float | int) and 1 <= priority <= 10
+        else None,
+        session=_text(meta.get(wire.META_SESSION)),
+        request_id=_text(meta.get(wire.META_REQUEST_ID)),
+        prefix_blocks=facts.prefix_blocks,
+        first_turn=facts.first_turn,
     )
 
 
-def with_body(req: PickRequest, raw: bytes, max_blocks: int) -> PickRequest:
-    """The model named in the body wins; the prompt gives the prefix blocks."""
-    body = parse_body(raw)
-    if body is None:
-        return req
-    model = body.get("model")
-    return dataclasses.replace(
-        req,
-        model=model if isinstance(model, str) and model else req.model,
-        prefix_blocks=block_hashes(render(body), max_blocks),
-        first_turn=is_first_turn(body),
-    )
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None

@@ -1,19 +1,25 @@
-"""The gRPC adapter: Envoy's ext_proc stream in, the pick out as `envoy.lb` dynamic metadata.
+"""The gRPC adapters: Envoy's ext_proc stream in, the pick out as `envoy.lb` dynamic metadata;
+Envoy's access log in, each request's outcome back to the fleet.
 
-Per request stream: pick on `request_headers` (or on `request_body` when Envoy buffers the body),
-answer with `x-gateway-destination-endpoint` = "ip:port,..." best first; count the request in
-flight on the first pod until response headers (whose status also feeds pod health; an answer
-from another pod, Envoy's `upstream.address`, means Envoy retried because our pick failed) or
-the stream's end. When no pod is left the answer carries no metadata and Envoy's fallback picks.
+Per request one ext_proc message: the request headers with extauthz's metadata (tenant context and
+request facts). The answer carries `x-gateway-destination-endpoint` = "ip:port,..." best first
+and counts the request in flight on the first pod. When no pod is left the answer carries no
+metadata and Envoy's fallback picks. The outcome comes later, batched, from the access log: the
+picked pod's count in flight drops, and its status feeds pod health (an answer from another pod
+means Envoy retried because our pick failed).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -22,11 +28,8 @@ from llmgw import wire
 from llmgw.telemetry import parent_context
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
-from router.request import from_headers, with_body
-from router.settings import PickSettings
+from router.request import from_metadata
 from router.types import PickRequest, PodId
-
-EXT_PROC_FILTER = "envoy.filters.http.ext_proc"  # key of the attributes Envoy sends
 
 
 def lb_metadata(pods: tuple[PodId, ...]) -> Struct:
@@ -42,23 +45,17 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
     }
 
 
-def upstream_address(msg: pb.ProcessingRequest) -> str | None:
-    """The `upstream.address` attribute (the pod that answered), when Envoy sent it."""
-    attrs = msg.attributes.get(EXT_PROC_FILTER)
-    if attrs is None or "upstream.address" not in attrs.fields:
-        return None
-    value = attrs.fields["upstream.address"].string_value
-    return value or None
+def authz_metadata(msg: pb.ProcessingRequest) -> dict[str, Any]:
+    """extauthz's namespace as Envoy forwarded it; {} when absent (no extauthz in front)."""
+    found = msg.metadata_context.filter_metadata.get(wire.EXTAUTHZ_NAMESPACE)
+    return MessageToDict(found) if found is not None else {}
 
 
 class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(
-        self, fleet: Fleet, engine: Engine, tracer: trace.Tracer, settings: PickSettings
-    ) -> None:
+    def __init__(self, fleet: Fleet, engine: Engine, tracer: trace.Tracer) -> None:
         self.fleet = fleet
         self.engine = engine
         self.tracer = tracer
-        self.settings = settings
 
     def decide(self, req: PickRequest, parent: Context) -> tuple[Struct | None, PodId | None]:
         attributes = {
@@ -81,52 +78,61 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        req: PickRequest | None = None
-        parent = Context()  # replaced by Envoy's trace with the request headers
-        pod: PodId | None = None
-        decided = False
-        try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("request")
-                if kind == "request_headers":
-                    headers = header_map(msg.request_headers)
-                    req = from_headers(headers)
-                    parent = parent_context(context.invocation_metadata(), headers)
-                    if self.settings.buffered_body and not msg.request_headers.end_of_stream:
-                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-                        continue
-                    meta, pod = self.decide(req, parent)
-                    decided = True
-                    yield pb.ProcessingResponse(
-                        request_headers=pb.HeadersResponse(), dynamic_metadata=meta
-                    )
-                elif kind == "request_body":
-                    if decided or req is None:
-                        yield pb.ProcessingResponse(request_body=pb.BodyResponse())
-                        continue
-                    req = with_body(req, msg.request_body.body, self.settings.max_prefix_blocks)
-                    meta, pod = self.decide(req, parent)
-                    decided = True
-                    yield pb.ProcessingResponse(
-                        request_body=pb.BodyResponse(), dynamic_metadata=meta
-                    )
-                elif kind == "request_trailers":
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-                elif kind == "response_headers":
-                    if pod is not None:
-                        status = header_map(msg.response_headers).get(":status", "")
-                        answered = upstream_address(msg)
-                        if answered and answered != pod:  # Envoy retried: our pick failed
-                            self.fleet.report(pod, 503)
-                        elif status.isdigit():
-                            self.fleet.report(pod, int(status))
-                        self.fleet.release(pod)
-                        pod = None
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-                elif kind == "response_body":
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-                elif kind == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-        finally:
-            if pod is not None:
-                self.fleet.release(pod)
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("request")
+            if kind == "request_headers":
+                headers = header_map(msg.request_headers)
+                parent = parent_context(context.invocation_metadata(), headers)
+                meta, _ = self.decide(from_metadata(authz_metadata(msg)), parent)
+                yield pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(), dynamic_metadata=meta
+                )
+            # Envoy sends nothing else in this processing mode; answer anything anyway.
+            elif kind == "request_body":
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+            elif kind == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif kind == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif kind == "response_body":
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+            elif kind == "response_trailers":
+                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def answered_by(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[PodId | None, PodId | None]:
+    """(the pod the router picked, the pod that answered), each None when unknown."""
+    common = entry.common_properties
+    lb = common.metadata.filter_metadata.get(wire.LB_NAMESPACE)
+    picked = None
+    if lb is not None and wire.DESTINATION_ENDPOINT in lb.fields:
+        picked = lb.fields[wire.DESTINATION_ENDPOINT].string_value.split(",", 1)[0] or None
+    sock = common.upstream_remote_address.socket_address
+    answered = f"{sock.address}:{sock.port_value}" if sock.address else None
+    return picked, answered
+
+
+class OutcomeService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """The router's access log: each picked request's end releases its pod and reports how the
+    pod did (a retry elsewhere counts as a 503 of the picked pod)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                picked, answered = answered_by(entry)
+                if picked is None:
+                    continue
+                self.fleet.release(picked)
+                status = entry.response.response_code.value
+                if answered is not None and answered != picked:
+                    self.fleet.report(picked, 503)
+                elif answered is not None and status:
+                    self.fleet.report(picked, status)
+        return als_pb2.StreamAccessLogsResponse()

@@ -16,21 +16,11 @@ from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, PluginSpec, Profil
 ENV_PREFIX = "LLMGW_ROUTER"
 
 
-class PickSettings(Strict):
-    # True when Envoy's ext_proc sends the request body (processing_mode request_body_mode
-    # BUFFERED): the pick then waits for the body, which gives the model and the prompt prefix.
-    buffered_body: bool = False
-    max_prefix_blocks: int = Field(
-        default=64, ge=0
-    )  # leading 16-token blocks hashed for prefix affinity
-
-
 class Settings(Strict):
     serve: ServeSettings = ServeSettings()
     tracing: TracingSettings = TracingSettings()
     log_level: str = "info"
     fleet: FleetSettings = FleetSettings()
-    pick: PickSettings = PickSettings()
     plugins: list[PluginSpec] = Field(default_factory=lambda: list(DEFAULT_PLUGINS))
     profile: ProfileSpec = DEFAULT_PROFILE
     redis_url: str | None = None  # where the fleet load is published; None: not published

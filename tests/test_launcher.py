@@ -75,7 +75,7 @@ def test_up_serves_and_stops_cleanly(
     assert not [pid for pid in children if pid_alive(pid)]
 
 
-def test_a_dead_pod_is_reported_and_the_stack_stays_up(
+def test_a_dead_pod_is_reported_restarted_and_the_stack_stays_up(
     up: tuple[subprocess.Popen[bytes], dict[str, Any], Path],
 ) -> None:
     proc, info, log = up
@@ -84,6 +84,13 @@ def test_a_dead_pod_is_reported_and_the_stack_stays_up(
     wait_for(lambda: "child exited" in log.read_text(), 10, "the launcher to report the pod")
     assert "pod-0" in log.read_text()
     assert proc.poll() is None
+
+    def restarted() -> bool:  # the ready file names the new pid
+        return json.loads(ready.read_text())["pods"][0]["pid"] not in (None, pod_pid)
+
+    ready = Path(info["logs"]).parent.parent / "ready.json"  # the fixture's --ready-file
+    wait_for(restarted, 60, "the launcher to restart the pod")
+    assert "child restarted" in log.read_text()
     auth = {"authorization": f"Bearer {info['tenants'][0]['api_key']}"}
     model = call("GET", f"{info['base_url']}/models", headers=auth).json()["data"][0]["id"]
     body = {"model": model, "prompt": "hi", "max_tokens": 2}

@@ -40,7 +40,20 @@ def parser() -> argparse.ArgumentParser:
         help="wall seconds per simulated second: 0.1 runs 10x faster; metrics stay simulated",
     )
     p.add_argument("--seed", type=int, help="seed for generated text, lengths and fault dice")
-    p.add_argument("--max-num-seqs", type=int, help="seats in the running batch (default 256)")
+    p.add_argument(
+        "--max-num-seqs", type=int, help="seats in the running batch (default: the profile's)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="token budget of one step (default: the profile's, as vLLM's for that GPU)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs (default) or priority: vLLM's waiting heap on (priority, arrival) and "
+        "preemption of the largest (priority, arrival); lower priority is served earlier",
+    )
     p.add_argument("--num-gpu-blocks", type=int, help="KV-cache blocks (default 28000)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--max-model-len", type=int, help="context length (default 131072)")
@@ -48,7 +61,13 @@ def parser() -> argparse.ArgumentParser:
         "--force-include-usage",
         action="store_true",
         default=None,
-        help="end every stream with a usage chunk, like vLLM's --enable-force-include-usage",
+        help="usage in every stream, like vLLM's --enable-force-include-usage",
+    )
+    p.add_argument(
+        "--usage-mode",
+        choices=["per-chunk", "final"],
+        help="what --force-include-usage does: per-chunk (default, vLLM >= 0.20: usage on "
+        "every chunk and a final usage chunk) or final (vLLM 0.18: the final chunk only)",
     )
     p.add_argument("--config", type=Path, help="YAML file of settings (field names as above)")
     return p

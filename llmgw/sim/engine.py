@@ -1,10 +1,13 @@
 """A continuous-batching engine in the manner of vLLM V1's scheduler.
 
 One asyncio task steps the engine. Each step schedules every running sequence (one decode
-token, or the next prefill chunk) and admits waiting ones while seats, the token budget and
-KV blocks allow; its duration comes from the profile. Tokens reach each sequence as they are
-produced, so streams are truly incremental. A running sequence that cannot grow preempts the
-most recently admitted one (recompute: its blocks are freed and it waits again).
+token, or the next prefill chunk) and then, unless it preempted, admits waiting ones while
+seats, the token budget and KV blocks allow: a waiting request is admitted only if its whole
+prompt fits in the free KV (vLLM's scheduler_reserve_full_isl). The step's duration comes
+from the profile's roofline model of what it computes. Tokens reach each sequence as they
+are produced, so streams are truly incremental. A running sequence that cannot grow
+preempts another (recompute: its blocks are freed and it waits again): the most recently
+admitted under fcfs, the one with the largest (priority, arrival) under priority.
 
 Two clocks: simulated seconds (what the profiled GPU would take; metrics use them) advance
 by each step's duration and stand still while the engine idles; the event loop's wall clock
@@ -15,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Iterator
 
 from llmgw.sim.kvcache import BlockPool
 from llmgw.sim.metrics import Stats
-from llmgw.sim.profile import Profile, step_seconds
-from llmgw.sim.tokens import block_hashes, words
+from llmgw.sim.profile import Profile, StepLoad, step_seconds
+from llmgw.sim.tokens import EOS, block_hashes, words
 from llmgw.sim.types import Job, SimSettings
+from llmgw.sim.waiting import WaitingQueue, waiting_queue
 
 log = logging.getLogger(__name__)
 
@@ -44,28 +47,46 @@ class Sequence:
         "last_token",
         "output",
         "owned",
+        "preemptions",
         "private",
         "progress",
         "promotable",
+        "queued",
+        "scheduled",
         "source",
     )
 
-    def __init__(self, job: Job, seed: int, block_size: int, arrival: float) -> None:
+    def __init__(
+        self,
+        job: Job,
+        seed: int,
+        block_size: int,
+        arrival: float,
+        progress: asyncio.Event | None = None,
+    ) -> None:
         self.job = job
         self.chain = block_hashes(job.prompt, block_size)
         self.owned: list[int] = []  # cached blocks referenced: a prefix of `chain`
         self.private = 0  # other blocks held
+        self.preemptions = 0
         self.promotable = True
         self.computed = 0  # tokens whose KV is computed
         self.output: list[str] = []
-        self.source: Iterator[str] = words(seed, job.prompt)
-        self.arrival = arrival  # simulated seconds
+        self.source: Iterator[str] = words(seed, job.prompt, job.sample)
+        self.arrival = arrival  # simulated seconds, when the API server received it
+        self.queued = arrival  # when the engine received it
+        self.scheduled: float | None = None  # first admitted
         self.first_token: float | None = None
         self.last_token = arrival
         self.finished = False
         self.done = False  # finished with every output token (not aborted)
-        self.progress = asyncio.Event()  # set when output grows or the sequence finishes
+        # Set when output grows or the sequence finishes; the n samples of one request share it.
+        self.progress = progress or asyncio.Event()
         self.ended = asyncio.Event()
+
+    @property
+    def priority(self) -> int:
+        return self.job.priority
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +99,13 @@ class Engine:
         self.profile = profile
         self.stats = stats
         self.pool = BlockPool(settings.num_gpu_blocks)
+        self.max_num_seqs = settings.max_num_seqs or profile.max_num_seqs
+        self.max_num_batched_tokens = (
+            settings.max_num_batched_tokens or profile.max_num_batched_tokens
+        )
+        self.policy = settings.scheduling_policy
         self.running: list[Sequence] = []  # in admission order
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: WaitingQueue[Sequence] = waiting_queue(settings.scheduling_policy)
         self._work = asyncio.Event()
         self._sim = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -90,14 +116,21 @@ class Engine:
 
     # Requests.
 
-    async def submit(self, job: Job) -> Sequence:
-        """Queue a request after the API server's overhead (time spent before the engine)."""
+    async def submit(self, jobs: list[Job]) -> list[Sequence]:
+        """Queue a request's sequences after the API server's overhead (before the engine)."""
         overhead = self.profile.request_overhead_ms / 1e3 / self.settings.speed_factor
         await asyncio.sleep(overhead * self.settings.time_scale)
-        seq = Sequence(job, self.settings.seed, self.settings.block_size, self._sim - overhead)
-        self.waiting.append(seq)
+        progress = asyncio.Event()
+        seqs = []
+        for job in jobs:
+            seq = Sequence(
+                job, self.settings.seed, self.settings.block_size, self._sim - overhead, progress
+            )
+            seq.queued = self._sim
+            self.waiting.add(seq)
+            seqs.append(seq)
         self._work.set()
-        return seq
+        return seqs
 
     def abort(self, seq: Sequence) -> None:
         """The client went away: free its seat and blocks."""
@@ -108,6 +141,7 @@ class Engine:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.stats.success["abort"] += 1
         self._finish(seq)
 
     def gauges(self) -> tuple[int, int, float]:
@@ -138,81 +172,109 @@ class Engine:
         clock = asyncio.get_running_loop().time
         pace = clock()  # when the previous step ended, on the wall clock
         while True:
-            batch, tokens = self._schedule()
+            batch = self._schedule()
             if not batch:
                 self._work.clear()
                 await self._work.wait()
                 pace = clock()
                 continue
-            simulated = step_seconds(self.profile, len(batch), tokens - len(batch))
-            simulated /= self.settings.speed_factor
+            simulated = self._duration(batch)
             now = clock()
             end = (pace if now - pace < _MAX_LAG else now) + simulated * self.settings.time_scale
             await asyncio.sleep(max(0.0, end - now))
             pace = end
-            self._sim += simulated
-            self._complete(batch)
+            self._advance(batch, simulated)
+
+    def step(self) -> bool:
+        """One step at once, unpaced; False if there was nothing to do. Tests drive the
+        engine with it, so that scheduling is checked in simulated time only."""
+        batch = self._schedule()
+        if batch:
+            self._advance(batch, self._duration(batch))
+        return bool(batch)
+
+    def _duration(self, batch: list[tuple[Sequence, int]]) -> float:
+        load = StepLoad()
+        for seq, n in batch:
+            load.add(seq.computed, n)
+        self.stats.iteration_tokens.observe(load.tokens)
+        return step_seconds(self.profile, load) / self.settings.speed_factor
+
+    def _advance(self, batch: list[tuple[Sequence, int]], simulated: float) -> None:
+        self._sim += simulated
+        self._complete(batch)
 
     def _blocks_short(self, seq: Sequence, tokens: int) -> int:
         size = self.settings.block_size
         return -(-tokens // size) - len(seq.owned) - seq.private
 
-    def _schedule(self) -> tuple[list[tuple[Sequence, int]], int]:
-        """Pick this step's work: (sequence, tokens to compute) pairs and their token total."""
-        budget = self.settings.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick this step's work: (sequence, tokens to compute) pairs."""
+        budget = self.max_num_batched_tokens
+        batch: dict[Sequence, int] = {}  # in scheduling order
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.computed, budget)
-            before = self.stats.preemptions
-            grown = self._grow(seq, seq.computed + n)
-            preempted = preempted or self.stats.preemptions > before
-            if not grown:
+            short = max(0, self._blocks_short(seq, seq.computed + n))
+            lost = False
+            while not lost and not self.pool.allocate(short):
+                victim = self._victim()
+                where = self.running.index(victim)
+                del self.running[where]
+                if where < i:
+                    i -= 1
+                # Under priority the victim may run earlier in this step: it gives its tokens back.
+                budget += batch.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                lost = victim is seq
+            if lost:
+                if self.policy == "priority":
+                    continue  # later ones are more urgent and may fit in what it freed
                 break
-            batch.append((seq, n))
+            seq.private += short
+            batch[seq] = n
             budget -= n
             i += 1
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.settings.max_num_seqs
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             n = self._admit(seq, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(seq)
-            batch.append((seq, n))
+            if seq.scheduled is None:
+                seq.scheduled = self._sim
+            batch[seq] = n
             budget -= n
-        return batch, self.settings.max_num_batched_tokens - budget
+        return list(batch.items())
 
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        """Blocks for `tokens`, preempting the newest sequences; False if `seq` was preempted."""
-        short = max(0, self._blocks_short(seq, tokens))
-        while not self.pool.allocate(short):
-            victim = self.running.pop()
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        seq.private += short
-        return True
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt when KV blocks run out (vLLM's choice per policy)."""
+        if self.policy == "priority":
+            return max(self.running, key=lambda s: (s.priority, s.arrival))
+        return self.running[-1]
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Take cached prefix blocks and blocks for the first chunk; 0 if the cache is full."""
+        """Take cached prefix blocks and blocks for the first chunk; 0 if it does not fit."""
         size = self.settings.block_size
         # At least one token must be computed to sample from, as in vLLM.
         hits = min(self.pool.cached_prefix(seq.chain), (seq.num_tokens - 1) // size)
         prefix = seq.chain[:hits]
         self.pool.acquire(prefix)
-        n = min(seq.num_tokens - hits * size, budget)
-        short = -(-(hits * size + n) // size) - hits
-        if not self.pool.allocate(short):
+        # Full-ISL reservation: the whole sequence must fit now, not only its first chunk, so
+        # that chunked prefills admitted together do not preempt each other half way.
+        if -(-seq.num_tokens // size) - hits > self.pool.available:
             self.pool.release(prefix, 0)
             return 0
+        n = min(seq.num_tokens - hits * size, budget)
+        short = -(-(hits * size + n) // size) - hits
+        allocated = self.pool.allocate(short)
+        assert allocated  # short <= the whole sequence's blocks, which fit
         seq.owned, seq.private, seq.computed = prefix, short, hits * size
         self.stats.prefix_queries += seq.job.prompt_tokens
         self.stats.prefix_hits += hits * size
@@ -222,7 +284,8 @@ class Engine:
         self._release(seq)
         seq.computed = 0
         seq.promotable = True
-        self.waiting.appendleft(seq)
+        seq.preemptions += 1
+        self.waiting.prepend(seq)
         self.stats.preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
@@ -250,13 +313,16 @@ class Engine:
                 seq.first_token = now
                 stats.ttft.observe(now - seq.arrival)
                 stats.prompt_tokens += seq.job.prompt_tokens
+                stats.prompt_tokens_cached += len(seq.owned) * size
             else:
                 stats.itl.observe(now - seq.last_token)
             seq.last_token = now
-            seq.output.append(next(seq.source))
+            last = len(seq.output) + 1 >= seq.job.output_tokens
+            eos = last and seq.job.finish_reason == "stop"
+            seq.output.append(EOS if eos else next(seq.source))
             stats.generation_tokens += 1
-            if len(seq.output) >= seq.job.output_tokens:
-                stats.e2e.observe(now - seq.arrival)
+            if last:
+                self._observe_finished(seq)
                 self._release(seq)
                 seq.done = True
                 self._finish(seq)
@@ -265,6 +331,18 @@ class Engine:
                 seq.progress.set()
         if finished:
             self.running = [seq for seq in self.running if not seq.finished]
+
+    def _observe_finished(self, seq: Sequence) -> None:
+        """vLLM's per-request phase histograms: queue, prefill, decode, inference, e2e."""
+        stats, now = self.stats, self._sim
+        scheduled = seq.scheduled if seq.scheduled is not None else seq.queued
+        first = seq.first_token if seq.first_token is not None else now
+        stats.e2e.observe(now - seq.arrival)
+        stats.queue_time.observe(scheduled - seq.queued)
+        stats.prefill_time.observe(first - scheduled)
+        stats.decode_time.observe(now - first)
+        stats.inference_time.observe(now - scheduled)
+        stats.success[seq.job.finish_reason] += 1
 
     def _finish(self, seq: Sequence) -> None:
         seq.finished = True

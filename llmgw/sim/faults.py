@@ -36,5 +36,8 @@ class FaultState:
     def close(self) -> bool:
         return self._roll(self.current.close_mid_stream)
 
+    def fail_mid_stream(self) -> bool:
+        return self._roll(self.current.error_mid_stream)
+
     def _roll(self, probability: float) -> bool:
         return probability >= 1.0 or (probability > 0.0 and self._dice.random() < probability)

@@ -23,6 +23,11 @@ class BlockPool:
         """Blocks referenced by some sequence."""
         return self.total - self._free - len(self._evictable)
 
+    @property
+    def available(self) -> int:
+        """Blocks an allocation may take: free ones and unreferenced cached ones."""
+        return self._free + len(self._evictable)
+
     def usage(self) -> float:
         return self.used / self.total
 
@@ -44,7 +49,7 @@ class BlockPool:
 
     def allocate(self, count: int) -> bool:
         """Take `count` private blocks, evicting unreferenced cached ones if needed."""
-        if count > self._free + len(self._evictable):
+        if count > self.available:
             return False
         while self._free < count:
             block_hash, _ = self._evictable.popitem(last=False)

@@ -1,200 +1,235 @@
-"""The OpenAI wire format as vLLM speaks it: request validation, bodies, SSE chunks, errors."""
+"""Request validation as vLLM 0.33 does it, into the jobs the engine runs.
+
+The order is vLLM's: the request model (pydantic, so types coerce and fail the way FastAPI
+makes them: `"priority": "3"` is 3, `"priority": "high"` a 400 naming `body.priority`), then
+the model name (404), then the prompt against the context, then SamplingParams. A prompt
+longer than the context is a 400; a `max_tokens` that does not fit beside the prompt is
+clamped to what does (`serve/utils/api_utils.py::get_max_tokens`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmgw.sim.errors import ApiError, from_pydantic, invalid, request_invalid
 from llmgw.sim.tokens import count_tokens, natural_length, render_chat
-from llmgw.sim.types import FinishReason, Job, SimSettings
+from llmgw.sim.types import INT64_MAX, INT64_MIN, FinishReason, Job, SimSettings
 
 Kind = Literal["chat", "completion"]
-DONE = b"data: [DONE]\n\n"
+PRIORITY_HEADER = "X-Vllm-Priority"  # overrides the body's priority (generate/base/serving.py)
 
 
-class ApiError(Exception):
-    """An error reply in vLLM's shape."""
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "object": "error",
-            "message": self.message,
-            "type": self.type,
-            "param": None,
-            "code": self.status,
-        }
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False  # vLLM's default: no usage unless asked (or forced)
+    continuous_usage_stats: bool | None = False
+
+
+class _Body(BaseModel):
+    """The fields of vLLM's request models that the simulator reads; others are accepted."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[_Message]
+
+
+class CompletionBody(_Body):
+    prompt: (
+        list[Annotated[int, Field(ge=0)]]
+        | list[list[Annotated[int, Field(ge=0)]]]
+        | str
+        | list[str]
+        | None
+    ) = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str  # what the prefix cache hashes: chat-templated text, or token IDs spelled out
+    tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
     kind: Kind
-    job: Job
+    prompts: list[Prompt]
+    n: int
+    jobs: list[Job]  # prompt-major: choice index i = prompt * n + sample, as vLLM numbers them
     stream: bool
-    include_usage: bool  # a usage chunk ends the stream
+    include_usage: bool  # a usage-only chunk ends the stream
+    continuous_usage: bool  # usage on every chunk
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.tokens for p in self.prompts)
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
-def _text(content: Any) -> str:
-    """A message's content: a string, null, or a list of parts of which text parts count."""
+def _text(content: str | list[dict[str, Any]] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    raise ApiError(400, "message content must be a string or a list of content parts")
+    return "".join(str(part.get("text", "")) for part in content)
 
 
-def _prompt(kind: Kind, body: dict[str, Any]) -> str:
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "`messages` must be a non-empty list")
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise ApiError(400, "each message needs a string `role`")
-        return render_chat([(m["role"], _text(m.get("content"))) for m in messages])
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "`prompt` must be a string (or a list of one string)")
-    return prompt
+def _prompts(body: ChatBody | CompletionBody) -> list[Prompt]:
+    if isinstance(body, ChatBody):
+        text = render_chat([(m.role, _text(m.content)) for m in body.messages])
+        return [Prompt(text, count_tokens(text))]
+    raw = body.prompt
+    if raw is None or raw == []:
+        raise invalid("Either prompt or prompt_embeds must be provided and non-empty.")
+    if isinstance(raw, str):
+        return [Prompt(raw, count_tokens(raw))]
+    prompts: list[Prompt] = []
+    ids: list[int] = []  # one prompt of token IDs
+    for x in raw:
+        if isinstance(x, int):
+            ids.append(x)
+        elif isinstance(x, str):
+            prompts.append(Prompt(x, count_tokens(x)))
+        else:
+            prompts.append(_ids(x))
+    return prompts or [_ids(ids)]
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ApiError(400, f"{name} must be a number in [{low}, {high}], got {value!r}.")
+def _ids(ids: list[int]) -> Prompt:
+    return Prompt(" ".join(map(str, ids)).ljust(4 * len(ids)), len(ids))
 
 
-def _max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens")
-    if value is None:
-        value = body.get("max_tokens")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {value!r}.")
-    return value
+def _validated(kind: Kind, body: Any) -> ChatBody | CompletionBody:
+    if isinstance(body, dict) and body.get("stream_options") and not body.get("stream"):
+        # A model_validator(mode="before") in vLLM: it runs before any field is checked.
+        msg = "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
+        err = {"type": "value_error", "loc": ("body",), "msg": f"Value error, {msg}", "input": body}
+        raise request_invalid([err], param="stream_options")
+    try:
+        if kind == "chat":
+            return ChatBody.model_validate(body)
+        return CompletionBody.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
 
 
-def parse(kind: Kind, body: Any, settings: SimSettings) -> Request:
-    """Validate a request body into what the engine needs, or raise ApiError."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != settings.model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
-    prompt = _prompt(kind, body)
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported")
-    _number(body, "temperature", 0.0, 2.0)
-    _number(body, "top_p", 1e-9, 1.0)
-    stream = body.get("stream") is True
-    options = body.get("stream_options")
-    if options is not None and not stream:
-        raise ApiError(400, "Stream options can only be defined when `stream=True`.")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    max_tokens = _max_tokens(body)
-    prompt_tokens = count_tokens(prompt)
+def _sampling(body: _Body) -> None:
+    """SamplingParams._verify_args, the checks a load test can reach."""
+    if body.n is not None and body.n < 1:
+        raise invalid(f"n must be at least 1, got {body.n}.")
+    t = body.temperature
+    if t is not None and not 0.0 <= t <= 2.0:
+        which = "non-negative" if t < 0 else "in [0, 2]"
+        raise invalid(f"temperature must be {which}, got {t}.", "temperature", t)
+    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+        raise invalid(f"top_p must be in (0, 1], got {body.top_p}.", "top_p", body.top_p)
+
+
+def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | None) -> Request:
+    """Validate a request body into the engine's jobs, or raise ApiError."""
+    body = _validated(kind, raw)
+    if body.model and body.model != settings.model:
+        raise ApiError(
+            404,
+            f"The model `{body.model}` does not exist. Valid aliases: {settings.model}.",
+            "NotFoundError",
+            "model",
+        )
     limit = settings.max_model_len
-    if prompt_tokens >= limit:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{prompt_tokens} input tokens. Please reduce the length of the input messages.",
+    cap, cap_param = body.max_completion_tokens, "max_completion_tokens"
+    if cap is None:
+        cap, cap_param = body.max_tokens, "max_tokens"
+    if cap is not None and cap > limit:
+        raise invalid(
+            f"{cap_param}={cap} cannot be greater than max_model_len={limit}. "
+            "Please request fewer output tokens.",
+            cap_param,
+            cap,
         )
-    if max_tokens is not None and prompt_tokens + max_tokens > limit:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-        )
-    # max_tokens is always generated in full, so that load tests know their token counts;
-    # without it the 'model' stops at its own length, or, with ignore_eos, at the context limit.
-    room = limit - prompt_tokens
-    natural = natural_length(settings.seed, prompt)
-    reason: FinishReason = "stop"
-    output = natural
-    if max_tokens is not None:
-        output, reason = max_tokens, "length"
-    elif body.get("ignore_eos") is True or natural >= room:
-        output, reason = room, "length"
+    prompts = _prompts(body)
+    for prompt in prompts:
+        if prompt.tokens > limit:
+            raise invalid(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {prompt.tokens} input tokens, which exceeds this limit even without "
+                "any output tokens. Please reduce the length of the input prompt.",
+                "input_tokens",
+                prompt.tokens,
+            )
+    _sampling(body)
+    priority = body.priority
+    if header_priority is not None:
+        # vLLM ignores a header it cannot read and keeps the body's value.
+        with contextlib.suppress(ValueError):
+            priority = int(header_priority)
+    n = body.n or 1
+    jobs = [
+        _job(settings, prompt, sample, cap, body.ignore_eos, priority)
+        for prompt in prompts
+        for sample in range(n)
+    ]
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    continuous = include and bool(options and options.continuous_usage_stats)
+    if settings.force_include_usage:
+        # vLLM >= 0.20 returns (True, True) whatever the request says; 0.18 a final chunk.
+        include, continuous = True, continuous or settings.usage_mode == "per-chunk"
     return Request(
         kind=kind,
-        job=Job(prompt, prompt_tokens, output, reason),
-        stream=stream,
-        include_usage=include_usage or settings.force_include_usage,
+        prompts=prompts,
+        n=n,
+        jobs=jobs,
+        stream=body.stream is True,
+        include_usage=include,
+        continuous_usage=continuous,
     )
 
 
-def usage(job: Job, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": job.prompt_tokens,
-        "total_tokens": job.prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
-
-
-class Reply:
-    """The bodies of one response: a whole JSON reply, or its SSE chunks one token each."""
-
-    def __init__(self, request: Request, model: str) -> None:
-        self.request = request
-        self.chat = chat = request.kind == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(16).hex()
-        self.created = int(time.time())
-        self.model = model
-        head: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-        }
-        head |= {"created": self.created, "model": model}
-        self._head = "data: " + dumps(head)[:-1]
-        field = '"delta":{"content":' if chat else '"text":'
-        self._open = self._head + ',"choices":[{"index":0,' + field
-        self._close = ("}" if chat else "") + ',"logprobs":null,"finish_reason":'
-
-    def whole(self, tokens: list[str], finish: FinishReason) -> dict[str, Any]:
-        text = "".join(tokens)
-        choice: dict[str, Any] = {"index": 0}
-        if self.request.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": finish, "stop_reason": None}
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.request.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage(self.request.job, len(tokens)),
-            "system_fingerprint": None,
-        }
-
-    def role(self) -> bytes:
-        """The first chat chunk, as vLLM sends it: the role and empty content."""
-        choice = '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null'
-        return (self._head + ',"choices":[{"index":0,' + choice + "}]}\n\n").encode()
-
-    def token(self, text: str, finish: FinishReason | None) -> bytes:
-        return (self._open + dumps(text) + self._close + dumps(finish) + "}]}\n\n").encode()
-
-    def usage_chunk(self, completion_tokens: int) -> bytes:
-        body = ',"choices":[],"usage":' + dumps(usage(self.request.job, completion_tokens))
-        return (self._head + body + "}\n\n").encode()
+def _job(
+    settings: SimSettings,
+    prompt: Prompt,
+    sample: int,
+    cap: int | None,
+    ignore_eos: bool,
+    priority: int,
+) -> Job:
+    # Room left beside the prompt: a larger max_tokens is clamped to it (v0.33), and a
+    # request with no room at all fails SamplingParams' max_tokens >= 1.
+    room = settings.max_model_len - prompt.tokens
+    wanted = room if cap is None else min(cap, room)
+    if wanted < 1:
+        raise invalid(f"max_tokens must be at least 1, got {wanted}.", "max_tokens", wanted)
+    # The 'model' stops (EOS) at its natural length unless ignore_eos or the cap comes first.
+    # A cap is generated in full so that load tests know their token counts.
+    natural = natural_length(settings.seed, prompt.text, sample)
+    reason: FinishReason = "stop"
+    output = natural
+    if cap is not None:
+        output, reason = wanted, "length"
+    elif ignore_eos or natural >= room:
+        output, reason = room, "length"
+    return Job(prompt.text, prompt.tokens, output, reason, sample=sample, priority=priority)

@@ -9,11 +9,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw.sim.chunks import DONE, STREAM_ERROR, Reply
 from llmgw.sim.engine import Engine, Sequence
+from llmgw.sim.errors import ApiError, not_found_route, request_invalid
 from llmgw.sim.faults import CLOSE_AFTER_CHUNKS, FaultState
-from llmgw.sim.protocol import DONE, ApiError, Kind, Reply, Request, dumps, parse
+from llmgw.sim.protocol import PRIORITY_HEADER, Kind, Request, dumps, parse
 from llmgw.sim.types import SimSettings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -21,8 +23,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ERROR_TYPES = {500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-# Exactly what vLLM (Starlette) and its prometheus_client send.
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# What vLLM's prometheus_client (current releases) sends to a scraper without an Accept header.
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:
@@ -52,7 +54,7 @@ class Service:
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._inject_faults])
+        app = web.Application(middlewares=[self._starlette_errors, self._inject_faults])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
@@ -62,6 +64,16 @@ class Service:
         app.router.add_put("/admin/faults", self.put_faults)
         app.router.add_delete("/admin/faults", self.delete_faults)
         return app
+
+    @web.middleware
+    async def _starlette_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Unknown paths and methods answer like Starlette: `{"detail": ...}`."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return json_response(not_found_route(), 404)
+        except web.HTTPMethodNotAllowed:
+            return json_response({"detail": "Method Not Allowed"}, 405)
 
     @web.middleware
     async def _inject_faults(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -109,12 +121,23 @@ class Service:
 
     def completion_handler(self, kind: Kind) -> Handler:
         async def handle(request: web.Request) -> web.StreamResponse:
+            if request.content_type != "application/json":  # vLLM's validate_json_request
+                reason = "Unsupported Media Type: Only 'application/json' is allowed"
+                return error_response(request_invalid([reason]))
+            raw = await request.read()
             try:
-                body = json.loads(await request.read())
+                body = json.loads(raw)
             except ValueError as exc:
-                return error_response(ApiError(400, f"invalid JSON body: {exc}"))
+                err = {
+                    "type": "json_invalid",
+                    "loc": ("body", getattr(exc, "pos", 0)),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": getattr(exc, "msg", str(exc))},
+                }
+                return error_response(request_invalid([err]))
             try:
-                parsed = parse(kind, body, self.settings)
+                parsed = parse(kind, body, self.settings, request.headers.get(PRIORITY_HEADER))
             except ApiError as exc:
                 return error_response(exc)
             return await self._complete(request, parsed)
@@ -123,55 +146,74 @@ class Service:
 
     async def _complete(self, request: web.Request, parsed: Request) -> web.StreamResponse:
         reply = Reply(parsed, self.settings.model)
-        seq = await self.engine.submit(parsed.job)
+        fail = self.faults.fail_mid_stream()
+        seqs = await self.engine.submit(parsed.jobs)
         try:
             if parsed.stream:
-                return await self._stream(request, reply, seq)
-            await seq.ended.wait()
-            if not seq.done:
+                return await self._stream(request, reply, seqs, fail)
+            await asyncio.gather(*(seq.ended.wait() for seq in seqs))
+            if not all(seq.done for seq in seqs):
                 return error_response(ApiError(503, "shutting down", _ERROR_TYPES[503]))
-            whole = reply.whole(seq.output, parsed.job.finish_reason)
+            if fail:
+                return error_response(ApiError(500, "Internal server error", _ERROR_TYPES[500]))
+            whole = reply.whole([s.output for s in seqs], [s.job.finish_reason for s in seqs])
             if self.faults.close():
                 return await _send_half(request, dumps(whole).encode())
             return json_response(whole)
         finally:
-            self.engine.abort(seq)  # a no-op unless the client left early
+            for seq in seqs:
+                self.engine.abort(seq)  # a no-op unless the client left early
 
     async def _stream(
-        self, request: web.Request, reply: Reply, seq: Sequence
+        self, request: web.Request, reply: Reply, seqs: list[Sequence], fail: bool
     ) -> web.StreamResponse:
         response = web.StreamResponse()
         response.content_type = "text/event-stream"
         response.charset = "utf-8"
         await response.prepare(request)
         close_after = CLOSE_AFTER_CHUNKS if self.faults.close() else None
-        job, sent = seq.job, 0
+        fail_after = CLOSE_AFTER_CHUNKS if fail else None
+        progress = seqs[0].progress  # shared by the request's sequences
+        sent = [0] * len(seqs)
+        chunks_sent = 0
+        started = False
         try:
-            for _ in range(job.output_tokens + 1):  # each wake-up brings a token or the end
-                await seq.progress.wait()
-                seq.progress.clear()
-                chunks = [reply.role()] if sent == 0 and seq.output and reply.chat else []
-                last = len(seq.output)
-                for i in range(sent, last):
-                    finish = job.finish_reason if seq.done and i == last - 1 else None
-                    chunks.append(reply.token(seq.output[i], finish))
-                sent = last
-                if close_after is not None and sent >= close_after:
+            while True:
+                await progress.wait()
+                progress.clear()
+                chunks: list[bytes] = []
+                if not started and any(seq.output for seq in seqs):
+                    started = True  # vLLM sends every choice's role chunk with the first output
+                    if reply.chat:
+                        chunks += [reply.role(i) for i in range(len(seqs))]
+                for i, seq in enumerate(seqs):
+                    last = len(seq.output)
+                    for t in range(sent[i], last):
+                        finish = seq.job.finish_reason if seq.done and t == last - 1 else None
+                        chunks.append(reply.token(i, seq.output[t], finish, t + 1))
+                    sent[i] = last
+                chunks_sent += len(chunks)
+                if close_after is not None and chunks_sent >= close_after:
                     await response.write(b"".join(chunks))
                     _drop(request)
                     return response
+                if fail_after is not None and chunks_sent >= fail_after:
+                    # A GenerationError mid-stream: vLLM reports it in the stream and ends it.
+                    await response.write(b"".join(chunks) + STREAM_ERROR + DONE)
+                    await response.write_eof()
+                    return response
                 if chunks:
                     await response.write(b"".join(chunks))
-                if seq.finished:
+                if all(seq.finished for seq in seqs):
                     break
-            if not seq.done:
+            if not all(seq.done for seq in seqs):
                 _drop(request)  # shutting down: end the stream without [DONE]
                 return response
-            tail = reply.usage_chunk(sent) if reply.request.include_usage else b""
+            tail = reply.usage_chunk(sum(sent)) if reply.request.include_usage else b""
             await response.write(tail + DONE)
             await response.write_eof()
         except ConnectionResetError:
-            pass  # the client left; the finally of _complete aborts the sequence
+            pass  # the client left; the finally of _complete aborts the sequences
         return response
 
     # Fault admin.

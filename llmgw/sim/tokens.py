@@ -97,18 +97,23 @@ def block_hashes(text: str, block_size: int) -> list[int]:
     return hashes
 
 
-def _digest(seed: int, text: str) -> int:
-    h = hashlib.blake2b(f"{seed}\0{text}".encode(), digest_size=8)
+EOS = ""  # the end-of-sequence token: counted in usage, detokenised to nothing
+
+
+def _digest(seed: int, text: str, sample: int) -> int:
+    # Sample 0 keeps the digest of a plain (seed, text): n=1 answers never change.
+    key = f"{seed}\0{text}" + (f"\0{sample}" if sample else "")
+    h = hashlib.blake2b(key.encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 
-def natural_length(seed: int, prompt: str) -> int:
-    """How many tokens the 'model' wants to say before its end-of-sequence token."""
-    return MIN_OUTPUT + _digest(seed, prompt) % (MAX_OUTPUT - MIN_OUTPUT + 1)
+def natural_length(seed: int, prompt: str, sample: int = 0) -> int:
+    """How many tokens the 'model' says, its end-of-sequence token included."""
+    return MIN_OUTPUT + _digest(seed, prompt, sample) % (MAX_OUTPUT - MIN_OUTPUT + 1)
 
 
-def words(seed: int, prompt: str) -> Iterator[str]:
-    """The generated tokens: pseudo-words, the same for the same seed and prompt."""
-    rng = random.Random(_digest(seed + 1, prompt))
+def words(seed: int, prompt: str, sample: int = 0) -> Iterator[str]:
+    """The generated tokens: pseudo-words, the same for the same seed, prompt and sample."""
+    rng = random.Random(_digest(seed + 1, prompt, sample))
     while True:
         yield " " + rng.choice(_WORDS)

@@ -12,6 +12,12 @@ from llmgw.config import Strict
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 FinishReason = Literal["stop", "length"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+# per-chunk: vLLM >= 0.20 with --enable-force-include-usage (usage on every chunk, role chunk
+# included); final: vLLM 0.18 (one usage-only chunk ends every stream).
+UsageMode = Literal["per-chunk", "final"]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SimSettings(Strict):
@@ -25,12 +31,15 @@ class SimSettings(Strict):
     speed_factor: float = Field(default=1.0, gt=0)  # > 1: a faster GPU than the profile's
     time_scale: float = Field(default=1.0, gt=0)  # 0.1: ten times faster wall clock, same metrics
     seed: int = 0
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int = Field(default=8192, ge=1)  # chunked-prefill token budget per step
+    # None: the profile's (vLLM's default for that GPU).
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)  # token budget per step
     num_gpu_blocks: int = Field(default=28000, ge=1)  # ~450k tokens: Llama-3.1-8B on one 80 GB H100
     block_size: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=131072, ge=2)
     force_include_usage: bool = False
+    usage_mode: UsageMode = "per-chunk"  # what force_include_usage does (vLLM 0.33 by default)
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 class Faults(Strict):
@@ -41,6 +50,9 @@ class Faults(Strict):
     latency_ms: float = Field(default=0.0, ge=0)  # wall milliseconds before the first byte
     hang: bool = False
     close_mid_stream: float = Field(default=0.0, ge=0, le=1)  # probability; true means 1
+    # probability that a request fails during generation: a stream sends `data: {"error": ...}`
+    # and `[DONE]` after its first chunks, a JSON reply is a 500 (vLLM's GenerationError)
+    error_mid_stream: float = Field(default=0.0, ge=0, le=1)
     die: bool = False
     unhealthy: bool = False
 
@@ -51,5 +63,7 @@ class Job:
 
     prompt: str  # chat-templated text for chat requests
     prompt_tokens: int
-    output_tokens: int  # decided up front, deterministically (see tokens.output_length)
-    finish_reason: FinishReason
+    output_tokens: int  # decided up front, deterministically (see tokens.natural_length)
+    finish_reason: FinishReason  # "stop": the last output token is the EOS (empty text)
+    sample: int = 0  # which of the request's n samples: seeds its words and length
+    priority: int = 0  # vLLM's: lower is served earlier (under --scheduling-policy priority)

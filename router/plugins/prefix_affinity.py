@@ -13,9 +13,10 @@ from typing import Any
 from pydantic import Field
 
 from llmgw.config import Strict
+from llmgw.facts import BLOCK_TOKENS
 from router.balance import Imbalance
 from router.plugins.base import parse_params
-from router.prefix import BLOCK_TOKENS, PrefixIndex
+from router.prefix import PrefixIndex
 from router.types import Candidate, PickRequest
 
 TYPE = "prefix-affinity"

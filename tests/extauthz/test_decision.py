@@ -62,10 +62,21 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         wire.META_PRIORITY: 5.0,
         wire.META_SESSION: headers[wire.HEADER_SESSION],
         wire.META_REQUEST_ID: "r-1",
+        wire.META_KEY_ID: d.metadata[wire.META_KEY_ID],
+        wire.META_LIMIT_REQUESTS: {"requests_per_unit": 100.0, "unit": "MINUTE"},
+        # The request facts (llmgw/facts.py): the body parsed once, for everyone after extauthz.
         wire.META_MODEL: "llama-3-8b",
         wire.META_TOKEN_ESTIMATE: "150",
-        wire.META_LIMIT_REQUESTS: {"requests_per_unit": 100.0, "unit": "MINUTE"},
+        wire.META_PROMPT_ESTIMATE: 100.0,
+        wire.META_MAX_OUTPUT: 50.0,
+        wire.META_CHOICES: 1.0,
+        wire.META_STREAM: False,
+        wire.META_INCLUDE_USAGE: False,
+        wire.META_FIRST_TURN: True,
+        wire.META_PREFIX_BLOCKS: d.metadata[wire.META_PREFIX_BLOCKS],
     }
+    assert str(d.metadata[wire.META_KEY_ID]).startswith("key_")
+    assert len(str(d.metadata[wire.META_PREFIX_BLOCKS])) == 16 * 6  # 6 full blocks of 64 chars
 
 
 def test_custom_tier_limits_reach_the_metadata(

@@ -9,8 +9,8 @@ import pytest
 from rl_redis import flushall, redis_port, start_redis
 
 from llmgw.procs import Process
+from llmgw.resp import Resp
 from ratelimit.failover import Failover
-from ratelimit.resp import Resp
 from ratelimit.store import LocalStore
 
 

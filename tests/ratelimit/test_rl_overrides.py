@@ -6,8 +6,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit.descriptors import parse
-from ratelimit.limits import LimitsConfig, PerUnit, TierSpec
-from ratelimit.types import Admission, Limit, Settlement, Unit
+from ratelimit.limits import PerUnit
+from ratelimit.types import Admission, Limit, Unit
 from tests.ratelimit.test_rl_limiter import NOW, Env, tier
 
 Override = ratelimit_pb2.RateLimitDescriptor.RateLimitOverride
@@ -40,14 +40,6 @@ def test_descriptor_limits_become_the_admissions_own_limits() -> None:
     assert admission.requests_limit == Limit(Unit.MINUTE, 7)
     assert admission.tokens_limit == Limit(Unit.MINUTE, 900)
 
-    usage = ratelimit_pb2.RateLimitDescriptor(
-        entries=entries(("kind", "usage"), *who, ("request_id", "r")),
-        limit=Override(requests_per_unit=900, unit=RateLimit.MINUTE),
-    )
-    usage.hits_addend.value = 12
-    (settlement,) = parse(rls_pb2.RateLimitRequest(domain="llmgw", descriptors=[usage])).settlements
-    assert settlement.tokens_limit == Limit(Unit.MINUTE, 900)
-
 
 def test_no_override_leaves_the_tiers_limits() -> None:
     request = rls_pb2.RateLimitRequest(
@@ -76,15 +68,3 @@ async def test_a_tenants_own_limit_replaces_the_tiers_limit_of_that_unit() -> No
     env.now = NOW + 120
     verdict = await env.limiter.admit(Admission("other", "t"))
     assert verdict.requests is not None and verdict.requests.limit == 100
-
-
-async def test_settlement_uses_the_windows_of_the_tenants_own_token_limit() -> None:
-    # The tier has no token limit: only the tenant's own limit creates a token window.
-    env = Env(LimitsConfig(tiers={"t": TierSpec()}, default_tier="t"))
-    own = Limit(Unit.MINUTE, 100)
-    await env.limiter.admit(
-        Admission("acme", "t", request_id="r", token_estimate=60, tokens_limit=own)
-    )
-    assert await env.limiter.settle(Settlement("acme", "t", "r", 20, tokens_limit=own)) == -40
-    verdict = await env.limiter.admit(Admission("acme", "t", token_estimate=80, tokens_limit=own))
-    assert verdict.allowed and verdict.tokens is not None and verdict.tokens.used == 100

@@ -60,21 +60,6 @@ def request_time(rid: str, estimate: int, tenant: str = "acme") -> rls_pb2.RateL
     )
 
 
-def stream_done(rid: str, tokens: int) -> rls_pb2.RateLimitRequest:
-    return rls_pb2.RateLimitRequest(
-        domain="llmgw",
-        descriptors=[
-            descriptor(
-                ("kind", "usage"),
-                ("tenant", "acme"),
-                ("tier", "free"),
-                ("request_id", rid),
-                hits=tokens,
-            )
-        ],
-    )
-
-
 @pytest.fixture
 async def stubs(
     redis: int, make_failover: Callable[..., Awaitable[Failover]]
@@ -133,15 +118,6 @@ async def test_token_refusal_is_an_openai_429(stubs: list[Stub]) -> None:
     error = json.loads(reply.raw_body)["error"]
     assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
     assert "Limit 10000, Used 9000, Requested 2000" in error["message"]
-
-
-async def test_stream_done_settles_through_hits_addend(stubs: list[Stub]) -> None:
-    await stubs[0].ShouldRateLimit(request_time("a", 9_000))
-    done = await stubs[2].ShouldRateLimit(stream_done("a", 300))
-    assert done.overall_code == Code.OK and len(done.statuses) == 1
-    reply = await stubs[3].ShouldRateLimit(request_time("b", 2_000))
-    assert reply.overall_code == Code.OK
-    assert reply.statuses[1].limit_remaining == 10_000 - 300 - 2_000
 
 
 async def test_other_domains_and_unknown_descriptors_pass(stubs: list[Stub]) -> None:

@@ -89,7 +89,7 @@ def test_check_config_rejects_bad_files(tmp_path: Path, name: str) -> None:
 
 def test_check_config_cli(tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
-    good.write_text("fleet:\n  pods: ['127.0.0.1:8001']\npick: {buffered_body: true}\n")
+    good.write_text("fleet:\n  pods: ['127.0.0.1:8001']\n")
     bad = tmp_path / "bad.yaml"
     bad.write_text(BAD["dangling.yaml"][0])
     ok = subprocess.run(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
+from typing import Any
 
 import pytest
 
+from llmgw import facts, wire
 from router.plugins import (
     best_picker,
     healthy,
@@ -20,8 +21,7 @@ from router.plugins import (
     session_affinity,
     tenant_priority,
 )
-from router.prefix import block_hashes, render
-from router.request import with_body
+from router.request import from_metadata
 from router.types import Candidate, PickRequest
 from tests.router.conftest import cand
 
@@ -144,15 +144,12 @@ def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
 def test_session_affinity_skips_a_first_turn() -> None:
     s = session_affinity.factory("s", {})
     cands = [cand("a"), cand("b")]
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    first = with_body(PickRequest(session="sess_x"), json.dumps(body).encode(), 4)
+    messages = [{"role": "user", "content": "hi"}]
+    first = _request({"model": "m", "messages": messages})
     assert first.first_turn
     assert list(s.score(first, cands)) == [0.0, 0.0]
-    body["messages"] += [
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "?"},
-    ]
-    later = with_body(PickRequest(session="sess_x"), json.dumps(body).encode(), 4)
+    messages += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    later = _request({"model": "m", "messages": messages})
     assert not later.first_turn
     assert sorted(s.score(later, cands)) == [0.0, 1.0]
 
@@ -169,8 +166,14 @@ def test_conversations_sharing_a_system_prompt_share_a_pod() -> None:
     assert len(roots) == 8  # different prompts spread over the fleet
 
 
+def _request(body: dict[str, Any]) -> PickRequest:
+    """What the router gets for this body: extauthz's facts, forwarded by Envoy."""
+    parsed = facts.from_body(body, chars_per_token=4, default_output=16, max_blocks=4, model="m")
+    return from_metadata({wire.META_SESSION: "sess_x", **parsed.to_metadata()})
+
+
 def _blocks(text: str) -> tuple[int, ...]:
-    return block_hashes(render({"messages": [{"role": "system", "content": text}]}), 64)
+    return facts.block_hashes(facts.render({"messages": [{"role": "system", "content": text}]}), 64)
 
 
 def test_prefix_affinity_prefers_the_pod_holding_the_longest_prefix() -> None:

@@ -1,9 +1,8 @@
-"""The ext_proc servicer over real gRPC, with ProcessingRequest messages as Envoy fills them."""
+"""The ext_proc and access-log servicers over real gRPC, with messages as Envoy fills them."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,40 +11,73 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.json_format import MessageToDict
-from google.protobuf.struct_pb2 import Struct
 from opentelemetry import trace
 
-from llmgw import procs, wire
+from llmgw import facts, procs, wire
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
-from router.service import RouterService
-from router.settings import PickSettings
+from router.service import OutcomeService, RouterService
 from router.types import PodMetrics
 from tests.router.conftest import FakePod, metrics_text
 
-Served = tuple[RouterService, pb_grpc.ExternalProcessorStub]
-Starter = Callable[[Fleet, PickSettings], Awaitable[Served]]
+Served = tuple[RouterService, pb_grpc.ExternalProcessorStub, als_pb2_grpc.AccessLogServiceStub]
+Starter = Callable[[Fleet], Awaitable[Served]]
+TRACEPARENT = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
 
 
 def headers_msg(
-    extra: dict[str, str] | None = None, end_of_stream: bool = True
+    meta: dict[str, object] | None = None, headers: dict[str, str] | None = None
 ) -> pb.ProcessingRequest:
-    values = {":method": "POST", ":path": "/v1/chat/completions", **(extra or {})}
-    return pb.ProcessingRequest(
+    """The one message Envoy sends: request headers plus extauthz's forwarded metadata."""
+    values = {":method": "POST", ":path": "/v1/chat/completions", **(headers or {})}
+    msg = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
                 headers=[
                     base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()
                 ]
             ),
-            end_of_stream=end_of_stream,
+            end_of_stream=True,
         )
     )
+    if meta is not None:
+        msg.metadata_context.filter_metadata[wire.EXTAUTHZ_NAMESPACE].update(meta)
+    return msg
+
+
+def log_entry(picked: str, answered: str | None, status: int) -> accesslog_pb2.HTTPAccessLogEntry:
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.common_properties.metadata.filter_metadata[wire.LB_NAMESPACE].update(
+        {wire.DESTINATION_ENDPOINT: f"{picked},10.9.9.9:1"}
+    )
+    if answered is not None:
+        host, port = answered.split(":")
+        entry.common_properties.upstream_remote_address.CopyFrom(
+            address_pb2.Address(
+                socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
+            )
+        )
+    entry.response.response_code.value = status
+    return entry
+
+
+async def send_log(
+    stub: als_pb2_grpc.AccessLogServiceStub, *entries: accesslog_pb2.HTTPAccessLogEntry
+) -> None:
+    message = als_pb2.StreamAccessLogsMessage()
+    message.http_logs.log_entry.extend(entries)
+
+    async def one() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        yield message
+
+    await stub.StreamAccessLogs(one())
 
 
 def destination(resp: pb.ProcessingResponse) -> str | None:
@@ -67,17 +99,22 @@ async def serve() -> AsyncIterator[Starter]:
     servers: list[grpc.aio.Server] = []
     channels: list[grpc.aio.Channel] = []
 
-    async def start(fleet: Fleet, pick: PickSettings) -> Served:
+    async def start(fleet: Fleet) -> Served:
         engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
-        service = RouterService(fleet, engine, trace.get_tracer("test"), pick)
+        service = RouterService(fleet, engine, trace.get_tracer("test"))
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(OutcomeService(fleet), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         servers.append(server)
         channels.append(channel)
-        return service, pb_grpc.ExternalProcessorStub(channel)
+        return (
+            service,
+            pb_grpc.ExternalProcessorStub(channel),
+            als_pb2_grpc.AccessLogServiceStub(channel),
+        )
 
     yield start
     for channel in channels:
@@ -86,111 +123,83 @@ async def serve() -> AsyncIterator[Starter]:
         await server.stop(None)
 
 
-async def test_pick_on_request_headers_and_release_at_stream_end(serve: Starter) -> None:
+async def test_one_message_picks_and_the_access_log_releases(serve: Starter) -> None:
     fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"])
     fleet.snapshots["10.0.0.1:8000"] = PodMetrics(
         "10.0.0.1:8000", fleet.clock(), ok=True, running=9, kv_usage=0.9
     )
-    _, stub = await serve(fleet, PickSettings())
+    _, stub, log = await serve(fleet)
     call = stub.Process()
-    await call.write(
-        headers_msg(
-            {wire.HEADER_TENANT: "acme", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
-        )
-    )
+    await call.write(headers_msg({wire.META_TENANT: "acme"}, {"traceparent": TRACEPARENT}))
     resp = await call.read()
     assert resp.WhichOneof("response") == "request_headers"
     dest = destination(resp)
     assert dest is not None
     listed = dest.split(",")
     assert 1 < len(listed) <= 3 and listed[0] != "10.0.0.1:8000"
-    assert fleet.in_flight[listed[0]] == 1
     await call.done_writing()
-    assert await call.read() == grpc.aio.EOF  # type: ignore[attr-defined]
+    assert await call.read() == grpc.aio.EOF
     assert await call.code() == grpc.StatusCode.OK
+    # In flight until the outcome arrives, batched, from the access log.
+    assert fleet.in_flight[listed[0]] == 1
+    await send_log(log, log_entry(listed[0], listed[0], 200))
     assert sum(fleet.in_flight.values()) == 0
 
 
-async def test_response_headers_release_and_report_status(serve: Starter) -> None:
+async def test_the_outcome_reports_the_pods_status(serve: Starter) -> None:
     fleet = make_fleet(["10.0.0.1:8000"])
     fleet.settings = FleetSettings(error_threshold=1)
-    _, stub = await serve(fleet, PickSettings())
+    _, stub, log = await serve(fleet)
     call = stub.Process()
     await call.write(headers_msg())
     assert destination(await call.read()) == "10.0.0.1:8000"
+    await call.done_writing()
     assert fleet.in_flight["10.0.0.1:8000"] == 1
-    await call.write(
-        pb.ProcessingRequest(
-            response_headers=pb.HttpHeaders(
-                headers=base_pb2.HeaderMap(
-                    headers=[base_pb2.HeaderValue(key=":status", raw_value=b"503")]
-                )
-            )
-        )
-    )
-    assert (await call.read()).WhichOneof("response") == "response_headers"
+    await send_log(log, log_entry("10.0.0.1:8000", "10.0.0.1:8000", 503))
     assert fleet.in_flight["10.0.0.1:8000"] == 0
     assert not fleet.candidates()[0].healthy  # one 5xx reaches the threshold of 1
-    await call.done_writing()
-    assert await call.code() == grpc.StatusCode.OK
 
 
 async def test_a_pick_envoy_retried_elsewhere_counts_as_a_failure(serve: Starter) -> None:
     fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"])
     fleet.settings = FleetSettings(error_threshold=1)
-    _, stub = await serve(fleet, PickSettings())
+    _, stub, log = await serve(fleet)
     call = stub.Process()
     await call.write(headers_msg())
     picked = (destination(await call.read()) or "").split(",")[0]
+    await call.done_writing()
     other = next(p for p in fleet.snapshots if p != picked)
-    answered = Struct()
-    answered.update({"upstream.address": other})
-    await call.write(
-        pb.ProcessingRequest(
-            response_headers=pb.HttpHeaders(
-                headers=base_pb2.HeaderMap(
-                    headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]
-                )
-            ),
-            attributes={"envoy.filters.http.ext_proc": answered},
-        )
-    )
-    assert (await call.read()).WhichOneof("response") == "response_headers"
+    await send_log(log, log_entry(picked, other, 200))
     healthy = {c.pod: c.healthy for c in fleet.candidates()}
     assert healthy == {picked: False, other: True}
     assert fleet.in_flight[picked] == 0
-    await call.done_writing()
-    assert await call.code() == grpc.StatusCode.OK
 
 
-async def test_buffered_body_gives_model_and_prefix(serve: Starter) -> None:
+async def test_forwarded_facts_give_model_and_prefix(serve: Starter) -> None:
     fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"])
     fleet.snapshots["10.0.0.2:8000"] = PodMetrics(
         "10.0.0.2:8000", fleet.clock(), ok=True, models=frozenset({"big"})
     )
-    _, stub = await serve(fleet, PickSettings(buffered_body=True))
+    _, stub, _ = await serve(fleet)
     body = {"model": "big", "messages": [{"role": "user", "content": "hello " * 100}]}
-    call = stub.Process()
-    await call.write(headers_msg(end_of_stream=False))
-    first = await call.read()
-    assert first.WhichOneof("response") == "request_headers" and destination(first) is None
-    await call.write(
-        pb.ProcessingRequest(
-            request_body=pb.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)
-        )
+    request_facts = facts.from_body(
+        body, chars_per_token=4, default_output=16, max_blocks=64, model="big"
     )
-    second = await call.read()
-    assert second.WhichOneof("response") == "request_body"
-    assert destination(second) == "10.0.0.2:8000"  # the only pod serving "big"
+    assert request_facts.prefix_blocks
+    call = stub.Process()
+    await call.write(headers_msg(dict(request_facts.to_metadata())))
+    reply = await call.read()
+    assert reply.WhichOneof("response") == "request_headers"
+    assert destination(reply) == "10.0.0.2:8000"  # the only pod serving "big"
     await call.done_writing()
     assert await call.code() == grpc.StatusCode.OK
 
 
 async def test_no_pod_left_answers_without_metadata(serve: Starter) -> None:
     fleet = make_fleet(["10.0.0.1:8000"])
-    _, stub = await serve(fleet, PickSettings())
+    _, stub, _ = await serve(fleet)
     call = stub.Process()
-    await call.write(headers_msg({wire.HEADER_MODEL: "unknown-model"}))
+    await call.write(headers_msg({wire.META_MODEL: "unknown-model"}))
     resp = await call.read()
     assert resp.WhichOneof("response") == "request_headers"
     assert not resp.HasField("dynamic_metadata")
@@ -211,19 +220,20 @@ async def test_two_replicas_keep_a_session_on_one_pod(
             fleet.set_pods(await fleet.resolve())
             await fleet.scrape_once(session)
             fleets.append(fleet)
-            stubs.append((await serve(fleet, PickSettings()))[1])
+            stubs.append((await serve(fleet))[1:])
     for n in range(20):
         session_id = f"sess_{n}"
         firsts = []
         for turn in range(3):
-            stub = stubs[turn % 2]  # turns alternate between the replicas
+            stub, log = stubs[turn % 2]  # turns alternate between the replicas
             call = stub.Process()
-            await call.write(headers_msg({wire.HEADER_SESSION: session_id}))
+            await call.write(headers_msg({wire.META_SESSION: session_id}))
             dest = destination(await call.read())
             assert dest is not None
             firsts.append(dest.split(",")[0])
             await call.done_writing()
             assert await call.code() == grpc.StatusCode.OK
+            await send_log(log, log_entry(firsts[-1], firsts[-1], 200))  # the turn ended
         assert len(set(firsts)) == 1, (session_id, firsts)
 
 

@@ -1,0 +1,201 @@
+"""From Envoy's access-log entry to an `Outcome`, and what the request costs: pure functions.
+
+The entry carries every filter's dynamic metadata: extauthz's tenant context and request facts
+(llmgw/facts.py), the pod's usage and the streamed-event count (`llmgw.usage`, envoy/usage.lua),
+and the router's pick (`envoy.lb`).
+
+Outcome kinds, from what the client finally got (after Envoy's retries):
+- `refused`: the gateway answered itself without asking a pod (authentication, quota, bad input,
+  unknown route);
+- `aborted`: the client hung up before the response was complete;
+- `upstream_error`: the pod answered with an error, no pod could answer (5xx local replies), or
+  the pod's stream broke after it started;
+- `ok`: a complete 2xx or 3xx answer from a pod.
+
+Tokens charged (the settlement's "actual"):
+- the pod's usage (prompt + completion) when it arrived;
+- a stream cut short (aborted, or the pod reset it): the prompt (usage, else the estimate) plus the
+  tokens that reached the client (the pod's running usage if it sent it on every chunk, else one
+  token per content event);
+- an error or refusal before any output, or a request that never reached a pod: nothing;
+- a complete answer without usage (a pod that does not report it): the reservation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from envoy.data.accesslog.v3 import accesslog_pb2
+from google.protobuf import struct_pb2
+
+from llmgw import wire
+from llmgw.facts import RequestFacts
+from llmgw.outcome import Outcome, OutcomeKind
+
+# ResponseFlags field → Envoy's short code (as %RESPONSE_FLAGS% prints it).
+FLAG_CODES = {
+    "failed_local_healthcheck": "LH",
+    "no_healthy_upstream": "UH",
+    "upstream_request_timeout": "UT",
+    "local_reset": "LR",
+    "upstream_remote_reset": "UR",
+    "upstream_connection_failure": "UF",
+    "upstream_connection_termination": "UC",
+    "upstream_overflow": "UO",
+    "no_route_found": "NR",
+    "delay_injected": "DI",
+    "fault_injected": "FI",
+    "rate_limited": "RL",
+    "rate_limit_service_error": "RLSE",
+    "downstream_connection_termination": "DC",
+    "upstream_retry_limit_exceeded": "URX",
+    "stream_idle_timeout": "SI",
+    "invalid_envoy_request_headers": "IH",
+    "downstream_protocol_error": "DPE",
+    "upstream_max_stream_duration_reached": "UMSDR",
+    "no_filter_config_found": "NFCF",
+    "duration_timeout": "DT",
+    "upstream_protocol_error": "UPE",
+    "no_cluster_found": "NC",
+    "overload_manager": "OM",
+    "dns_resolution_failure": "DF",
+    "downstream_remote_reset": "DR",
+}
+_CLIENT_GONE = frozenset({"DC", "DR"})
+_STREAM_BROKEN = frozenset({"UR", "UC", "LR", "UPE", "SI", "UT", "UMSDR", "DT"})
+
+
+def value(v: struct_pb2.Value) -> Any:
+    kind = v.WhichOneof("kind")
+    if kind == "struct_value":
+        return struct(v.struct_value)
+    if kind == "list_value":
+        return [value(x) for x in v.list_value.values]
+    if kind == "null_value" or kind is None:
+        return None
+    return getattr(v, kind)
+
+
+def struct(s: struct_pb2.Struct) -> dict[str, Any]:
+    return {k: value(v) for k, v in s.fields.items()}
+
+
+def flags(f: accesslog_pb2.ResponseFlags) -> list[str]:
+    codes = [code for name, code in FLAG_CODES.items() if getattr(f, name)]
+    if f.HasField("unauthorized_details"):
+        codes.append("UAEX")
+    return codes
+
+
+def _ms(d: Any) -> float:
+    return float(d.seconds * 1000 + d.nanos / 1e6)
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int | None:
+    v = meta.get(key)
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else None
+
+
+def kind_of(status: int, codes: list[str], pod: str) -> OutcomeKind:
+    if _CLIENT_GONE.intersection(codes) or status == 0:
+        return "aborted"
+    if _STREAM_BROKEN.intersection(codes) and pod:
+        return "upstream_error"
+    if not pod:
+        return "upstream_error" if status >= 500 else "refused"
+    return "ok" if status < 400 else "upstream_error"
+
+
+def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
+    """None for an entry with no request ID (nothing to key it by)."""
+    common = entry.common_properties
+    filter_meta = common.metadata.filter_metadata
+    authz = (
+        struct(filter_meta[wire.EXTAUTHZ_NAMESPACE])
+        if wire.EXTAUTHZ_NAMESPACE in filter_meta
+        else {}
+    )
+    usage = struct(filter_meta[wire.USAGE_NAMESPACE]) if wire.USAGE_NAMESPACE in filter_meta else {}
+    request_id = str(authz.get(wire.META_REQUEST_ID) or entry.request.request_id)
+    if not request_id:
+        return None
+    facts = RequestFacts.from_metadata(authz)
+    status = entry.response.response_code.value
+    codes = flags(common.response_flags)
+    sock = common.upstream_remote_address.socket_address
+    pod = f"{sock.address}:{sock.port_value}" if sock.address else ""
+    outcome = kind_of(status, codes, pod)
+    estimate = str(authz.get(wire.META_TOKEN_ESTIMATE, ""))
+    reserved = int(estimate) if estimate.isdigit() else 0
+    prompt = _int(usage, wire.META_PROMPT_TOKENS)
+    completion = _int(usage, wire.META_COMPLETION_TOKENS)
+    streamed = _int(usage, wire.META_STREAMED_EVENTS) or 0
+    ttft = (
+        _ms(common.time_to_first_downstream_tx_byte)
+        if common.HasField("time_to_first_downstream_tx_byte")
+        else None
+    )
+    duration = (
+        _ms(common.duration)
+        if common.HasField("duration")
+        else _ms(common.time_to_last_downstream_tx_byte)
+    )
+    path = entry.request.path.partition("?")[0]
+    prompt_tokens, completion_tokens = charge(
+        outcome, facts, prompt, completion, streamed, reserved, status, bool(pod)
+    )
+    return Outcome(
+        request_id=request_id,
+        ts=common.start_time.ToDatetime(tzinfo=UTC)
+        if common.HasField("start_time")
+        else datetime.now(UTC),
+        tenant=str(authz.get(wire.META_TENANT) or ""),
+        tier=str(authz.get(wire.META_TIER) or ""),
+        session=str(authz.get(wire.META_SESSION) or ""),
+        key_id=str(authz.get(wire.META_KEY_ID) or ""),
+        model=facts.model or "",
+        endpoint=path[:256],
+        pod=pod,
+        status=status,
+        flags=",".join(codes),
+        attempts=common.upstream_request_attempt_count,
+        stream=facts.stream,
+        outcome=outcome,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=_int(usage, wire.META_CACHED_TOKENS) or 0,
+        reserved_tokens=reserved,
+        ttft_ms=ttft,
+        duration_ms=duration,
+        bytes_in=entry.request.request_headers_bytes + entry.request.request_body_bytes,
+        bytes_out=entry.response.response_headers_bytes + entry.response.response_body_bytes,
+    )
+
+
+def charge(
+    outcome: OutcomeKind,
+    facts: RequestFacts,
+    prompt: int | None,
+    completion: int | None,
+    streamed: int,
+    reserved: int,
+    status: int,
+    reached_pod: bool,
+) -> tuple[int, int]:
+    """(prompt, completion) tokens the request is charged for; see the module's rules."""
+    if not reached_pod:
+        return 0, 0
+    # Cut short: the client left, or the pod's answer broke after its 2xx status went out.
+    if outcome == "aborted" or (outcome == "upstream_error" and status < 400):
+        if facts.stream:
+            return prompt if prompt is not None else facts.prompt_tokens, max(
+                completion or 0, streamed
+            )
+        return (prompt, completion or 0) if prompt is not None else (facts.prompt_tokens, 0)
+    if outcome != "ok":
+        return 0, 0
+    if prompt is not None or completion is not None:
+        return prompt or 0, completion or 0
+    return reserved, 0

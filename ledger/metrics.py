@@ -1,0 +1,55 @@
+"""Prometheus collectors of the ledger's outcome stream (the database writer has its own, db.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+REQUESTS = Counter(
+    "llmgw_ledger_requests_total",
+    "Requests by tenant, model and outcome kind (ok, aborted, upstream_error, refused).",
+    ["tenant", "model", "outcome"],
+)
+TOKENS = Counter(
+    "llmgw_ledger_tokens_total",
+    "Tokens by tenant, model and kind (prompt, completion, cached, charged).",
+    ["tenant", "model", "kind"],
+)
+TTFT = Histogram(
+    "llmgw_ledger_ttft_seconds",
+    "Time to the first byte sent to the client, by tenant and model.",
+    ["tenant", "model"],
+    buckets=_LATENCY,
+)
+DURATION = Histogram(
+    "llmgw_ledger_duration_seconds",
+    "Request duration, by tenant and model.",
+    ["tenant", "model"],
+    buckets=_LATENCY,
+)
+ENTRIES = Counter("llmgw_ledger_log_entries_total", "Access-log entries received.")
+LOG_BATCH = Histogram(
+    "llmgw_ledger_log_batch_entries",
+    "Entries per access-log message from Envoy.",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
+SETTLEMENTS = Counter(
+    "llmgw_ledger_settlements_total",
+    "Settlements by result: settled (a reservation), unreserved (none found), duplicate.",
+    ["result"],
+)
+SETTLE_SECONDS = Histogram(
+    "llmgw_ledger_settle_seconds",
+    "One batch's settlement round trip to Redis.",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0),
+)
+SETTLE_FAILURES = Counter(
+    "llmgw_ledger_settle_failures_total", "Settlement batches that failed (Redis slow or down)."
+)
+PENDING = Gauge("llmgw_ledger_unsettled", "Outcomes waiting for settlement (Redis slow or down).")
+UNSETTLED_DROPPED = Counter(
+    "llmgw_ledger_unsettled_dropped_total",
+    "Outcomes stored without settlement because the unsettled backlog was full (their "
+    "reservations stay charged).",
+)

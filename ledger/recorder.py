@@ -1,0 +1,190 @@
+"""Outcomes in; settled in Redis a batch at a time; counted; handed to the database writer.
+
+Off the request path: Envoy sends its access log whenever it flushes, and this loop settles
+whatever has arrived, one Redis round trip per batch. While Redis cannot be reached the outcomes
+wait here (bounded: past `pending_max` the oldest are stored unsettled, their reservations stay
+charged) and are settled when it returns, so no reservation is ever refunded twice or wrongly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ledger import metrics
+from ledger.settlement import Charge, Settled, settle
+from llmgw.outcome import Outcome
+from llmgw.resp import Resp, RespError
+
+log = logging.getLogger("ledger.recorder")
+
+FAILURES = (ConnectionError, OSError, TimeoutError, RespError)
+_RESULTS = {0: "unreserved", 1: "settled", 2: "duplicate"}
+
+
+class Sink(Protocol):
+    def submit(self, records: Sequence[Outcome]) -> None: ...
+
+
+class RedisLink:
+    """One pipelined connection, made again after it breaks."""
+
+    def __init__(self, host: str, port: int, connect_timeout_s: float) -> None:
+        self.host, self.port, self.connect_timeout_s = host, port, connect_timeout_s
+        self._client: Resp | None = None
+
+    async def get(self) -> Resp:
+        if self._client is None or self._client.closed:
+            self._client = await Resp.connect(self.host, self.port, self.connect_timeout_s)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+class Recorder:
+    def __init__(
+        self,
+        redis: RedisLink,
+        sink: Sink | None,
+        *,
+        batch_max: int,
+        pending_max: int,
+        done_ttl_s: float,
+        timeout_s: float,
+        retry_max_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.sink = sink
+        self.batch_max = batch_max
+        self.pending_max = pending_max
+        self.done_ttl_ms = int(done_ttl_s * 1000)
+        self.timeout_s = timeout_s
+        self.retry_max_s = retry_max_s
+        self.clock = clock
+        self._pending: collections.deque[Outcome] = collections.deque()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, outcomes: Sequence[Outcome]) -> None:
+        """Never blocks."""
+        self._pending.extend(outcomes)
+        overflow = len(self._pending) - self.pending_max
+        if overflow > 0:
+            dropped = [self._pending.popleft() for _ in range(overflow)]
+            metrics.UNSETTLED_DROPPED.inc(overflow)
+            self._store(dropped, None)
+        metrics.PENDING.set(len(self._pending))
+        self._wake.set()
+
+    async def run(self) -> None:
+        failures = 0
+        while not (self._closing and not self._pending):
+            if not self._pending:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                continue
+            batch = [
+                self._pending.popleft() for _ in range(min(self.batch_max, len(self._pending)))
+            ]
+            try:
+                results = await self._settle(batch)
+            except FAILURES as exc:
+                self._pending.extendleft(reversed(batch))
+                metrics.SETTLE_FAILURES.inc()
+                failures += 1
+                if failures == 1:
+                    log.warning("settlement failing; outcomes held", extra={"error": repr(exc)})
+                if self._closing:
+                    return
+                await asyncio.sleep(min(0.05 * 2**failures, self.retry_max_s))
+                continue
+            if failures:
+                log.info("settlement back", extra={"failed_batches": failures})
+            failures = 0
+            metrics.PENDING.set(len(self._pending))
+            self._store(batch, results)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="ledger-settlement")
+
+    async def close(self, drain_s: float) -> None:
+        """Settle what is pending for up to `drain_s`; the rest is stored unsettled (its
+        reservations stay charged)."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), drain_s)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        left = list(self._pending)
+        self._pending.clear()
+        self._store(left, None)
+        await self.redis.close()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def _settle(self, batch: list[Outcome]) -> dict[int, Settled]:
+        """Settlement of each outcome that belongs to a tenant, by its index in the batch."""
+        charges = {
+            i: Charge(o.tenant, o.request_id, o.prompt_tokens + o.completion_tokens)
+            for i, o in enumerate(batch)
+            if o.tenant
+        }
+        if not charges:
+            return {}
+        started = time.perf_counter()
+        async with asyncio.timeout(self.timeout_s):
+            client = await self.redis.get()
+            settled = await settle(
+                client, list(charges.values()), int(self.clock() * 1000), self.done_ttl_ms
+            )
+        metrics.SETTLE_SECONDS.observe(time.perf_counter() - started)
+        return dict(zip(charges, settled, strict=True))
+
+    def _store(self, batch: list[Outcome], results: dict[int, Settled] | None) -> None:
+        records = []
+        for i, o in enumerate(batch):
+            result = results.get(i) if results is not None else None
+            if result is None:  # unsettled or no tenant: what admission reserved stays charged
+                charged = o.reserved_tokens if o.tenant else 0
+            else:
+                metrics.SETTLEMENTS.labels(_RESULTS.get(result.state, "unknown")).inc()
+                # A duplicate was charged when first settled: what it used.
+                actual = o.prompt_tokens + o.completion_tokens
+                charged = actual if result.state == 2 else result.charged
+            record = o.model_copy(update={"charged_tokens": charged})
+            records.append(record)
+            _count(record)
+        if self.sink is not None:
+            self.sink.submit(records)
+
+
+def _count(o: Outcome) -> None:
+    labels = (o.tenant, o.model)
+    metrics.REQUESTS.labels(*labels, o.outcome).inc()
+    for kind, n in (
+        ("prompt", o.prompt_tokens),
+        ("completion", o.completion_tokens),
+        ("cached", o.cached_tokens),
+        ("charged", o.charged_tokens),
+    ):
+        if n:
+            metrics.TOKENS.labels(*labels, kind).inc(n)
+    if o.ttft_ms is not None:
+        metrics.TTFT.labels(*labels).observe(o.ttft_ms / 1000)
+    metrics.DURATION.labels(*labels).observe(o.duration_ms / 1000)

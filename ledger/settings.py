@@ -1,0 +1,38 @@
+"""Settings of `python -m ledger` (file + LLMGW_LEDGER__… environment overrides)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from llmgw.config import Strict
+from llmgw.serve import ServeSettings
+from llmgw.telemetry import TracingSettings
+
+ENV_PREFIX = "LLMGW_LEDGER"
+
+
+class RedisSettings(Strict):
+    host: str = "127.0.0.1"
+    port: int = 6379
+    connect_timeout_s: float = Field(default=0.5, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)  # one batch's settlement round trip
+
+
+class SettleSettings(Strict):
+    batch_max: int = Field(default=2_000, ge=1)  # outcomes settled in one Redis round trip
+    pending_max: int = Field(default=200_000, ge=1)  # unsettled outcomes held while Redis is down
+    # How long a settled request ID is remembered, so a batch delivered twice charges once.
+    done_ttl_s: float = Field(default=3600.0, gt=0)
+    retry_max_s: float = Field(default=2.0, gt=0)
+
+
+class Settings(Strict):
+    serve: ServeSettings = ServeSettings(port=8084)
+    tracing: TracingSettings = TracingSettings()
+    log_level: str = "info"
+    # postgresql://user:password@host:port/db; None: outcomes are settled and counted, not stored.
+    database_url: SecretStr | None = None
+    redis: RedisSettings = RedisSettings()
+    settle: SettleSettings = SettleSettings()
+    backlog_max: int = Field(default=200_000, ge=1)  # records waiting for the database
+    drain_s: float = Field(default=5.0, ge=0)  # on SIGTERM: time to write what is left

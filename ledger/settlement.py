@@ -1,0 +1,74 @@
+"""Settlement: each outcome's tokens against the reservation ratelimit made (ledger/settle.lua).
+
+A batch is settled in one Redis round trip: every EVALSHA is written before any reply is awaited
+(llmgw/resp.py pipelines), and each script touches one tenant's keys only (one Cluster slot).
+Idempotent by request ID, so a batch delivered twice charges once. When Redis cannot be reached
+the batch is not lost: the caller keeps it and tries again; until then its reservations stay
+charged as reserved (never over-refunded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+from llmgw.resp import Resp, RespError
+from llmgw.wire import tenant_prefix
+
+SOURCE = resources.files("ledger").joinpath("settle.lua").read_text()
+SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    tenant: str
+    request_id: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    state: int  # 1 reservation settled, 0 no reservation, 2 already settled (a duplicate)
+    reserved: int
+    charged: int
+
+
+async def settle(
+    client: Resp, charges: Sequence[Charge], now_ms: int, done_ttl_ms: int
+) -> list[Settled]:
+    """Settle every charge; raises ConnectionError, TimeoutError or RespError when Redis fails."""
+    replies = await _run(client, charges, now_ms, done_ttl_ms)
+    missing = [i for i, r in enumerate(replies) if _noscript(r)]
+    if missing:  # Redis restarted or flushed its scripts: load, then run just those again
+        await client.call("SCRIPT", "LOAD", SOURCE)
+        again = await _run(client, [charges[i] for i in missing], now_ms, done_ttl_ms)
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    out: list[Settled] = []
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
+        if not isinstance(reply, list) or len(reply) != 3:
+            raise RespError(f"settle.lua returned {reply!r}")
+        state, reserved, charged = (v if isinstance(v, int) else 0 for v in reply)
+        out.append(Settled(state, reserved, charged))
+    return out
+
+
+async def _run(
+    client: Resp, charges: Sequence[Charge], now_ms: int, done_ttl_ms: int
+) -> list[object]:
+    futures = [
+        client.call(
+            "EVALSHA", SHA, 1, tenant_prefix(c.tenant), now_ms, c.request_id, c.tokens, done_ttl_ms
+        )
+        for c in charges
+    ]
+    return list(await asyncio.gather(*futures, return_exceptions=True))
+
+
+def _noscript(reply: object) -> bool:
+    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")

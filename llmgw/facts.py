@@ -1,0 +1,216 @@
+"""Request facts: the OpenAI body parsed once (by extauthz) into what everyone else needs.
+
+extauthz publishes them as dynamic metadata in its namespace; Envoy's rate-limit descriptors, the
+router (ext_proc `forwarding_namespaces`) and the access log (hence the ledger) read them from
+there, so no other process parses the body and no two parse it differently.
+
+Prefix blocks: the prompt rendered the way a chat template lays it out (role markers around each
+message), cut into blocks of 16 "tokens" of ~4 characters; each block's hash covers every block
+before it, so equal hashes mean equal prefixes. They travel as one hex string (16 characters a
+block): protobuf Struct numbers are doubles, which cannot hold a 64-bit hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw import wire
+
+BLOCK_TOKENS = 16
+CHARS_PER_TOKEN = 4
+BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
+_HASH_HEX = 16
+# No client number reaches Redis or a pod unclamped: beyond any model's context.
+MAX_OUTPUT_TOKENS = 1 << 24
+MAX_CHOICES = 128
+
+MetaValue = str | float | bool | Mapping[str, "MetaValue"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False  # the client asked for the usage chunk (stream_options)
+    n: int = 1  # choices generated (max of n and best_of)
+    max_output: int = 0  # output cap per choice the reservation assumes
+    prompt_tokens: int = 0  # estimate
+    prefix_blocks: tuple[int, ...] = ()
+    first_turn: bool = False  # a known body with no assistant message: no pod has its KV yet
+
+    @property
+    def token_estimate(self) -> int:
+        """The reservation: prompt plus every choice's output cap."""
+        return self.prompt_tokens + self.max_output * self.n
+
+    def to_metadata(self) -> dict[str, MetaValue]:
+        meta: dict[str, MetaValue] = {
+            # A string: Envoy's rate-limit `metadata` action drops non-string values.
+            wire.META_TOKEN_ESTIMATE: str(self.token_estimate),
+            wire.META_PROMPT_ESTIMATE: float(self.prompt_tokens),
+            wire.META_STREAM: self.stream,
+            wire.META_INCLUDE_USAGE: self.include_usage,
+            wire.META_CHOICES: float(self.n),
+            wire.META_MAX_OUTPUT: float(self.max_output),
+            wire.META_FIRST_TURN: self.first_turn,
+            wire.META_PREFIX_BLOCKS: "".join(f"{h:016x}" for h in self.prefix_blocks),
+        }
+        if self.model is not None:
+            meta[wire.META_MODEL] = self.model
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> RequestFacts:
+        """Tolerant: a missing or mistyped key takes its default (the router fails open)."""
+        model = meta.get(wire.META_MODEL)
+        blocks = meta.get(wire.META_PREFIX_BLOCKS)
+        return cls(
+            model=model if isinstance(model, str) and model else None,
+            stream=meta.get(wire.META_STREAM) is True,
+            include_usage=meta.get(wire.META_INCLUDE_USAGE) is True,
+            n=_whole(meta.get(wire.META_CHOICES), 1),
+            max_output=_whole(meta.get(wire.META_MAX_OUTPUT), 0),
+            prompt_tokens=_whole(meta.get(wire.META_PROMPT_ESTIMATE), 0),
+            prefix_blocks=_blocks(blocks) if isinstance(blocks, str) else (),
+            first_turn=meta.get(wire.META_FIRST_TURN) is True,
+        )
+
+
+def from_body(
+    request: Mapping[str, Any],
+    *,
+    chars_per_token: float,
+    default_output: int,
+    max_blocks: int,
+    model: str | None,
+) -> RequestFacts:
+    """Facts of a parsed JSON object body; `model` is the validated model name, if any."""
+    stream = request.get("stream") is True
+    options = request.get("stream_options")
+    include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+    output = _max_output(request)
+    return RequestFacts(
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        n=max(_count(request.get("n")), _count(request.get("best_of"))),
+        max_output=default_output if output is None else output,
+        prompt_tokens=prompt_tokens(request, chars_per_token),
+        prefix_blocks=block_hashes(render(request), max_blocks),
+        first_turn=is_first_turn(request),
+    )
+
+
+def prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
+    """Estimated prompt tokens: characters of text / chars_per_token, token-ID prompts as given."""
+    chars = 0
+    tokens = 0
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if isinstance(text, str):
+                        chars += len(text)
+    for name in ("prompt", "input"):
+        value = request.get(name)
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, str):
+                    chars += len(item)
+                elif isinstance(item, int):
+                    tokens += 1
+    return math.ceil(chars / chars_per_token) + tokens
+
+
+def render(request: Mapping[str, Any]) -> str:
+    """Chat messages as a template would render them; a completions `prompt` as is."""
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for msg in messages:
+            if not isinstance(msg, dict):
+                continue
+            content = msg.get("content")
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+            parts.append(
+                f"<|{msg.get('role', '')}|>\n{content if isinstance(content, str) else ''}<|end|>\n"
+            )
+        return "".join(parts)
+    prompt = request.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _text(content: object) -> str:
+    """A message's text: a string, or its text parts joined (images and the like skipped)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def is_first_turn(request: Mapping[str, Any]) -> bool:
+    """A chat request with no assistant message yet, or a completions request."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return True
+    return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+
+
+def block_hashes(text: str, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of the leading full blocks."""
+    data = text.encode()
+    out: list[int] = []
+    prev = b""
+    for start in range(0, min(len(data) // BLOCK_CHARS, max_blocks) * BLOCK_CHARS, BLOCK_CHARS):
+        prev = hashlib.blake2b(prev + data[start : start + BLOCK_CHARS], digest_size=8).digest()
+        out.append(int.from_bytes(prev, "big"))
+    return tuple(out)
+
+
+def _max_output(request: Mapping[str, Any]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = request.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return min(value, MAX_OUTPUT_TOKENS)
+    return None
+
+
+def _count(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return min(value, MAX_CHOICES)
+    return 1
+
+
+def _whole(value: object, default: int) -> int:
+    if isinstance(value, float | int) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    return default
+
+
+def _blocks(hexes: str) -> tuple[int, ...]:
+    try:
+        return tuple(
+            int(hexes[i : i + _HASH_HEX], 16)
+            for i in range(0, len(hexes) - _HASH_HEX + 1, _HASH_HEX)
+        )
+    except ValueError:
+        return ()

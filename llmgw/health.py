@@ -1,0 +1,44 @@
+"""`python -m llmgw.health [HOST:PORT]`: exit 0 when a service answers SERVING on gRPC health.
+
+The image's health check. Without an argument it checks 127.0.0.1 on the port of the one
+service configured in the environment (`LLMGW_<SERVICE>__SERVE__PORT`), so one HEALTHCHECK line
+serves every service the image runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+
+from llmgw.procs import grpc_serving
+
+SUFFIX = "__SERVE__PORT"
+
+
+def default_target(environ: Mapping[str, str]) -> str:
+    ports = {k: v for k, v in environ.items() if k.startswith("LLMGW_") and k.endswith(SUFFIX)}
+    if len(ports) != 1:
+        raise ValueError(f"expected one LLMGW_*{SUFFIX} variable, found {sorted(ports) or 'none'}")
+    return f"127.0.0.1:{next(iter(ports.values()))}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmgw.health", description=__doc__)
+    parser.add_argument("target", nargs="?", help="HOST:PORT (default: see above)")
+    parser.add_argument("--service", default="", help="gRPC health service name ('' = server)")
+    args = parser.parse_args(argv)
+    try:
+        target = args.target or default_target(os.environ)
+    except ValueError as exc:
+        print(f"llmgw.health: {exc}", file=sys.stderr)
+        return 2
+    if grpc_serving(target, args.service)():
+        return 0
+    print(f"llmgw.health: {target} is not SERVING", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The outcome record: what happened to one request, from Envoy's access log (ledger/).
+
+Envoy writes one access-log entry per request when it ends (the gRPC access-log service, in
+batches); the ledger turns each into one `Outcome`, settles its tokens and stores it. Everything
+downstream of a request (settlement, the usage ledger, `llmgw usage`, the breaker, alerts) reads
+this one model, so its field names are the ledger table's columns and `llmgw usage --json`'s keys.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+OutcomeKind = Literal["ok", "aborted", "upstream_error", "refused"]
+OUTCOME_KINDS: tuple[OutcomeKind, ...] = ("ok", "aborted", "upstream_error", "refused")
+
+
+class Outcome(BaseModel):
+    """One request's outcome. Token counts are what the pod reported (usage), or for a stream
+    cut short, the prompt estimate plus the tokens that reached the client."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: str
+    ts: datetime  # when Envoy received the request's first byte (UTC)
+    tenant: str  # "" when the caller was never authenticated
+    tier: str = ""
+    session: str = ""
+    key_id: str = ""
+    model: str = ""
+    endpoint: str = ""  # the path without its query string, e.g. "/v1/chat/completions"
+    pod: str = ""  # "ip:port" of the pod that answered; "" when none did
+    status: int  # what the client got; 0 when it hung up before any response
+    flags: str = ""  # Envoy's response flags, e.g. "DC" (downstream hung up), "UF", "RL"
+    attempts: int = 0  # upstream attempts (> 1: Envoy retried)
+    stream: bool = False
+    outcome: OutcomeKind
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reserved_tokens: int = 0  # the reservation made at admission (0: none)
+    charged_tokens: int = 0  # what settlement left charged against the tenant's quota
+    ttft_ms: float | None = None  # first byte to the client; None when none was sent
+    duration_ms: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+# The columns `llmgw usage --json` prints, in this order (any others may follow).
+JSON_FIELDS = (
+    "request_id",
+    "ts",
+    "tenant",
+    "session",
+    "model",
+    "pod",
+    "status",
+    "outcome",
+    "prompt_tokens",
+    "completion_tokens",
+    "charged_tokens",
+    "ttft_ms",
+    "duration_ms",
+)
