@@ -26,9 +26,8 @@ COPY ratelimit ratelimit
 COPY router router
 COPY ledger ledger
 RUN pip install --no-deps . \
- && pip uninstall -y pip setuptools \
- && find /opt/llmgw -name __pycache__ -prune -exec rm -rf {} + \
- && python -c "import extauthz, ratelimit, router, ledger, llmgw.health" || true
+ && python -c "import extauthz.__main__, ratelimit.__main__, router.__main__, ledger.__main__" \
+ && pip uninstall -y pip setuptools
 
 FROM ${PYTHON}
 # No compilers or pip in the venv: only the interpreter, the venv and the services.

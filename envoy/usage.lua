@@ -6,11 +6,13 @@
 -- short (client hung up, pod reset) still says how many tokens were streamed. Pods send usage for
 -- every stream (vLLM --enable-force-include-usage: a final usage-only event, or since vLLM 0.20
 -- usage on every event); sse_to_metadata has read it before this filter, which then removes it
--- for clients that did not ask for it, so they see exactly what OpenAI would send them.
+-- for clients that did not ask for it, so they see exactly what OpenAI would send them. An error
+-- event (the pod failed mid-stream) is marked in {{ wire.META_STREAM_FAILED }}.
 
 local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"
 local USAGE = "{{ wire.USAGE_NAMESPACE }}"
 local STREAMED = "{{ wire.META_STREAMED_EVENTS }}"
+local FAILED = "{{ wire.META_STREAM_FAILED }}"
 
 local function has_choice(event)
   return event:find('"choices"%s*:%s*%[%s*{') ~= nil
@@ -44,8 +46,14 @@ function envoy_on_response(handle)
       if has_choice(event) then
         streamed = streamed + 1
         out[#out + 1] = strip and without_usage(event) or event
-      elseif not (strip and event:find('"usage"%s*:%s*{')) then
-        out[#out + 1] = event
+      else
+        if event:find('^data:%s*[{]%s*"error"%s*:') then
+          -- The pod failed after its 200 (vLLM sends the error as an event): the outcome says so.
+          handle:streamInfo():dynamicMetadata():set(USAGE, FAILED, true)
+        end
+        if not (strip and event:find('"usage"%s*:%s*{')) then
+          out[#out + 1] = event
+        end
       end
       at = stop + 1
     end

@@ -9,7 +9,7 @@ Outcome kinds, from what the client finally got (after Envoy's retries):
   unknown route);
 - `aborted`: the client hung up before the response was complete;
 - `upstream_error`: the pod answered with an error, no pod could answer (5xx local replies), or
-  the pod's stream broke after it started;
+  the pod's stream broke after it started (a reset, or an error event: vLLM's mid-stream error);
 - `ok`: a complete 2xx or 3xx answer from a pod.
 
 Tokens charged (the settlement's "actual"):
@@ -98,10 +98,10 @@ def _int(meta: Mapping[str, Any], key: str) -> int | None:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else None
 
 
-def kind_of(status: int, codes: list[str], pod: str) -> OutcomeKind:
+def kind_of(status: int, codes: list[str], pod: str, stream_failed: bool = False) -> OutcomeKind:
     if _CLIENT_GONE.intersection(codes) or status == 0:
         return "aborted"
-    if _STREAM_BROKEN.intersection(codes) and pod:
+    if (stream_failed or _STREAM_BROKEN.intersection(codes)) and pod:
         return "upstream_error"
     if not pod:
         return "upstream_error" if status >= 500 else "refused"
@@ -126,7 +126,7 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     codes = flags(common.response_flags)
     sock = common.upstream_remote_address.socket_address
     pod = f"{sock.address}:{sock.port_value}" if sock.address else ""
-    outcome = kind_of(status, codes, pod)
+    outcome = kind_of(status, codes, pod, usage.get(wire.META_STREAM_FAILED) is True)
     estimate = str(authz.get(wire.META_TOKEN_ESTIMATE, ""))
     reserved = int(estimate) if estimate.isdigit() else 0
     prompt = _int(usage, wire.META_PROMPT_TOKENS)

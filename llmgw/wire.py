@@ -66,6 +66,7 @@ META_PROMPT_TOKENS = "prompt_tokens"
 META_COMPLETION_TOKENS = "completion_tokens"
 META_CACHED_TOKENS = "cached_tokens"
 META_STREAMED_EVENTS = "streamed"
+META_STREAM_FAILED = "stream_failed"  # the pod sent an error event after its 200
 
 
 # Counters in Redis, one key prefix per tenant (ratelimit/admit.lua, ledger/settle.lua). The

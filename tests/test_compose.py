@@ -1,32 +1,329 @@
-"""The compose deployment, checked by parsing (no Docker engine here) and by Envoy's validator."""
+"""The compose deployment, checked without a Docker engine.
+
+- The file against the Compose specification's JSON schema (vendored: tests/schemas/README.md).
+- Envoy's config for compose is the template's current rendering, has every filter, validates.
+- Every service built from our image starts here from the compose file's own command,
+  environment and mounted files, with the compose hostnames mapped to loopback (a port of ours
+  for each `host:port`), and answers the compose health check: a compose file whose services
+  could not start fails here. Redis runs with the compose file's flags, the vLLM pods are
+  simulated; PostgreSQL and the collector are not run (the ledger waits for its database and
+  the exporters drop spans: both keep serving, which is what the health check asks).
+- Prometheus scrapes every service, Envoy and the pods, and the dashboard names only metrics
+  that the running services, the pods and a running Envoy really export.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
 from llmgw import cli, envoyconf
+from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
+from llmgw.stack import Stack
+from tests.conftest import api_key
+from tests.http import call
 
-COMPOSE = Path(__file__).resolve().parent.parent / "compose"
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose"
+SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
+IMAGE = "${LLMGW_IMAGE:-llmgw:latest}"
+START_TIMEOUT = 90  # a Python service's start on a loaded 2-core box, several at once
+
+# The command in the compose file's header, and the test that keeps compose/envoy.yaml current.
+RENDER = {
+    "--listen": "0.0.0.0:8080",
+    "--admin": "0.0.0.0:9901",
+    "--extauthz": "extauthz:9001",
+    "--ratelimit": "ratelimit:9002",
+    "--router": "router:9003",
+    "--ledger": "ledger:9004",
+    "--otlp": "otel-collector:4317",
+}
+PODS = ("vllm-0:8000", "vllm-1:8000")
+INTERPOLATION = {
+    "LLMGW_SESSION_SECRET": secrets.token_hex(32),
+    "POSTGRES_PASSWORD": "compose-test",
+    "GRAFANA_ADMIN_PASSWORD": "compose-test",
+}
 
 
-def test_compose_file_has_the_stack() -> None:
-    spec = yaml.safe_load((COMPOSE / "docker-compose.yaml").read_text())
-    services = spec["services"]
-    assert {"envoy", "redis", "otel-collector", "vllm-0", "vllm-1"} <= set(services)
-    assert "./envoy.yaml:/etc/envoy/envoy.yaml:ro" in services["envoy"]["volumes"]
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((COMPOSE / "docker-compose.yaml").read_text()))
+
+
+def render_argv() -> list[str]:
+    argv = ["render-envoy"]
+    for flag, value in RENDER.items():
+        argv += [flag, value]
+    for pod in PODS:
+        argv += ["--upstream", pod]
+    return argv
+
+
+def interpolate(value: str, variables: dict[str, str]) -> str:
+    """Compose's `${NAME}`, `${NAME:-default}` and `${NAME:?error}`."""
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if name in variables and variables[name] != "":
+            return variables[name]
+        if op == ":?":
+            raise AssertionError(f"compose needs ${name}: {arg}")
+        return arg if op == ":-" else ""
+
+    return re.sub(r"\$\{(\w+)(:-|:\?)?([^}]*)\}", one, value)
+
+
+# The file itself.
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(compose()), key=str)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_compose_runs_the_whole_product() -> None:
+    services = compose()["services"]
+    product = {"envoy", "extauthz", "ratelimit", "router", "ledger", "redis", "postgres"}
+    product |= {"vllm-0", "vllm-1", "otel-collector", "prometheus", "grafana"}
+    assert product <= set(services)
+    for name in ("extauthz", "ratelimit", "router", "ledger"):
+        assert services[name]["image"] == IMAGE and services[name]["command"] == [name]
     for name in ("vllm-0", "vllm-1"):
-        assert "--enable-force-include-usage" in services[name]["command"]
+        flags = services[name]["command"]
+        assert {"--enable-prefix-caching", "--enable-force-include-usage"} <= set(flags)
+        assert "--scheduling-policy=priority" in flags
+    redis = services["redis"]["command"]
+    assert "--appendonly" in redis and redis[redis.index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
+    assert any("postgresql/data" in v for v in services["postgres"]["volumes"])
+    # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
+    # pod around Envoy.
+    published = {name: s["ports"] for name, s in services.items() if "ports" in s}
+    assert published == {"envoy": ["8080:8080"], "grafana": ["127.0.0.1:3000:3000"]}
+    assert "./envoy.yaml:/etc/envoy/envoy.yaml:ro" in services["envoy"]["volumes"]
 
 
-def test_compose_envoy_config_is_current_and_valid(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["render-envoy", "--listen", "0.0.0.0:8080"]
-    argv += ["--upstream", "vllm-0:8000", "--upstream", "vllm-1:8000"]
-    assert cli.main(argv) == 0
+def test_compose_envoy_config_is_current_has_every_filter_and_validates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    header = (COMPOSE / "docker-compose.yaml").read_text()
+    for flag, value in RENDER.items():
+        assert f"{flag} {value}" in header, f"the header's render command lacks {flag} {value}"
+    assert cli.main(render_argv()) == 0
     rendered = capsys.readouterr().out
     assert (COMPOSE / "envoy.yaml").read_text() == rendered, (
         "compose/envoy.yaml is stale: re-render it with the command in docker-compose.yaml"
     )
+    for needed in (
+        "envoy.filters.http.ext_authz",
+        "envoy.filters.http.ratelimit",
+        "envoy.filters.http.ext_proc",
+        "envoy.access_loggers.http_grpc",
+        "envoy.tracers.opentelemetry",
+    ):
+        assert needed in rendered, needed
+    config = yaml.safe_load(rendered)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    for name in ("extauthz", "ratelimit", "router", "ledger", "otel"):
+        assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
     envoyconf.validate(COMPOSE / "envoy.yaml")
+
+
+def test_render_envoy_refuses_a_gateway_without_authentication(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["render-envoy", "--upstream", "vllm-0:8000"]) == 2
+    assert "--insecure-no-auth" in capsys.readouterr().err
+    argv = ["render-envoy", "--upstream", "vllm-0:8000", "--insecure-no-auth"]
+    assert cli.main(argv) == 0
+    assert "envoy.filters.http.ext_authz\n" not in capsys.readouterr().out  # the filter
+
+
+# The services, started here from the compose file.
+
+
+@dataclass
+class Started:
+    spec: dict[str, Any]
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
+    processes: list[Process] = field(default_factory=list)
+
+    def port(self, service: str, port: int) -> int:
+        """The loopback port standing for `service:port` of the compose network."""
+        return self.ports.setdefault((service, port), free_port())
+
+    def url(self, target: str, path: str = "/metrics") -> str:
+        host, _, port = target.rpartition(":")
+        return f"http://127.0.0.1:{self.port(host, int(port))}{path}"
+
+
+def localise(
+    name: str, environment: dict[str, str], started: Started, files: Path
+) -> dict[str, str]:
+    """The compose environment of service `name`, with compose addresses mapped to loopback."""
+    services = set(started.spec["services"])
+    env = {k: interpolate(str(v), INTERPOLATION) for k, v in environment.items()}
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        if key.endswith("_HOST") and (value in services or value == "0.0.0.0"):
+            value = "127.0.0.1"
+        elif key.endswith("_PORT"):
+            peer = env.get(key[: -len("PORT")] + "HOST", "")
+            value = str(started.port(peer if peer in services else name, int(value)))
+        else:
+            for service in services:
+                value = re.sub(
+                    rf"(?<![\w.-]){re.escape(service)}:(\d+)",
+                    lambda m, s=service: f"127.0.0.1:{started.port(s, int(m.group(1)))}",
+                    value,
+                )
+            value = value.replace("/etc/llmgw", str(files))
+        out[key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
+    tmp = tmp_path_factory.mktemp("compose")
+    spec = compose()
+    run = Started(spec)
+    files = tmp / "config"  # compose mounts ./config at /etc/llmgw
+    shutil.copytree(COMPOSE / "config", files)
+    try:
+        redis_flags = spec["services"]["redis"]["command"][1:]  # the compose file's own flags
+        port = run.port("redis", 6379)
+        argv = [bin_path("redis-server"), *redis_flags, "--port", str(port), "--bind", "127.0.0.1"]
+        argv += ["--dir", str(tmp)]
+        run.processes.append(Process("redis", argv, redis_ping("127.0.0.1", port), tmp / "r.log"))
+        for pod in PODS:
+            host, _, pod_port = pod.partition(":")
+            port = run.port(host, int(pod_port))
+            argv = [sys.executable, "-m", "llmgw.sim", "--port", str(port), "--time-scale", "0.05"]
+            ready = http_ok(f"http://127.0.0.1:{port}/health")
+            run.processes.append(Process(host, argv, ready, tmp / f"{host}.log"))
+        base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        for name, service in spec["services"].items():
+            if service.get("image") != IMAGE:
+                continue
+            env = localise(name, service.get("environment", {}), run, files)
+            run.envs[name] = env
+            port = int(next(v for k, v in env.items() if k.endswith("__SERVE__PORT")))
+            argv = [sys.executable, "-m", *service["command"]]
+            ready = grpc_serving(f"127.0.0.1:{port}")
+            run.processes.append(Process(name, argv, ready, tmp / f"{name}.log", {**base, **env}))
+        for proc in run.processes:
+            proc.spawn()
+        for proc in run.processes:
+            proc.wait_ready(START_TIMEOUT)
+        yield run
+    finally:
+        stop_all(run.processes)
+
+
+def test_every_compose_service_of_ours_starts_here_and_passes_its_health_check(
+    started: Started,
+) -> None:
+    assert set(started.envs) == {"extauthz", "ratelimit", "router", "ledger"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    for name, env in started.envs.items():
+        test = started.spec["services"][name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-m"], test
+        result = subprocess.run(
+            [sys.executable, "-m", *test[3:]],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, (name, result.stderr)
+
+
+def exported(text: str) -> set[str]:
+    """Metric names in a Prometheus exposition, with a histogram's _bucket/_sum/_count."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(maxsplit=3)
+            names.add(name)
+            if kind.strip() in ("histogram", "summary"):
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -> None:
+    config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = {
+        name: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for name, job in jobs.items()
+    }
+    services = started.spec["services"]
+    for target in [t for ts in targets.values() for t in ts]:
+        host, _, port = target.rpartition(":")
+        assert port in services[host]["expose"], f"{target}: not exposed by compose"
+    scraped = {t.partition(":")[0] for t in targets["llmgw"]} | {
+        t.partition(":")[0] for t in targets["vllm"]
+    }
+    assert scraped == set(started.envs) | {"vllm-0", "vllm-1"}
+    for target in targets["llmgw"]:
+        host = target.partition(":")[0]
+        metrics_port = int(
+            started.spec["services"][host]["environment"][
+                f"LLMGW_{host.upper()}__SERVE__METRICS_PORT"
+            ]
+        )
+        assert target == f"{host}:{metrics_port}"
+        assert any(n.startswith(f"llmgw_{host}_") for n in exported(fetch(started.url(target))))
+    for target in targets["vllm"]:
+        assert "vllm:num_requests_running" in exported(fetch(started.url(target)))
+    assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
+    assert targets["envoy"] == [RENDER["--admin"].replace("0.0.0.0", "envoy")]
+
+
+def test_the_dashboard_names_only_metrics_that_are_exported(started: Started, stack: Stack) -> None:
+    key = api_key(stack)
+    auth = {"authorization": f"Bearer {key}"}
+    model = call("GET", f"{stack.base_url}/models", headers=auth).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "dashboard", "max_tokens": 2}
+    assert call("POST", f"{stack.base_url}/completions", body, auth).status == 200
+    names = exported(fetch(f"{stack.admin_url}/stats/prometheus"))
+    for target in ("extauthz:9101", "ratelimit:9102", "router:9103", "ledger:9104"):
+        names |= exported(fetch(started.url(target)))
+    names |= exported(fetch(started.url(PODS[0])))
+
+    board = json.loads((COMPOSE / "grafana" / "dashboards" / "llmgw.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    metric = r"\b(?:llmgw_|vllm:|envoy_)[\w:]+(?![\w:])(?!\s*[=!])"  # a name, not a label
+    used = {m for e in exprs for m in re.findall(metric, e)}
+    assert used - names == set(), "the dashboard names metrics nobody exports"
+    provider = yaml.safe_load(
+        (COMPOSE / "grafana" / "provisioning" / "dashboards" / "llmgw.yaml").read_text()
+    )
+    mounts = started.spec["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}:ro" in mounts

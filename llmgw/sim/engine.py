@@ -278,6 +278,8 @@ class Engine:
         seq.owned, seq.private, seq.computed = prefix, short, hits * size
         self.stats.prefix_queries += seq.job.prompt_tokens
         self.stats.prefix_hits += hits * size
+        if seq.scheduled is None:  # a first admission; a resumed one recomputes what it had
+            self.stats.prompt_tokens_cached += hits * size
         return n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -313,7 +315,6 @@ class Engine:
                 seq.first_token = now
                 stats.ttft.observe(now - seq.arrival)
                 stats.prompt_tokens += seq.job.prompt_tokens
-                stats.prompt_tokens_cached += len(seq.owned) * size
             else:
                 stats.itl.observe(now - seq.last_token)
             seq.last_token = now

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from ratelimit.response import go_duration, rate_headers, refusal
 
+from ratelimit.response import go_duration, rate_headers, refusal
 from ratelimit.types import KindState, Unit, Verdict
 
 

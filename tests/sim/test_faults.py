@@ -45,7 +45,7 @@ async def test_admin_rejects_bad_faults(
 ) -> None:
     async with http.put(pod.url + "/admin/faults", json=fields) as resp:
         assert resp.status == 400
-        assert (await resp.json())["type"] == "BadRequestError"
+        assert (await resp.json())["error"]["type"] == "BadRequestError"
 
 
 @pytest.mark.parametrize("status", [500, 503])
@@ -55,7 +55,12 @@ async def test_error_rate_fails_v1_only(
     await set_faults(http, pod, error_rate=1, error_status=status)
     async with http.post(pod.url + "/v1/completions", json={"prompt": "x"}) as resp:
         assert resp.status == status and resp.content_type == "application/json"
-        assert (await resp.json())["code"] == status
+        error = (await resp.json())["error"]
+        assert (
+            error["code"] == status
+            and error["type"]
+            == {500: "InternalServerError", 503: "ServiceUnavailableError"}[status]
+        )
     assert await status_of(http, pod, "GET", "/v1/models") == status
     assert await status_of(http, pod, "GET", "/metrics") == 200
     assert await status_of(http, pod, "GET", "/health") == 200
@@ -113,3 +118,24 @@ async def test_close_mid_stream_cuts_a_json_reply(pod: SimPod, http: aiohttp.Cli
         async with http.post(pod.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 200
             await resp.read()
+
+
+async def test_error_mid_stream_reports_the_error_in_the_stream(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    await set_faults(http, pod, error_mid_stream=1)
+    body = chat("hi", max_tokens=50, ignore_eos=True, stream=True)
+    async with http.post(pod.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        events = (await resp.text()).split("\n\n")  # the stream ends cleanly
+    assert events[-3:] == [
+        'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+        '"param": null, "code": 500}}',
+        "data: [DONE]",
+        "",
+    ]
+    assert len(events) - 3 >= 3 and 'finish_reason":"length' not in "".join(events)
+    assert await drained(pod)
+    async with http.post(pod.url + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 500
+        assert (await resp.json())["error"]["message"] == "Internal server error"

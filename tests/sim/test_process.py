@@ -44,7 +44,8 @@ def test_flags_reach_the_pod_and_sigterm_exits_0(pod_process: tuple[Process, str
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:
         body = json.dumps({"prompt": "x", "max_tokens": 500, "stream": True}).encode()
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
         conn.sendall(head.encode() + body)
         assert conn.recv(100).startswith(b"HTTP/1.1 200")
         assert proc.stop(timeout=10) == 0
@@ -63,3 +64,10 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert (settings.model, settings.seed, settings.max_num_seqs) == ("from-file", 5, 3)
     assert settings.speed_factor == 2 and not settings.force_include_usage
     assert settings_from(["--force-include-usage"]).force_include_usage
+    assert settings.usage_mode == "per-chunk" and settings.scheduling_policy == "fcfs"
+    assert settings.max_num_batched_tokens is None  # the profile's
+    flags = ["--usage-mode", "final", "--scheduling-policy", "priority"]
+    flags += ["--max-num-batched-tokens", "512"]
+    chosen = settings_from(flags)
+    assert (chosen.usage_mode, chosen.scheduling_policy) == ("final", "priority")
+    assert chosen.max_num_batched_tokens == 512

@@ -36,7 +36,7 @@ def test_throughput_rises_with_batch_to_a_plateau() -> None:
     assert rates == sorted(rates)
     assert rates[batches.index(64)] > 30 * rates[0]  # batching decodes is nearly free...
     assert rates[-1] < 1.1 * rates[-2]  # ...until the per-sequence and KV terms dominate
-    assert 5_000 <= rates[batches.index(256)] and rates[-1] <= 12_500  # published aggregates
+    assert rates[batches.index(256)] >= 5_000 and rates[-1] <= 12_500  # published aggregates
 
 
 def test_decode_cost_grows_with_context() -> None:

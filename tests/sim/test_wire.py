@@ -76,15 +76,6 @@ async def test_include_usage_ends_the_stream_with_a_usage_chunk(pod: SimPod) -> 
     assert all(c.usage is None for c in chunks[:-1])
 
 
-async def test_force_include_usage_adds_usage_to_every_stream(make_pod: MakePod) -> None:
-    pod = await make_pod(force_include_usage=True)
-    async with client(pod) as sdk:
-        stream = await sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True)
-        chunks = [chunk async for chunk in stream]
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 2
-
-
 async def test_raw_stream_framing(pod: SimPod, http: aiohttp.ClientSession) -> None:
     body = chat("hi", model=MODEL, max_tokens=2, stream=True)
     async with http.post(pod.url + "/v1/chat/completions", json=body) as resp:
@@ -135,37 +126,116 @@ async def test_health_is_200_with_an_empty_body(pod: SimPod, http: aiohttp.Clien
         assert resp.status == 200 and await resp.read() == b""
 
 
-ERRORS: list[tuple[str, Any, int, str]] = [
-    ("/v1/chat/completions", "{not json", 400, "BadRequestError"),
-    ("/v1/chat/completions", {"model": MODEL}, 400, "BadRequestError"),
-    ("/v1/completions", {"model": MODEL}, 400, "BadRequestError"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "NotFoundError"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "BadRequestError"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "BadRequestError"),
-    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "BadRequestError"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 200_000}, 400, "BadRequestError"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "BadRequestError"),
-    ("/v1/chat/completions", chat("x" * 600_000), 400, "BadRequestError"),
-]
+ERRORS: list[tuple[str, Any, int, str, str | None]] = [
+    # Request-model validation (pydantic through FastAPI): "Bad Request" and the field path.
+    ("/v1/chat/completions", "{not json", 400, "Bad Request", "body.1"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "Bad Request", "body.messages"),
+    ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "Bad Request", "body.priority"),
+    ("/v1/completions", {"prompt": "x", "priority": 1.5}, 400, "Bad Request", "body.priority"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "Bad Request",
+     "body.max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "Bad Request", "stream_options"),
+    # Checks in the serving code and SamplingParams: "BadRequestError" and the parameter.
+    ("/v1/completions", {"model": MODEL}, 400, "BadRequestError", None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "NotFoundError", "model"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "BadRequestError", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "BadRequestError", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "BadRequestError",
+     "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 200_000}, 400, "BadRequestError",
+     "max_tokens"),
+    ("/v1/chat/completions", chat("x", max_completion_tokens=200_000), 400, "BadRequestError",
+     "max_completion_tokens"),
+    ("/v1/chat/completions", chat("x" * 600_000), 400, "BadRequestError", "input_tokens"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("path", "body", "status", "type_"), ERRORS)
+@pytest.mark.parametrize(("path", "body", "status", "type_", "param"), ERRORS)
 async def test_errors_have_vllm_shape(
-    pod: SimPod, http: aiohttp.ClientSession, path: str, body: Any, status: int, type_: str
+    pod: SimPod,
+    http: aiohttp.ClientSession,
+    path: str,
+    body: Any,
+    status: int,
+    type_: str,
+    param: str | None,
 ) -> None:
     data = body if isinstance(body, str) else json.dumps(body)
-    async with http.post(pod.url + path, data=data) as resp:
+    headers = {"Content-Type": "application/json"}
+    async with http.post(pod.url + path, data=data, headers=headers) as resp:
         assert resp.status == status
         assert resp.headers["content-type"] == "application/json"  # no charset, as vLLM
         error = await resp.json()
     assert error == {
-        "object": "error",
-        "message": error["message"],
-        "type": type_,
-        "param": None,
-        "code": status,
-    }
-    assert error["message"]
+        "error": {"message": error["error"]["message"], "type": type_, "param": param,
+                  "code": status}
+    }  # fmt: skip
+    assert error["error"]["message"]
+
+
+async def test_validation_messages_are_vllms(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    body = {"prompt": "x", "priority": "high"}
+    async with http.post(pod.url + "/v1/completions", json=body) as resp:
+        message = (await resp.json())["error"]["message"]
+    assert message == (
+        "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.priority', 'msg': 'Input "
+        "should be a valid integer, unable to parse string as an integer', 'input': 'high'}"
+    )
+    async with http.post(pod.url + "/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+        message = (await resp.json())["error"]["message"]
+    assert message == f"The model `m` does not exist. Valid aliases: {MODEL}."
+
+
+async def test_a_body_that_is_not_json_typed_is_rejected(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    data = json.dumps({"prompt": "x"})
+    async with http.post(pod.url + "/v1/completions", data=data) as resp:  # text/plain
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["type"] == "Bad Request" and "Only 'application/json'" in error["message"]
+
+
+async def test_unknown_routes_answer_like_starlette(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(pod.url + "/v2/nothing") as resp:
+        assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+    async with http.get(pod.url + "/v1/completions") as resp:
+        assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"priority": "3"},  # pydantic's lax mode parses it
+        {"priority": -(2**63)},
+        {"stream_options": {}},  # falsy: vLLM's check reads `data.get("stream_options")`
+        {"temperature": 0, "top_p": 1, "n": 1},
+    ],
+)
+async def test_vllm_accepts(
+    pod: SimPod, http: aiohttp.ClientSession, fields: dict[str, Any]
+) -> None:
+    body = {"prompt": "x", "max_tokens": 2} | fields
+    async with http.post(pod.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_max_tokens_beyond_the_context_is_clamped(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await make_pod(max_model_len=300)
+    body = {"prompt": "x" * 40, "max_tokens": 295}  # 10 prompt tokens: 290 fit
+    async with http.post(pod.url + "/v1/completions", json=body) as resp:
+        reply = await resp.json()
+    assert reply["usage"]["completion_tokens"] == 290
+    assert reply["choices"][0]["finish_reason"] == "length"
+    body = {"prompt": "x" * 1200}  # exactly the context: no room for one output token
+    async with http.post(pod.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "max_tokens"
 
 
 async def test_sdk_raises_its_own_error_classes(pod: SimPod) -> None:
@@ -173,6 +243,8 @@ async def test_sdk_raises_its_own_error_classes(pod: SimPod) -> None:
         with pytest.raises(openai.NotFoundError):
             await sdk.completions.create(model="nope", prompt="x")
         with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            await sdk.completions.create(model=MODEL, prompt="x" * 600_000)
+        with pytest.raises(openai.BadRequestError, match="cannot be greater than max_model_len"):
             await sdk.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
 
 
@@ -189,6 +261,14 @@ VLLM_NAMES = {
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:num_requests_waiting_by_reason": "gauge",
+    "vllm:request_success": "counter",
+    "vllm:prompt_tokens_cached": "counter",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
 }
 
 
@@ -198,6 +278,7 @@ async def test_metrics_carry_vllm_names_and_labels(
     async with client(pod) as sdk:
         await sdk.completions.create(model=MODEL, prompt="count me", max_tokens=4)
     async with http.get(pod.url + "/metrics") as resp:
+        assert resp.headers["content-type"] == "text/plain; version=1.0.0; charset=utf-8"
         text = await resp.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert {name: families[name].type for name in VLLM_NAMES} == VLLM_NAMES
@@ -209,6 +290,19 @@ async def test_metrics_carry_vllm_names_and_labels(
     assert gen.labels == {"model_name": MODEL, "engine": "0"} and gen.value == 4
     info = samples["vllm:cache_config_info"].labels
     assert info["block_size"] == "16" and info["num_gpu_blocks"] == "28000"
+    assert info["gpu_memory_utilization"] == "0.92" and info["engine"] == "0"
+    assert "model_name" not in info
+    success = {
+        s.labels["finished_reason"]: s.value
+        for s in families["vllm:request_success"].samples
+        if s.name.endswith("_total")
+    }
+    assert success == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0}
+    waiting = {s.labels["reason"]: s.value for s in families[
+        "vllm:num_requests_waiting_by_reason"].samples}  # fmt: skip
+    assert waiting == {"capacity": 0, "deferred": 0}
+    assert samples["vllm:request_queue_time_seconds_count"].value == 1
+    assert samples["vllm:request_decode_time_seconds_count"].value == 1
     assert samples["vllm:time_to_first_token_seconds_count"].value == 1
     assert samples["vllm:inter_token_latency_seconds_count"].value == 3
     assert samples["vllm:e2e_request_latency_seconds_count"].value == 1

@@ -1,0 +1,284 @@
+"""The ledger through the real stack: Envoy's access log → settlement in Redis → PostgreSQL.
+
+Every request's outcome is read back the way an operator reads it, with `llmgw usage --json`; the
+token counters are read from Redis and from the next response's `x-ratelimit-remaining-tokens`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from extauthz.types import Limits
+from llmgw import facts, wire
+from llmgw.stack import Stack
+from tests.conftest import stack_settings
+from tests.http import Reply, call
+from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations, wait_for
+
+LIMITS = """
+tiers:
+  standard: {requests: {second: 1000}, tokens: {minute: 1000000}}
+  free: {requests: {minute: 3}, tokens: {minute: 1000000}}
+"""
+
+
+@pytest.fixture(scope="module")
+def ledger_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    state = tmp_path_factory.mktemp("ledger-stack")
+    (state / "limits.yaml").write_text(LIMITS)
+    settings = stack_settings().model_copy(update={"ratelimit_limits": state / "limits.yaml"})
+    with Stack(settings, state / "stack") as running:
+        yield running
+
+
+def usage(stack: Stack, *flags: str) -> str:
+    """`llmgw usage` as an operator runs it, against the stack's database."""
+    assert stack.database_url is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw", "usage", "--database-url", stack.database_url, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def records(stack: Stack, *flags: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in usage(stack, "--json", *flags).splitlines()]
+
+
+def recorded(stack: Stack, ids: set[str], *flags: str, timeout: float = 20.0) -> dict[str, Any]:
+    """The ledger's records of these request IDs, once all are written (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [r for r in records(stack, *flags) if r["request_id"] in ids]
+        if {r["request_id"] for r in rows} >= ids or time.monotonic() > deadline:
+            assert {r["request_id"] for r in rows} >= ids, ids - {r["request_id"] for r in rows}
+            return {r["request_id"]: r for r in rows}
+        time.sleep(0.2)
+
+
+def chat(
+    stack: Stack, key: str, max_tokens: int = 8, content: str = "hi", **extra: object
+) -> Reply:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+    return call(
+        "POST", f"{stack.base_url}/chat/completions", {**body, "max_tokens": max_tokens}, auth(key)
+    )
+
+
+def aborted_stream(stack: Stack, key: str, events: int, max_tokens: int = 2000) -> tuple[str, int]:
+    """A stream the client hangs up on after `events` SSE events: (request ID, events seen)."""
+    url = urlsplit(stack.base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn.request(
+        "POST",
+        f"{url.path}/chat/completions",
+        json.dumps(body),
+        {**auth(key), "content-type": "application/json"},
+    )
+    reply = conn.getresponse()
+    assert reply.status == 200
+    request_id = reply.headers["x-request-id"]
+    seen = 0
+    while seen < events:
+        line = reply.readline()
+        assert line, "the stream ended before the client hung up"
+        seen += line.startswith(b"data: {")
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    return request_id, seen
+
+
+def test_every_request_of_a_mixed_run_is_recorded_once(ledger_stack: Stack) -> None:
+    key = add_tenant(ledger_stack, "lg-mixed", "standard")
+    limited = add_tenant(ledger_stack, "lg-limited", "free")  # 3 a minute: the probe, then 2
+    expected: dict[str, tuple[str, int]] = {}  # request ID → (outcome, status)
+    usages: dict[str, dict[str, int]] = {}
+    for i in range(3):
+        reply = chat(ledger_stack, key, max_tokens=5 + i)
+        assert reply.status == 200
+        expected[reply.headers["x-request-id"]] = ("ok", 200)
+        usages[reply.headers["x-request-id"]] = reply.json()["usage"]
+    for i in range(3):
+        reply = chat(ledger_stack, key, max_tokens=4 + i, stream=True)
+        assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
+        expected[reply.headers["x-request-id"]] = ("ok", 200)
+    for events in (3, 6):
+        rid, _ = aborted_stream(ledger_stack, key, events)
+        expected[rid] = ("aborted", 200)
+    unauthenticated = call("POST", f"{ledger_stack.base_url}/chat/completions", {}, auth("sk-x"))
+    assert unauthenticated.status == 401
+    expected[unauthenticated.headers["x-request-id"]] = ("refused", 401)
+    refused = [chat(ledger_stack, limited) for _ in range(3)]
+    assert [r.status for r in refused] == [200, 200, 429]
+    for r in refused:
+        expected[r.headers["x-request-id"]] = ("ok", 200) if r.status == 200 else ("refused", 429)
+    faults = {"error_rate": 1.0, "error_status": 500}
+    for pod in range(len(ledger_stack.pods)):
+        assert call("PUT", f"{ledger_stack.pod_url(pod)}/admin/faults", faults).status == 200
+    try:
+        broken = chat(ledger_stack, key)
+    finally:
+        for pod in range(len(ledger_stack.pods)):
+            call("DELETE", f"{ledger_stack.pod_url(pod)}/admin/faults")
+    assert broken.status == 500
+    expected[broken.headers["x-request-id"]] = ("upstream_error", 500)
+
+    rows = recorded(ledger_stack, set(expected))
+    all_ids = Counter(r["request_id"] for r in records(ledger_stack))
+    assert all(all_ids[rid] == 1 for rid in expected)  # exactly once
+    assert {rid: (r["outcome"], r["status"]) for rid, r in rows.items()} == expected
+    for rid, used in usages.items():
+        row = rows[rid]
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (
+            used["prompt_tokens"],
+            used["completion_tokens"],
+        )
+        assert row["charged_tokens"] == used["total_tokens"] and row["pod"]
+    for rid, (outcome, _) in expected.items():
+        if outcome in ("refused", "upstream_error"):
+            assert rows[rid]["charged_tokens"] == 0, rows[rid]
+    # The operator's views: by tenant, and one session's requests in time order.
+    by_tenant = usage(ledger_stack, "--by", "tenant", "--tenant", "lg-mixed")
+    assert "lg-mixed" in by_tenant and "lg-limited" not in by_tenant
+    session = rows[next(iter(usages))]["session"]
+    in_session = records(ledger_stack, "--session", session)
+    assert [r["session"] for r in in_session] == [session]
+
+
+def test_an_aborted_stream_is_charged_its_prompt_and_streamed_tokens(ledger_stack: Stack) -> None:
+    key = add_tenant(ledger_stack, "lg-abort", "standard", Limits(tpm=100_000))
+    rid, seen = aborted_stream(ledger_stack, key, events=12)
+    row = recorded(ledger_stack, {rid})[rid]
+    assert row["outcome"] == "aborted" and row["stream"] is True
+    # Everything that reached the client is charged (Envoy may have relayed a few more events
+    # than the client read before it noticed the hang-up); the pod stopped long before 2000.
+    assert seen - 1 <= row["completion_tokens"] < 2000
+    assert row["prompt_tokens"] > 0
+    assert row["charged_tokens"] == row["prompt_tokens"] + row["completion_tokens"]
+    wait_for(lambda: not reservations(ledger_stack, "lg-abort"), "the reservation settled")
+    after = chat(ledger_stack, key, max_tokens=1)
+    nxt = recorded(ledger_stack, {after.headers["x-request-id"]})[after.headers["x-request-id"]]
+    remaining = int(after.headers["x-ratelimit-remaining-tokens"])
+    assert remaining == 100_000 - row["charged_tokens"] - nxt["reserved_tokens"]
+
+
+def test_a_pod_error_is_not_charged(ledger_stack: Stack) -> None:
+    key = add_tenant(ledger_stack, "lg-5xx", "standard")
+    faults = {"error_rate": 1.0, "error_status": 500}
+    for pod in range(len(ledger_stack.pods)):
+        assert call("PUT", f"{ledger_stack.pod_url(pod)}/admin/faults", faults).status == 200
+    try:
+        replies = [chat(ledger_stack, key, max_tokens=300) for _ in range(3)]
+    finally:
+        for pod in range(len(ledger_stack.pods)):
+            call("DELETE", f"{ledger_stack.pod_url(pod)}/admin/faults")
+    assert {r.status for r in replies} == {500}
+    rows = recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})
+    assert {r["outcome"] for r in rows.values()} == {"upstream_error"}
+    assert all(r["reserved_tokens"] > 300 for r in rows.values())  # reserved at admission …
+    wait_for(lambda: not reservations(ledger_stack, "lg-5xx"), "reservations released")
+    assert counter(ledger_stack, "lg-5xx") == 0  # … and released in full
+
+
+def test_a_mid_stream_pod_failure_is_an_upstream_error_charged_what_streamed(
+    ledger_stack: Stack,
+) -> None:
+    key = add_tenant(ledger_stack, "lg-midfail", "standard")
+    for pod in range(len(ledger_stack.pods)):
+        fault = {"error_mid_stream": 1.0}
+        assert call("PUT", f"{ledger_stack.pod_url(pod)}/admin/faults", fault).status == 200
+    try:
+        reply = chat(ledger_stack, key, max_tokens=50, stream=True)
+    finally:
+        for pod in range(len(ledger_stack.pods)):
+            call("DELETE", f"{ledger_stack.pod_url(pod)}/admin/faults")
+    assert reply.status == 200 and b'"error"' in reply.body
+    rid = reply.headers["x-request-id"]
+    row = recorded(ledger_stack, {rid})[rid]
+    streamed = reply.body.count(b'"choices":[{')
+    assert row["outcome"] == "upstream_error"
+    assert row["completion_tokens"] == streamed < 50
+    assert row["charged_tokens"] == row["prompt_tokens"] + streamed
+
+
+def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
+    tmp_path: Any,
+) -> None:
+    """Requests whose outcome was lost with the ledger keep their reservation charged; every
+    other one is settled to its usage; nothing is refunded that was not used."""
+    (tmp_path / "limits.yaml").write_text(LIMITS)
+    settings = stack_settings().model_copy(update={"ratelimit_limits": tmp_path / "limits.yaml"})
+    with Stack(settings, tmp_path / "stack") as stack:
+        key = add_tenant(stack, "lg-kill", "standard")
+        bodies: dict[str, dict[str, Any]] = {}
+
+        def one(i: int) -> Reply:
+            return chat(stack, key, max_tokens=3 + i % 5, content=f"question {i} " * (1 + i % 7))
+
+        with ThreadPoolExecutor(4) as pool:
+            before = [pool.submit(one, i) for i in range(120)]
+            before[40].result()
+            next(p for p in stack.processes if p.name == "ledger").kill()
+            replies = [f.result() for f in before]
+        stack.restart("ledger")
+        after = [one(1000 + i) for i in range(20)]
+        replies += after
+        assert {r.status for r in replies} == {200}
+        for i, r in enumerate(replies):
+            n = i if i < 120 else 1000 + i - 120
+            bodies[r.headers["x-request-id"]] = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"question {n} " * (1 + n % 7)}],
+                "max_tokens": 3 + n % 5,
+            }
+        # Requests after the restart are all recorded.
+        recorded(stack, {r.headers["x-request-id"] for r in after})
+        wait_for(lambda: stack_ledger_idle(stack), "the ledger settled what it received")
+        expected = lost = 0
+        prefix = wire.tenant_prefix("lg-kill")
+        with redis.Redis(port=stack.redis_port) as r:
+            for reply in replies:
+                rid = reply.headers["x-request-id"]
+                if r.exists(f"{prefix}:done:{rid}"):
+                    expected += reply.json()["usage"]["total_tokens"]
+                else:  # lost with the ledger: still reserved, charged as reserved
+                    assert r.exists(f"{prefix}:res:{rid}"), rid
+                    lost += 1
+                    expected += facts.from_body(
+                        bodies[rid], chars_per_token=4, default_output=256, max_blocks=0, model=None
+                    ).token_estimate
+        assert counter(stack, "lg-kill") == expected
+        # Both kinds happened: outcomes lost while the ledger was down, and settled ones.
+        assert 0 < lost < len(replies) - len(after), lost
+
+
+def stack_ledger_idle(stack: Stack) -> bool:
+    """The ledger has nothing waiting for settlement (its own gauge)."""
+    import urllib.request
+
+    with urllib.request.urlopen(stack.metrics["ledger"], timeout=5) as reply:
+        text = reply.read().decode()
+    return "llmgw_ledger_unsettled 0.0" in text
