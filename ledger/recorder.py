@@ -73,6 +73,7 @@ class Recorder:
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        self._settling = 0  # taken from _pending for the round trip in progress
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
         """Never blocks."""
@@ -96,10 +97,12 @@ class Recorder:
             batch = [
                 self._pending.popleft() for _ in range(min(self.batch_max, len(self._pending)))
             ]
+            self._settling = len(batch)
             try:
                 results = await self._settle(batch)
             except FAILURES as exc:
                 self._pending.extendleft(reversed(batch))
+                self._settling = 0
                 metrics.SETTLE_FAILURES.inc()
                 failures += 1
                 if failures == 1:
@@ -111,6 +114,7 @@ class Recorder:
             if failures:
                 log.info("settlement back", extra={"failed_batches": failures})
             failures = 0
+            self._settling = 0
             metrics.PENDING.set(len(self._pending))
             self._store(batch, results)
 
@@ -136,7 +140,8 @@ class Recorder:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Outcomes not yet settled, the batch in flight included."""
+        return len(self._pending) + self._settling
 
     async def _settle(self, batch: list[Outcome]) -> dict[int, Settled]:
         """Settlement of each outcome that belongs to a tenant, by its index in the batch."""

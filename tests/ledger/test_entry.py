@@ -1,0 +1,144 @@
+"""Envoy's access-log entry → Outcome: kinds and charged tokens, case by case (ledger/entry.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from envoy.config.core.v3 import address_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+
+from ledger.entry import to_outcome
+from llmgw import facts, wire
+
+POD = "10.0.0.1:8000"
+
+
+def entry(
+    status: int,
+    *,
+    pod: str | None = POD,
+    usage: dict[str, Any] | None = None,
+    stream: bool = False,
+    flags: tuple[str, ...] = (),
+    request_id: str = "r1",
+    authenticated: bool = True,
+    path: str = "/v1/chat/completions",
+) -> accesslog_pb2.HTTPAccessLogEntry:
+    e = accesslog_pb2.HTTPAccessLogEntry()
+    common = e.common_properties
+    if authenticated:
+        request_facts = facts.RequestFacts(
+            model="m", stream=stream, max_output=100, prompt_tokens=20
+        )
+        common.metadata.filter_metadata[wire.EXTAUTHZ_NAMESPACE].update(
+            {
+                wire.META_TENANT: "acme",
+                wire.META_TIER: "free",
+                wire.META_SESSION: "sess_1",
+                wire.META_REQUEST_ID: request_id,
+                wire.META_KEY_ID: "key_abcdefgh",
+                **request_facts.to_metadata(),
+            }
+        )
+    else:
+        e.request.request_id = request_id
+    if usage:
+        common.metadata.filter_metadata[wire.USAGE_NAMESPACE].update(usage)
+    if pod:
+        host, port = pod.split(":")
+        common.upstream_remote_address.CopyFrom(
+            address_pb2.Address(
+                socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
+            )
+        )
+    for name in flags:
+        if name == "unauthorized":
+            common.response_flags.unauthorized_details.reason = 1
+        else:
+            setattr(common.response_flags, name, True)
+    common.start_time.FromSeconds(1_800_000_000)
+    common.time_to_first_downstream_tx_byte.FromMilliseconds(12)
+    common.duration.FromMilliseconds(340)
+    common.upstream_request_attempt_count = 1
+    e.request.path = path
+    if status:
+        e.response.response_code.value = status
+    return e
+
+
+USED = {wire.META_PROMPT_TOKENS: 31, wire.META_COMPLETION_TOKENS: 9}
+
+
+def test_a_complete_answer_is_ok_and_charged_its_usage() -> None:
+    o = to_outcome(entry(200, usage=USED, path="/v1/chat/completions?api_key=secret"))
+    assert o is not None
+    assert (o.outcome, o.status, o.pod, o.tenant, o.session, o.key_id) == (
+        "ok", 200, POD, "acme", "sess_1", "key_abcdefgh",
+    )  # fmt: skip
+    assert (o.prompt_tokens, o.completion_tokens, o.reserved_tokens) == (31, 9, 120)
+    assert (o.ttft_ms, o.duration_ms, o.endpoint) == (12.0, 340.0, "/v1/chat/completions")
+
+
+def test_a_stream_the_client_left_is_charged_prompt_estimate_plus_streamed_events() -> None:
+    o = to_outcome(
+        entry(200, stream=True, usage={wire.META_STREAMED_EVENTS: 7},
+              flags=("downstream_connection_termination",))
+    )  # fmt: skip
+    assert o is not None and (o.outcome, o.flags) == ("aborted", "DC")
+    assert (o.prompt_tokens, o.completion_tokens) == (20, 7)
+
+
+def test_per_chunk_usage_wins_over_the_event_count() -> None:
+    usage = {**USED, wire.META_STREAMED_EVENTS: 5}  # vLLM >= 0.20: usage on every chunk
+    o = to_outcome(entry(0, stream=True, usage=usage, flags=("downstream_connection_termination",)))
+    assert o is not None and o.outcome == "aborted"
+    assert (o.prompt_tokens, o.completion_tokens) == (31, 9)
+
+
+def test_a_stream_the_pod_broke_is_an_upstream_error_charged_what_streamed() -> None:
+    reset = to_outcome(
+        entry(
+            200, stream=True, usage={wire.META_STREAMED_EVENTS: 4}, flags=("upstream_remote_reset",)
+        )
+    )
+    failed = to_outcome(
+        entry(200, stream=True,
+              usage={wire.META_STREAMED_EVENTS: 3, wire.META_STREAM_FAILED: True})
+    )  # fmt: skip
+    for o, streamed in ((reset, 4), (failed, 3)):
+        assert o is not None and o.outcome == "upstream_error"
+        assert (o.prompt_tokens, o.completion_tokens) == (20, streamed)
+
+
+@pytest.mark.parametrize(
+    ("status", "pod", "flags", "kind"),
+    [
+        (401, None, ("unauthorized",), "refused"),
+        (429, None, ("rate_limited",), "refused"),
+        (404, None, ("no_route_found",), "refused"),
+        (503, None, ("no_healthy_upstream",), "upstream_error"),
+        (503, POD, ("upstream_connection_failure",), "upstream_error"),
+        (500, POD, (), "upstream_error"),
+        (400, POD, (), "upstream_error"),
+    ],
+)
+def test_errors_before_any_output_are_charged_nothing(
+    status: int, pod: str | None, flags: tuple[str, ...], kind: str
+) -> None:
+    o = to_outcome(entry(status, pod=pod, flags=flags))
+    assert o is not None and o.outcome == kind
+    assert (o.prompt_tokens, o.completion_tokens) == (0, 0)
+
+
+def test_an_unauthenticated_request_is_recorded_without_a_tenant() -> None:
+    o = to_outcome(entry(401, pod=None, flags=("unauthorized",), authenticated=False))
+    assert o is not None and (o.tenant, o.request_id, o.outcome, o.flags) == (
+        "", "r1", "refused", "UAEX",
+    )  # fmt: skip
+    assert to_outcome(entry(401, pod=None, authenticated=False, request_id="")) is None
+
+
+def test_a_complete_answer_without_usage_is_charged_its_reservation() -> None:
+    o = to_outcome(entry(200))
+    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (120, 0)

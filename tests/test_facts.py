@@ -1,0 +1,87 @@
+"""The request-facts contract: extauthz writes it into metadata, Envoy carries it as a protobuf
+Struct, the router and the ledger read it back — the same facts on every side."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw import facts
+
+SAMPLE = {
+    "model": "m",
+    "messages": [
+        {"role": "system", "content": "You are terse. " * 40},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]},
+    ],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "n": 3,
+    "max_tokens": 100,
+}
+
+
+def through_envoy(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a reader gets: the values after a protobuf Struct round trip (numbers as doubles)."""
+    s = struct_pb2.Struct()
+    s.update(meta)
+    return MessageToDict(struct_pb2.Struct.FromString(s.SerializeToString()))
+
+
+def parse(body: dict[str, Any]) -> facts.RequestFacts:
+    return facts.from_body(body, chars_per_token=4, default_output=256, max_blocks=64, model="m")
+
+
+def test_facts_survive_the_trip_through_envoy() -> None:
+    written = parse(SAMPLE)
+    assert (written.stream, written.include_usage, written.n, written.max_output) == (
+        True,
+        True,
+        3,
+        100,
+    )
+    assert written.token_estimate == written.prompt_tokens + 300  # every choice's cap
+    assert len(written.prefix_blocks) >= 9  # 64-bit hashes, which doubles could not carry
+    assert facts.RequestFacts.from_metadata(through_envoy(written.to_metadata())) == written
+
+
+def test_no_max_tokens_reserves_the_default_cap_and_absurd_numbers_are_clamped() -> None:
+    assert parse({"messages": []}).max_output == 256
+    huge = parse({"messages": [], "max_tokens": 10**20, "n": 10**9, "best_of": -1})
+    assert (huge.max_output, huge.n) == (facts.MAX_OUTPUT_TOKENS, facts.MAX_CHOICES)
+    assert parse({"messages": [], "max_tokens": True, "n": "3"}) == parse({"messages": []})
+
+
+def test_missing_or_mistyped_metadata_reads_as_defaults() -> None:
+    assert facts.RequestFacts.from_metadata({}) == facts.RequestFacts()
+    odd = {"n": "x", "max_output": -4, "prefix_blocks": "zz", "stream": "true", "model": 3}
+    assert facts.RequestFacts.from_metadata(odd) == facts.RequestFacts()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+bodies = st.dictionaries(
+    st.sampled_from(
+        ["model", "messages", "prompt", "input", "stream", "stream_options", "n", "best_of",
+         "max_tokens", "max_completion_tokens"]
+    ),
+    json_values,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(bodies)
+def test_any_json_body_gives_facts_that_round_trip(body: dict[str, Any]) -> None:
+    written = parse(json.loads(json.dumps(body)))
+    assert written.token_estimate >= 0
+    assert facts.RequestFacts.from_metadata(through_envoy(written.to_metadata())) == written
