@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -32,8 +32,11 @@ async def serve(
     settings: ServeSettings,
     register: Callable[[grpc.aio.Server], None],
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    health_services: Sequence[str] = (),
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds`."""
+    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds`.
+
+    gRPC health answers SERVING for "", `name` and each of `health_services`."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     register(server)
     health_servicer = HealthServicer()
@@ -44,7 +47,7 @@ async def serve(
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, settings.metrics_host)
     await server.start()
-    for service in ("", name):
+    for service in ("", name, *health_services):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", extra={"service": name, "port": port, "metrics": settings.metrics_port})
 

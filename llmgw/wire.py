@@ -45,6 +45,11 @@ HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 # "ip:port,ip:port" list under this namespace and key; Envoy's override_host policy reads it.
 LB_NAMESPACE = "envoy.lb"
 DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+# The same protocol as other gateways speak it (router/picker.py): the pod that served, under
+# LB_NAMESPACE, and the subset of pods a gateway allows for one request.
+SERVED_ENDPOINT = "x-gateway-destination-endpoint-served"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 
 # Client-sent copies of these are removed before any filter reads them.
 TRUSTED_HEADERS = (

@@ -19,6 +19,7 @@ from llmgw.config import ConfigError
 from llmgw.serve import run, serve
 from router.engine import Engine
 from router.fleet import Fleet
+from router.picker import HEALTH_SERVICES, InferencePoolService
 from router.registry import default_registry
 from router.service import OutcomeService, RouterService
 from router.settings import Settings, check
@@ -29,7 +30,12 @@ async def amain(settings: Settings, tracer: trace.Tracer) -> None:
     engine = Engine(registry.build(settings.plugins, settings.profile))
     fleet = Fleet(settings.fleet)
     fleet.set_pods(await fleet.resolve())
-    service = RouterService(fleet, engine, tracer)
+    pool = settings.inference_pool
+    service = (
+        InferencePoolService(fleet, engine, tracer, pool)
+        if pool.enabled
+        else RouterService(fleet, engine, tracer)
+    )
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
     tasks = [
         asyncio.create_task(fleet.run_resolver()),
@@ -50,7 +56,8 @@ async def amain(settings: Settings, tracer: trace.Tracer) -> None:
             with contextlib.suppress(Exception):
                 await redis.aclose()
 
-    await serve("router", settings.serve, register, on_stop)
+    health = HEALTH_SERVICES if pool.enabled else ()
+    await serve("router", settings.serve, register, on_stop, health)
 
 
 def main(argv: list[str] | None = None) -> int:

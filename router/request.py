@@ -1,5 +1,7 @@
 """From what Envoy sends to a `PickRequest`: extauthz's tenant context and request facts, which
-Envoy forwards in the ext_proc request's metadata (`forwarding_namespaces`)."""
+Envoy forwards in the ext_proc request's metadata (`forwarding_namespaces`). Without extauthz in
+front (the router alone as an endpoint picker) only the client's session header is used: it
+keeps a conversation on one pod, and names no pod."""
 
 from __future__ import annotations
 
@@ -30,3 +32,8 @@ def from_metadata(meta: Mapping[str, Any]) -> PickRequest:
 
 def _text(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def from_headers(headers: Mapping[str, str]) -> PickRequest:
+    """No extauthz metadata: the `x-session-id` header, for affinity only."""
+    return PickRequest(session=_text(headers.get(wire.HEADER_SESSION)))

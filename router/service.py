@@ -28,7 +28,7 @@ from llmgw import wire
 from llmgw.telemetry import parent_context
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
-from router.request import from_metadata
+from router.request import from_headers, from_metadata
 from router.types import PickRequest, PodId
 
 
@@ -83,7 +83,9 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if kind == "request_headers":
                 headers = header_map(msg.request_headers)
                 parent = parent_context(context.invocation_metadata(), headers)
-                meta, _ = self.decide(from_metadata(authz_metadata(msg)), parent)
+                authz = authz_metadata(msg)
+                req = from_metadata(authz) if authz else from_headers(headers)
+                meta, _ = self.decide(req, parent)
                 yield pb.ProcessingResponse(
                     request_headers=pb.HeadersResponse(), dynamic_metadata=meta
                 )

@@ -10,6 +10,7 @@ from llmgw.config import ConfigError, Strict, load
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import TracingSettings
 from router.fleet import FleetSettings
+from router.picker import InferencePoolSettings
 from router.plugins.base import PluginError
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, PluginSpec, ProfileSpec, Registry
 
@@ -24,6 +25,8 @@ class Settings(Strict):
     plugins: list[PluginSpec] = Field(default_factory=lambda: list(DEFAULT_PLUGINS))
     profile: ProfileSpec = DEFAULT_PROFILE
     redis_url: str | None = None  # where the fleet load is published; None: not published
+    # The endpoint picker protocol of the Gateway API Inference Extension (router/picker.py).
+    inference_pool: InferencePoolSettings = InferencePoolSettings()
 
 
 def check(path: Path | None, registry: Registry) -> Settings:

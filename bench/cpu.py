@@ -1,0 +1,456 @@
+"""CPU per request per process, and the latency the gateway adds, for every configuration.
+
+One fast fake pod (bench/fakepod.py: raw asyncio, answers at once) behind one stack at a time:
+Envoy alone, + extauthz, + ratelimit, + router, the full chain (+ ledger, with PostgreSQL), and
+the same Envoy configuration with every callout pointed at trivial handlers (bench/trivial.py:
+the floor of three gRPC callouts and an access log). For each, a fixed non-stream load (closed
+loop, `--requests` at `--concurrency`) and each process's utime+stime from /proc (all threads,
+and every child process, e.g. PostgreSQL's backends), before and after, divided by requests.
+
+By default the stack (Envoy `--concurrency 1`, services, Redis, PostgreSQL, pod) is pinned to
+one core and the load generator (this process, bench/loadgen.py) to the other, so req/s is
+"on one core" and the client's CPU is its own; `--no-pin` leaves the scheduler alone.
+
+Then, with Envoy alone and the full chain up side by side: added latency of non-stream requests
+at a low fixed rate (open loop), and time to first token at `--streams` concurrent streams, each
+against direct-to-pod, in alternating rounds.
+
+    python -m bench.cpu [--requests 3000] [--concurrency 16] [--rate 20] [--streams 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import uvloop
+
+from bench import loadgen
+from bench.loadgen import Samples, Target
+from llmgw.envoyconf import Address, EnvoySettings, Services
+from llmgw.procs import Process, StartError, free_port, grpc_serving, http_ok
+from llmgw.stack import ServiceName, Stack, StackSettings
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PROMPT = [{"role": "user", "content": "Summarise the plot of a short story in one line."}]
+TICK = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
+
+FULL: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
+# Rows in table order: label, services (None: trivial handlers), what the row adds.
+CONFIGS: list[tuple[str, tuple[ServiceName, ...] | None, str]] = [
+    ("Envoy alone", (), "no callouts"),
+    ("+ extauthz", ("extauthz",), "ext_authz"),
+    ("+ ratelimit", ("extauthz", "ratelimit"), "needs extauthz's metadata for its descriptors"),
+    ("+ router", ("extauthz", "ratelimit", "router"), "ext_proc + access log to router"),
+    ("full chain", FULL, "+ ledger access log, PostgreSQL"),
+    ("trivial handlers", None, "3 callouts + 2 access logs, one process"),
+]
+# Measured in this order (the trivial floor before the full chain, which stays up after).
+ORDER = [0, 1, 2, 3, 5, 4]
+COLUMNS = (
+    "envoy",
+    "extauthz",
+    "ratelimit",
+    "router",
+    "ledger",
+    "trivial",
+    "redis",
+    "postgres",
+    "pod",
+)
+# Limits far above this load: every request is admitted (a 429 would skip the pod and the router).
+LIMITS = """\
+tenants:
+  demo-platinum:
+    requests: {second: 10000000, minute: 100000000}
+    tokens: {minute: 10000000000}
+"""
+
+
+# CPU accounting from /proc.
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid → (ppid, utime+stime+cutime+cstime in ticks) for every process now."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        # After the command: state, ppid, ..., utime (14th field), stime, cutime, cstime.
+        table[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+    return table
+
+
+def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process with all its threads and descendants; a child
+    reaped meanwhile is in its parent's cutime/cstime, so nothing is lost or counted twice."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out = {}
+    for name, root in roots.items():
+        ticks, todo = 0, [root]
+        while todo:
+            pid = todo.pop()
+            if pid in table:
+                ticks += table[pid][1]
+                todo += children.get(pid, [])
+        out[name] = ticks / TICK
+    return out
+
+
+def self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system  # this process only: the stack's children are not the client
+
+
+# The stacks.
+
+
+class TrivialStack(Stack):
+    """The same Envoy configuration with all four gRPC services pointed at bench/trivial.py."""
+
+    def _start_services(self) -> None:
+        port = free_port()
+        argv = [sys.executable, "-m", "bench.trivial", "--port", str(port)]
+        argv += ["--pick", ",".join(f"{p.host}:{p.port}" for p in self.pods)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self._process("trivial", argv, grpc_serving(f"127.0.0.1:{port}"), env).start(
+            self.settings.start_timeout
+        )
+        a = Address(port=port)
+        self.services = Services(extauthz=a, ratelimit=a, router=a, ledger=a)
+
+
+def column(name: str) -> str:
+    return "pod" if name.startswith("pod") else name
+
+
+@dataclass
+class Cpu:
+    label: str
+    note: str
+    requests: int = 0
+    elapsed: float = 0.0
+    us: dict[str, float] = field(default_factory=dict)  # µs per request by column
+    idle_us: float = 0.0  # of the total: background CPU at idle over the same window
+    client_us: float = 0.0
+    grpc_calls: float = 0.0
+    errors: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(self.us.values())
+
+
+@dataclass
+class Pinning:
+    stack: set[int] | None
+    client: set[int] | None
+
+    @contextlib.contextmanager
+    def for_children(self) -> Iterator[None]:
+        """Processes started inside inherit the stack's cores; this one returns to its own."""
+        if self.stack is not None:
+            os.sched_setaffinity(0, self.stack)
+        try:
+            yield
+        finally:
+            if self.client is not None:
+                os.sched_setaffinity(0, self.client)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, tmp: Path, pin: Pinning) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.pin = pin
+        self.runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        self.limits = tmp / "limits.yaml"
+        self.limits.write_text(LIMITS)
+        self.pod_address = Address(port=free_port())
+        argv = [sys.executable, "-m", "bench.fakepod", "--port", str(self.pod_address.port)]
+        argv += ["--token-interval-ms", str(args.token_interval_ms)]
+        self.pod = Process(
+            "pod",
+            argv,
+            http_ok(f"http://127.0.0.1:{self.pod_address.port}/health"),
+            tmp / "pod.log",
+            {**os.environ, "PYTHONPATH": str(REPO)},
+        )
+
+    def run(self, coro: Any) -> Any:
+        return self.runner.run(coro)
+
+    def stack(self, label: str, services: tuple[ServiceName, ...] | None) -> Stack:
+        settings = StackSettings(
+            listen=Address(port=0),
+            upstreams=(f"{self.pod_address.host}:{self.pod_address.port}",),
+            services=services or (),
+            ratelimit_limits=self.limits,
+            envoy=EnvoySettings(concurrency=1),
+        )
+        state = self.tmp / label.replace(" ", "_").replace("+", "plus")
+        kind = TrivialStack if services is None else Stack
+        with self.pin.for_children():
+            return kind(settings, state).start()
+
+    def target(self, stack: Stack) -> Target:
+        key = stack.tenants[-1]["api_key"] if stack.tenants else ""  # platinum
+        return Target(stack.listen.host, stack.listen.port, api_key=key)
+
+    def body(self, stream: bool = False) -> dict[str, object]:
+        tokens = self.args.stream_tokens if stream else 8
+        return {"model": MODEL, "messages": PROMPT, "max_tokens": tokens, "stream": stream}
+
+    def measure_cpu(self, label: str, note: str, stack: Stack) -> Cpu:
+        args = self.args
+        target = self.target(stack)
+        roots = {p.name: p.pid for p in stack.processes if p.pid is not None}
+        roots["pod"] = self.pod.pid or 0
+        warm = self.run(loadgen.closed_loop(target, self.body(), args.concurrency, 300))
+        if warm.errors:
+            print(f"# {label}: warm-up statuses {warm.statuses}", file=sys.stderr)
+        time.sleep(1.0)
+        idle0 = cpu_seconds(roots)
+        time.sleep(args.idle_seconds)
+        idle_rate = sum(cpu_seconds(roots).values()) - sum(idle0.values())
+        idle_rate /= args.idle_seconds
+
+        stats0 = stack.envoy_stats()
+        cpu0, client0, t0 = cpu_seconds(roots), self_cpu(), time.perf_counter()
+        samples: Samples = self.run(
+            loadgen.closed_loop(target, self.body(), args.concurrency, args.requests)
+        )
+        time.sleep(args.settle_seconds)  # the last access-log batches are flushed and handled
+        window = time.perf_counter() - t0
+        cpu1, client1 = cpu_seconds(roots), self_cpu()
+        stats1 = stack.envoy_stats()
+
+        n = samples.count
+        result = Cpu(label, note, n, samples.elapsed, errors=samples.errors)
+        for name in roots:
+            col = column(name)
+            result.us[col] = result.us.get(col, 0.0) + (cpu1[name] - cpu0[name]) / n * 1e6
+        result.idle_us = idle_rate * window / n * 1e6
+        result.client_us = (client1 - client0) / n * 1e6
+        calls = sum(
+            stats1.get(f"cluster.{c}.upstream_rq_total", 0)
+            - stats0.get(f"cluster.{c}.upstream_rq_total", 0)
+            for c in ("extauthz", "ratelimit", "router", "ledger")
+        )
+        result.grpc_calls = calls / n
+        if samples.errors:
+            print(f"# {label}: statuses {samples.statuses}", file=sys.stderr)
+        return result
+
+    def alternate(
+        self, targets: dict[str, Target], rounds: int, once: Callable[[Target], Any]
+    ) -> dict[str, Samples]:
+        out = {name: Samples() for name in targets}
+        names = list(targets)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                out[name].extend(self.run(once(targets[name])))
+        return out
+
+
+# Tables.
+
+
+def us(v: float | None) -> str:
+    return "—" if v is None else f"{v:,.0f}"
+
+
+def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
+    present = [c for c in COLUMNS if any(c in r.us for r in rows)]
+    head = ["configuration", "req/s", *present, "**stack total**", "Δ vs row above"]
+    head += ["of which idle bg", "gRPC calls/req", "non-200", "load gen (not in total)"]
+    lines = [
+        f"CPU per request, µs (utime+stime from /proc over {args.requests:,} non-stream requests "
+        f"at c={args.concurrency}, max_tokens 8; "
+        + ("stack pinned to one core, load generator to the other" if pinned else "no pinning")
+        + "; Envoy --concurrency 1)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    previous: float | None = None
+    for i, r in enumerate(rows):
+        cells = [f"{r.label} ({r.note})", f"{r.requests / r.elapsed:,.0f}"]
+        cells += [us(r.us.get(c)) for c in present]
+        delta = r.total - previous if previous is not None and 0 < i < 5 else None
+        cells += [f"**{r.total:,.0f}**", "—" if delta is None else f"{delta:+,.0f}"]
+        cells += [us(r.idle_us), f"{r.grpc_calls:.2f}", str(r.errors), us(r.client_us)]
+        lines.append("| " + " | ".join(cells) + " |")
+        previous = r.total
+    by = {r.label: r for r in rows}
+    full, floor = by["full chain"], by["trivial handlers"]
+    ratio = full.total / floor.total
+    lines += [
+        "",
+        f"- full chain: **{full.total / 1e3:.2f} ms** CPU/request (target ≤ 2.2 ms: "
+        f"{'met' if full.total <= 2200 else 'NOT met'}); "
+        f"without the pod {(full.total - full.us.get('pod', 0)) / 1e3:.2f} ms",
+        f"- full chain / trivial-handler floor: **{ratio:.2f}×** (target ≤ 1.3×: "
+        f"{'met' if ratio <= 1.3 else 'NOT met'})",
+        "- ratelimit alone (without extauthz) is not a configuration: its descriptors are built "
+        "from extauthz's metadata, so Envoy would make no rate-limit call at all.",
+    ]
+    return "\n".join(lines)
+
+
+def pct(s: list[float], q: float) -> float:
+    return float(np.percentile(s, q)) * 1e3
+
+
+def latency_table(
+    title: str,
+    samples: dict[str, Samples],
+    first: bool,
+    target: float,
+    compare: tuple[str, str],
+) -> str:
+    lines = [
+        title,
+        "",
+        "| path | p50 ms | p99 ms | p50 added vs direct | p50 added vs Envoy alone "
+        "| p99 added vs Envoy alone | samples | req/s | non-200 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def vals(name: str) -> list[float]:
+        return samples[name].first if first else samples[name].total
+
+    base = {q: pct(vals("direct to pod"), q) for q in (50, 99)}
+    envoy = {q: pct(vals("Envoy alone"), q) for q in (50, 99)}
+    for name, s in samples.items():
+        p50, p99 = pct(vals(name), 50), pct(vals(name), 99)
+        cells = [name, f"{p50:.2f}", f"{p99:.2f}", f"{p50 - base[50]:+.2f}"]
+        cells += [f"{p50 - envoy[50]:+.2f}", f"{p99 - envoy[99]:+.2f}"]
+        cells += [str(s.count), f"{s.count / s.elapsed:,.1f}", str(s.errors)]
+        lines.append("| " + " | ".join(cells) + " |")
+    a, b = compare
+    added = pct(vals(a), 50) - pct(vals(b), 50)
+    lines += [
+        "",
+        f"- {a} − {b}, p50: **{added:.2f} ms** (target ≤ {target:g} ms: "
+        f"{'met' if added <= target else 'NOT met'})",
+    ]
+    return "\n".join(lines)
+
+
+def pinning(enabled: bool) -> Pinning:
+    cores = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cores) < 2:
+        return Pinning(None, None)
+    return Pinning({cores[0]}, set(cores[1:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--idle-seconds", type=float, default=2.0)
+    parser.add_argument("--settle-seconds", type=float, default=1.0)
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--rate-seconds", type=float, default=10.0, help="per path, in 2 rounds")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--stream-seconds", type=float, default=10.0, help="per path, 2 rounds")
+    parser.add_argument("--stream-tokens", type=int, default=32)
+    parser.add_argument("--token-interval-ms", type=float, default=10.0)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin stack and client")
+    args = parser.parse_args()
+    pin = pinning(not args.no_pin)
+    if pin.client is not None:
+        os.sched_setaffinity(0, pin.client)
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stacks:
+        bench = Bench(args, Path(tmp), pin)
+        stacks.callback(bench.runner.close)
+        with pin.for_children():
+            bench.pod.start()
+        stacks.callback(bench.pod.stop)
+        rows: dict[int, Cpu] = {}
+        kept: dict[str, Stack] = {}
+        for i in ORDER:
+            label, services, note = CONFIGS[i]
+            print(f"# {label} ...", file=sys.stderr, flush=True)
+            try:
+                stack = bench.stack(label, services)
+            except StartError as exc:
+                print(f"# {label}: cannot start: {exc}", file=sys.stderr)
+                raise
+            try:
+                rows[i] = bench.measure_cpu(label, note, stack)
+            finally:
+                if label in ("Envoy alone", "full chain"):
+                    kept[label] = stack
+                    stacks.callback(stack.stop)
+                else:
+                    stack.stop()
+
+        pod = Target(bench.pod_address.host, bench.pod_address.port)
+        targets = {"direct to pod": pod}
+        targets |= {name: bench.target(s) for name, s in kept.items()}
+        print("# latency at a fixed rate ...", file=sys.stderr, flush=True)
+        rate = bench.alternate(
+            targets,
+            2,
+            lambda t: loadgen.paced(t, bench.body(), args.rate, args.rate_seconds / 2),
+        )
+        print("# streams ...", file=sys.stderr, flush=True)
+        streams = bench.alternate(
+            targets,
+            2,
+            lambda t: loadgen.closed_loop(
+                t, bench.body(stream=True), args.streams, seconds=args.stream_seconds / 2
+            ),
+        )
+
+    print(cpu_table([rows[i] for i in range(len(CONFIGS))], args, pin.stack is not None))
+    print()
+    print(
+        latency_table(
+            f"Non-stream latency at {args.rate:g} req/s (open loop, {args.rate_seconds:g} s per "
+            "path in alternating rounds; client-side, request written → last byte read)",
+            rate,
+            first=False,
+            target=3.0,
+            compare=("full chain", "Envoy alone"),
+        )
+    )
+    print()
+    print(
+        latency_table(
+            f"Time to first token at {args.streams} concurrent streams ({args.stream_tokens} "
+            f"tokens {args.token_interval_ms:g} ms apart per stream, {args.stream_seconds:g} s "
+            "per path in alternating rounds; request written → first content event read)",
+            streams,
+            first=True,
+            target=3.0,
+            compare=("full chain", "direct to pod"),
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Trivial handlers for Envoy's three callouts and its access log: the floor of the design.
+
+One grpc.aio process on uvloop (llmgw.serve, like the real services) that answers ext_authz OK
+with fixed request facts in metadata (so Envoy builds the same rate-limit descriptors and forwards
+the same namespace to ext_proc), every rate-limit call OK, the ext_proc request-headers message
+with a fixed `envoy.lb` pick, and reads and drops every access-log batch. Nothing is decided,
+nothing is stored: what is left is the gRPC plumbing of three callouts per request.
+
+    python -m bench.trivial --port 9001 --pick 127.0.0.1:9000
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf import struct_pb2
+from google.rpc import code_pb2, status_pb2
+
+from llmgw import wire
+from llmgw.serve import ServeSettings, run, serve
+
+# What extauthz publishes for a plain request (llmgw/facts.py), fixed.
+FACTS: dict[str, Any] = {
+    wire.META_TENANT: "bench",
+    wire.META_TIER: "platinum",
+    wire.META_PRIORITY: 9.0,
+    wire.META_SESSION: "sess_bench",
+    wire.META_REQUEST_ID: "bench",
+    wire.META_KEY_ID: "bench",
+    wire.META_MODEL: "meta-llama/Llama-3.1-8B-Instruct",
+    wire.META_TOKEN_ESTIMATE: "28",
+    wire.META_PROMPT_ESTIMATE: 20.0,
+    wire.META_STREAM: False,
+    wire.META_INCLUDE_USAGE: False,
+    wire.META_CHOICES: 1.0,
+    wire.META_MAX_OUTPUT: 8.0,
+    wire.META_FIRST_TURN: True,
+    wire.META_PREFIX_BLOCKS: "",
+}
+
+
+def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    out.update(values)
+    return out
+
+
+class Auth(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.reply = external_auth_pb2.CheckResponse(
+            status=status_pb2.Status(code=code_pb2.OK),
+            ok_response=external_auth_pb2.OkHttpResponse(),
+            dynamic_metadata=_struct(FACTS),
+        )
+
+    async def Check(
+        self, request: external_auth_pb2.CheckRequest, context: Any
+    ) -> external_auth_pb2.CheckResponse:
+        return self.reply
+
+
+class RateLimit(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    REPLY = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+
+    async def ShouldRateLimit(
+        self, request: rls_pb2.RateLimitRequest, context: Any
+    ) -> rls_pb2.RateLimitResponse:
+        return self.REPLY
+
+
+class Pick(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, pick: str) -> None:
+        meta = _struct({wire.LB_NAMESPACE: {wire.DESTINATION_ENDPOINT: pick}})
+        self.headers = ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(), dynamic_metadata=meta
+        )
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        async for msg in request_iterator:
+            if msg.WhichOneof("request") == "request_headers":
+                yield self.headers
+            else:  # not sent in headers-only mode
+                yield ep.ProcessingResponse()
+
+
+class Logs(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for _ in request_iterator:
+            pass
+        return als_pb2.StreamAccessLogsResponse()
+
+
+def register(pick: str) -> Any:
+    def add(server: grpc.aio.Server) -> None:
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(), server)
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimit(), server)
+        ep_grpc.add_ExternalProcessorServicer_to_server(Pick(pick), server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(Logs(), server)
+
+    return add
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--pick", required=True, help="ip:port named in envoy.lb")
+    args = parser.parse_args()
+    settings = ServeSettings(port=args.port)
+    run(lambda: serve("trivial", settings, register(args.pick)))
+
+
+if __name__ == "__main__":
+    main()

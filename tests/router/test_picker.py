@@ -1,0 +1,235 @@
+"""The gateway's side of the endpoint picker protocol, played against a real router process in
+inference-pool mode with two simulated vLLM pods (router/picker.py, docs/inference-pool.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import Struct
+
+from llmgw import wire
+from llmgw.procs import Process, free_port, grpc_serving, http_ok, stop_all
+from router.picker import HEALTH_SERVICES
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default
+
+
+@dataclass
+class Picker:
+    target: str
+    metrics: str
+    pods: list[str]
+
+
+@pytest.fixture(scope="module")
+def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
+    tmp = tmp_path_factory.mktemp("picker")
+    procs: list[Process] = []
+    try:
+        pods = []
+        for i in range(2):
+            port = free_port()
+            argv = [sys.executable, "-m", "llmgw.sim", "--port", str(port), "--seed", str(i)]
+            ready = http_ok(f"http://127.0.0.1:{port}/health")
+            procs.append(Process(f"pod-{i}", argv, ready, tmp / f"pod-{i}.log").start())
+            pods.append(f"127.0.0.1:{port}")
+        port, metrics = free_port(), free_port()
+        base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        env = base | {
+            "LLMGW_ROUTER__SERVE__PORT": str(port),
+            "LLMGW_ROUTER__SERVE__METRICS_PORT": str(metrics),
+            "LLMGW_ROUTER__FLEET__PODS": json.dumps(pods),
+            "LLMGW_ROUTER__INFERENCE_POOL__ENABLED": "true",
+        }
+        ready = grpc_serving(f"127.0.0.1:{port}", "readiness")
+        router = Process("router", [sys.executable, "-m", "router"], ready, tmp / "r.log", env)
+        procs.append(router.start(60))
+        yield Picker(f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics", pods)
+    finally:
+        stop_all(procs)
+
+
+def headers(method: str, path: str, end: bool) -> pb.HttpHeaders:
+    pairs = [(":method", method), (":path", path), (":authority", "gw"), ("x-request-id", "r1")]
+    if not end:
+        pairs.append(("content-type", "application/json"))
+    return pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+        ),
+        end_of_stream=end,
+    )
+
+
+def first(mode: int, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    msg.protocol_config.CopyFrom(pb.ProtocolConfiguration(request_body_mode=mode))  # type: ignore[arg-type]
+    return msg
+
+
+def subset(pods: list[str]) -> base_pb2.Metadata:
+    hint = Struct()
+    hint.update({wire.SUBSET_HINT_NAMESPACE: {wire.SUBSET_HINT_KEY: pods}})
+    return base_pb2.Metadata(
+        filter_metadata={
+            wire.SUBSET_HINT_NAMESPACE: hint.fields[wire.SUBSET_HINT_NAMESPACE].struct_value
+        }
+    )
+
+
+def exchange(picker: Picker, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    with grpc.insecure_channel(picker.target) as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        return list(stub.Process(iter(messages), timeout=10))
+
+
+def chat(model: str = MODEL) -> bytes:
+    body = {"model": model, "messages": [{"role": "user", "content": "hello " * 40}]}
+    return json.dumps(body).encode()
+
+
+def the_pick(resp: pb.ProcessingResponse, common: pb.CommonResponse) -> list[str]:
+    """The picked list, after checking the header and the metadata carry the same value."""
+    (header,) = common.header_mutation.set_headers
+    assert header.header.key == wire.DESTINATION_ENDPOINT
+    meta = resp.dynamic_metadata.fields[wire.LB_NAMESPACE].struct_value
+    value = meta.fields[wire.DESTINATION_ENDPOINT].string_value
+    assert header.header.raw_value.decode() == value
+    return value.split(",")
+
+
+def full_duplex(
+    picker: Picker, body: bytes, meta: base_pb2.Metadata | None = None
+) -> list[pb.ProcessingResponse]:
+    half = len(body) // 2
+    start = pb.ProcessingRequest(request_headers=headers("POST", "/v1/chat/completions", False))
+    if meta is not None:
+        start.metadata_context.CopyFrom(meta)
+    return exchange(
+        picker,
+        [
+            first(pm.ProcessingMode.FULL_DUPLEX_STREAMED, start),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[:half])),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[half:], end_of_stream=True)),
+        ],
+    )
+
+
+def wait_scraped(picker: Picker) -> None:
+    """The router scrapes the pods every 75 ms: wait (bounded) for its first view of both."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(picker.metrics, timeout=5).read().decode()
+        if sum(f'llmgw_router_pod_pickable{{pod="{p}"}} 1.0' in text for p in picker.pods) == 2:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the router never saw both pods")
+
+
+def test_the_picker_answers_the_protocols_health_services(picker: Picker) -> None:
+    for service in ("", *HEALTH_SERVICES):
+        assert grpc_serving(picker.target, service)(), service
+
+
+def test_full_duplex_picks_after_the_body_and_sends_the_body_back(picker: Picker) -> None:
+    wait_scraped(picker)
+    body = chat()
+    answers = full_duplex(picker, body)
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    pods = the_pick(answers[0], answers[0].request_headers.response)
+    assert set(pods) <= set(picker.pods) and pods
+    streamed = answers[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and streamed.end_of_stream
+
+
+def test_buffered_mode_sets_the_pick_on_the_bodys_answer(picker: Picker) -> None:
+    wait_scraped(picker)
+    answers = exchange(
+        picker,
+        [
+            first(
+                pm.ProcessingMode.BUFFERED,
+                pb.ProcessingRequest(
+                    request_headers=headers("POST", "/v1/chat/completions", False)
+                ),
+            ),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=chat(), end_of_stream=True)),
+        ],
+    )
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    assert not answers[0].request_headers.response.HasField("header_mutation")
+    assert set(the_pick(answers[1], answers[1].request_body.response)) <= set(picker.pods)
+
+
+def test_a_request_without_a_body_is_picked_at_its_headers(picker: Picker) -> None:
+    wait_scraped(picker)
+    msg = pb.ProcessingRequest(request_headers=headers("GET", "/v1/models", True))
+    (answer,) = exchange(picker, [first(pm.ProcessingMode.FULL_DUPLEX_STREAMED, msg)])
+    assert set(the_pick(answer, answer.request_headers.response)) <= set(picker.pods)
+
+
+def test_the_subset_hint_bounds_the_pick(picker: Picker) -> None:
+    wait_scraped(picker)
+    for pod in picker.pods * 3:  # each pod, more than once: not the best pick by chance
+        answers = full_duplex(picker, chat(), subset([pod]))
+        assert the_pick(answers[0], answers[0].request_headers.response) == [pod]
+
+
+@pytest.mark.parametrize(
+    ("hint", "body"),
+    [(["10.9.9.9:8000"], chat()), ([], chat()), (None, chat("no-such-model"))],
+    ids=["no-eligible-pod-in-the-subset", "empty-subset", "no-pod-serves-the-model"],
+)
+def test_no_eligible_pod_is_an_openai_shaped_503(
+    picker: Picker, hint: list[str] | None, body: bytes
+) -> None:
+    wait_scraped(picker)
+    answers = full_duplex(picker, body, subset(hint) if hint is not None else None)
+    (answer,) = answers  # and nothing after it
+    reply = answer.immediate_response
+    assert reply.status.code == 503
+    assert json.loads(reply.body)["error"]["type"] == "server_error"
+
+
+def in_flight(picker: Picker) -> float:
+    text = urllib.request.urlopen(picker.metrics, timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llmgw_router_in_flight{")
+    )
+
+
+def test_the_served_endpoint_and_the_end_of_the_stream_release_the_pick(picker: Picker) -> None:
+    wait_scraped(picker)
+    before = in_flight(picker)
+    served = Struct()
+    served.update({wire.SERVED_ENDPOINT: picker.pods[0]})
+    response = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]
+            )
+        ),
+        metadata_context=base_pb2.Metadata(filter_metadata={wire.LB_NAMESPACE: served}),
+    )
+    msg = first(
+        pm.ProcessingMode.NONE,
+        pb.ProcessingRequest(request_headers=headers("POST", "/v1/chat/completions", False)),
+    )
+    answers = exchange(picker, [msg, response])
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "response_headers"]
+    # A stream that ends without response headers (client gone) releases its pick too.
+    exchange(picker, [msg])
+    assert in_flight(picker) == before

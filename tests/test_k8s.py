@@ -1,0 +1,186 @@
+"""The Kubernetes manifests (deploy/k8s/), checked without a cluster.
+
+- Every built-in resource validates against the Kubernetes schemas (`kubernetes-validate`,
+  strict: unknown fields are errors). The ServiceMonitors (a CRD the validator has no schema
+  for) are checked against the Services they select.
+- The Envoy config the manifests mount is the template's current rendering and validates; each
+  of its clusters names a Service and port of the manifests.
+- Every service's environment is accepted by that service's own settings schema (unknown keys
+  are errors there), probes are gRPC health on the gRPC port, and each service has a PDB and an
+  HPA; NetworkPolicies let only Envoy reach the services and only the services reach the stores.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from deploy.render_k8s import configmap, rendered
+from llmgw import config, envoyconf
+
+K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+VERSION = "1.33.0"
+SERVICES = {"extauthz": 9001, "ratelimit": 9002, "router": 9003, "ledger": 9004}
+STORES = {"redis": {"ratelimit", "router", "ledger"}, "postgres": {"ledger"}}
+
+
+def docs() -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return out
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def workload(name: str) -> dict[str, Any]:
+    return next(
+        d
+        for d in docs()
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == name
+    )
+
+
+def container(name: str) -> dict[str, Any]:
+    return dict(workload(name)["spec"]["template"]["spec"]["containers"][0])
+
+
+@pytest.mark.parametrize("path", sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("examples/*.yaml")))
+def test_every_manifest_validates_against_the_kubernetes_schemas(path: Path) -> None:
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc is None or doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        kubernetes_validate.validate(doc, VERSION, strict=True)
+        assert doc["metadata"].get("namespace") in ("llmgw", None)
+
+
+def test_the_service_monitors_select_services_and_ports_that_exist() -> None:
+    services = [d for d in docs() if d["kind"] == "Service"]
+    monitors = [d for d in docs() if d["kind"] == "ServiceMonitor"]
+    scraped: set[str] = set()
+    for monitor in monitors:
+        labels = monitor["spec"]["selector"]["matchLabels"]
+        chosen = [s for s in services if labels.items() <= s["metadata"]["labels"].items()]
+        assert chosen, monitor["metadata"]["name"]
+        for service in chosen:
+            ports = {p["name"] for p in service["spec"]["ports"]}
+            assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+            scraped.add(service["metadata"]["name"])
+    assert scraped == {*SERVICES, "envoy", "vllm"}
+
+
+def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_path: Path) -> None:
+    envoy_yaml = rendered()
+    assert (K8S / "envoy-config.yaml").read_text() == configmap(envoy_yaml), (
+        "deploy/k8s/envoy-config.yaml is stale: python -m deploy.render_k8s > it"
+    )
+    mounted = find("ConfigMap", "envoy-config")["data"]["envoy.yaml"]
+    assert mounted == envoy_yaml
+    (tmp_path / "envoy.yaml").write_text(mounted)
+    envoyconf.validate(tmp_path / "envoy.yaml")
+    for needed in ("ext_authz", "ratelimit.v3.RateLimit", "ext_proc", "http_grpc"):
+        assert needed in mounted
+    # Every cluster names a Service of the manifests on one of its ports.
+    services = {d["metadata"]["name"]: d for d in docs() if d["kind"] == "Service"}
+    for cluster in yaml.safe_load(mounted)["static_resources"]["clusters"]:
+        assert cluster["type"] == "STRICT_DNS", cluster["name"]
+        for group in cluster["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                sock = endpoint["endpoint"]["address"]["socket_address"]
+                service = services[sock["address"]]
+                assert sock["port_value"] in {p["port"] for p in service["spec"]["ports"]}
+                if service["metadata"]["name"] in (*SERVICES, "vllm"):
+                    assert service["spec"]["clusterIP"] == "None"  # every replica resolved
+
+
+def env_of(name: str) -> dict[str, str]:
+    """The container's environment, with Secret and downward-API values stood in for."""
+    out = {}
+    for var in container(name).get("env", []):
+        if "value" in var:
+            out[var["name"]] = var["value"]
+        elif "secretKeyRef" in var["valueFrom"]:
+            out[var["name"]] = (
+                "postgresql://u:p@postgres:5432/db"
+                if "URL" in var["name"]
+                else ("0123456789abcdef" * 4)
+            )
+        else:
+            out[var["name"]] = "0"
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None:
+    box = container(name)
+    assert box["args"] == [name] and box["image"].startswith("llmgw:")
+    settings_module = importlib.import_module(f"{name}.settings")
+    prefix = f"LLMGW_{name.upper()}"
+    settings = config.load(settings_module.Settings, None, prefix, env_of(name))
+    assert settings.serve.port == SERVICES[name]
+    assert settings.serve.host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in box["ports"]}
+    assert ports == {"grpc": SERVICES[name], "metrics": settings.serve.metrics_port}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert box[probe]["grpc"] == {"port": SERVICES[name]}
+    assert box["resources"]["requests"] and box["resources"]["limits"]
+    assert box["securityContext"]["readOnlyRootFilesystem"] is True
+    spec = workload(name)["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert find("PodDisruptionBudget", name)["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": name
+    }
+    hpa = find("HorizontalPodAutoscaler", name)["spec"]
+    assert hpa["scaleTargetRef"]["name"] == name
+    assert hpa["scaleTargetRef"]["kind"] == workload(name)["kind"]
+
+
+def test_extauthz_replicas_get_distinct_session_worker_ids() -> None:
+    """Session IDs are Snowflake IDs: two replicas with one worker ID could mint the same."""
+    assert workload("extauthz")["kind"] == "StatefulSet"
+    var = next(v for v in container("extauthz")["env"] if v["name"].endswith("SESSIONS__WORKER_ID"))
+    assert "apps.kubernetes.io/pod-index" in var["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def ingress_from(target: str) -> list[tuple[set[str], set[int]]]:
+    """(pod names or 'monitoring' or 'anyone', ports) per ingress rule of the target's policy."""
+    policies = [
+        d
+        for d in docs()
+        if d["kind"] == "NetworkPolicy"
+        and d["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == target
+    ]
+    assert len(policies) == 1, target
+    rules = []
+    for rule in policies[0]["spec"]["ingress"]:
+        peers = set()
+        for peer in rule["from"]:
+            if "podSelector" in peer:
+                peers.add(peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+            elif "namespaceSelector" in peer:
+                peers.add(peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+            else:
+                peers.add("anyone")
+        rules.append((peers, {p["port"] for p in rule["ports"]}))
+    return rules
+
+
+def test_network_policies_let_only_envoy_reach_the_services_and_services_the_stores() -> None:
+    deny = find("NetworkPolicy", "default-deny-ingress")["spec"]
+    assert (
+        deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+    )
+    for name, port in SERVICES.items():
+        metrics = env_of(name)[f"LLMGW_{name.upper()}__SERVE__METRICS_PORT"]
+        assert ingress_from(name) == [({"envoy"}, {port}), ({"monitoring"}, {int(metrics)})]
+    for store, clients in STORES.items():
+        rules = ingress_from(store)
+        assert len(rules) == 1 and rules[0][0] == clients
+    assert ({"anyone"}, {8080}) in ingress_from("envoy")
