@@ -17,13 +17,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from llmgw.procs import Process
-from llmgw.stack import Stack
 
 log = logging.getLogger("llmgw.supervisor")
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a stack (llmgw.stack.Stack)."""
+
+    @property
+    def processes(self) -> list[Process]: ...
+
+    def renew(self, name: str) -> Process: ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ class Supervisor:
 
     def __init__(
         self,
-        stack: Stack,
+        stack: Supervised,
         backoff: Backoff = Backoff(),
         start_timeout: float = 60.0,
         on_restart: Callable[[Process], None] | None = None,

@@ -8,13 +8,13 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2
-from ratelimit.response import rate_headers, refusal
 from opentelemetry import trace
 
 from llmgw.telemetry import parent_context
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
+from ratelimit.response import rate_headers, refusal
 from ratelimit.types import KindState, Verdict
 
 Code = rls_pb2.RateLimitResponse.Code

@@ -52,10 +52,19 @@ def container(name: str) -> dict[str, Any]:
     return dict(workload(name)["spec"]["template"]["spec"]["containers"][0])
 
 
-@pytest.mark.parametrize("path", sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("examples/*.yaml")))
+# Custom resources: the validator has no schema for them; the tests below check them.
+CRD_GROUPS = (
+    "monitoring.coreos.com/",
+    "inference.networking.k8s.io/",
+    "gateway.networking.k8s.io/",
+)
+MANIFESTS = sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(K8S)))
 def test_every_manifest_validates_against_the_kubernetes_schemas(path: Path) -> None:
     for doc in yaml.safe_load_all(path.read_text()):
-        if doc is None or doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc is None or doc["apiVersion"].startswith(CRD_GROUPS):
             continue
         kubernetes_validate.validate(doc, VERSION, strict=True)
         assert doc["metadata"].get("namespace") in ("llmgw", None)
@@ -184,3 +193,37 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
         rules = ingress_from(store)
         assert len(rules) == 1 and rules[0][0] == clients
     assert ({"anyone"}, {8080}) in ingress_from("envoy")
+
+
+def test_the_inference_pool_example_points_at_the_router_in_picker_mode() -> None:
+    example = [
+        d for d in yaml.safe_load_all((K8S / "inference-pool" / "picker.yaml").read_text()) if d
+    ]
+    pool = next(d for d in example if d["kind"] == "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    # The pool's pods are the vLLM pods, on the port they serve.
+    vllm = workload("vllm")["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= vllm["metadata"]["labels"].items()
+    port = vllm["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert pool["spec"]["targetPorts"] == [{"number": port}]
+    # The picker reference names the router's Service and gRPC port.
+    ref = pool["spec"]["endpointPickerRef"]
+    service = next(d for d in example if d["kind"] == "Service")
+    assert ref["name"] == service["metadata"]["name"]
+    assert ref["port"]["number"] in {p["port"] for p in service["spec"]["ports"]}
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    route = next(d for d in example if d["kind"] == "HTTPRoute")
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", pool["metadata"]["name"])
+    # The router, in picker mode, with settings it accepts, probed on the protocol's services.
+    deployment = next(d for d in example if d["kind"] == "Deployment")
+    box = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {v["name"]: v["value"] for v in box["env"]}
+    from router.settings import Settings
+
+    settings = config.load(Settings, None, "LLMGW_ROUTER", env)
+    assert settings.inference_pool.enabled
+    assert settings.serve.port == ref["port"]["number"]
+    assert settings.fleet.dns is not None and settings.fleet.dns.port == port
+    assert box["readinessProbe"]["grpc"] == {"port": settings.serve.port, "service": "readiness"}
+    assert box["livenessProbe"]["grpc"] == {"port": settings.serve.port, "service": "liveness"}

@@ -282,3 +282,21 @@ def stack_ledger_idle(stack: Stack) -> bool:
     with urllib.request.urlopen(stack.metrics["ledger"], timeout=5) as reply:
         text = reply.read().decode()
     return "llmgw_ledger_unsettled 0.0" in text
+
+
+def test_the_request_path_is_three_exchanges(ledger_stack: Stack) -> None:
+    """One ext_authz check, one rate-limit call and one ext_proc message per request, streams
+    included; everything after the answer travels in the batched access log."""
+    key = add_tenant(ledger_stack, "lg-path", "standard")
+    names = (
+        "http.openai.ext_authz.ok",
+        "cluster.ratelimit.upstream_rq_total",
+        "http.openai.ext_proc.streams_started",
+        "http.openai.ext_proc.stream_msgs_sent",
+    )
+    before = ledger_stack.envoy_stats()
+    replies = [chat(ledger_stack, key, max_tokens=3, stream=i % 2 == 0) for i in range(6)]
+    assert {r.status for r in replies} == {200}
+    recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})  # the logs arrived
+    after = ledger_stack.envoy_stats()
+    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 6, 6, 6]

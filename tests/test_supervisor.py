@@ -306,7 +306,7 @@ def test_sigterm_stops_every_child_even_restarted_ones(
 
 
 class OneChild:
-    """The part of Stack the supervisor uses: `processes` and `renew`."""
+    """A stack of one child, as the supervisor sees a stack (llmgw.supervisor.Supervised)."""
 
     def __init__(self, proc: Process) -> None:
         self.processes = [proc]
@@ -321,7 +321,7 @@ def test_a_crash_looping_child_is_retried_with_growing_delays(tmp_path: Path) ->
     crashing = Process("crasher", ["sh", "-c", "exit 3"], lambda: True, tmp_path / "c.log")
     stack = OneChild(crashing.spawn())
     backoff = Backoff(initial_s=0.1, factor=2.0, max_s=0.5, reset_after_s=100.0)
-    supervisor = Supervisor(stack, backoff, start_timeout=5.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    supervisor = Supervisor(stack, backoff, start_timeout=5.0, clock=lambda: now[0])
     supervisor.step()
     delays = []
     for _ in range(5):
