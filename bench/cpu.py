@@ -12,8 +12,9 @@ one core and the load generator (this process, bench/loadgen.py) to the other, s
 "on one core" and the client's CPU is its own; `--no-pin` leaves the scheduler alone.
 
 Then, with Envoy alone and the full chain up side by side: added latency of non-stream requests
-at a low fixed rate (open loop), and time to first token at `--streams` concurrent streams, each
-against direct-to-pod, in alternating rounds.
+at a low fixed rate (open loop), and time to first token at `--streams` concurrent streams of
+varied length (so that they do not arrive in bursts), each against direct-to-pod, in alternating
+rounds; first with the stack still on one core, then with every process moved to all cores.
 
     python -m bench.cpu [--requests 3000] [--concurrency 16] [--rate 20] [--streams 16]
 """
@@ -70,6 +71,8 @@ COLUMNS = (
     "postgres",
     "pod",
 )
+# Where the stack runs for the latency tables: as in the CPU table, then on every core.
+PLACEMENTS = ("stack on 1 core", "unpinned, 2 cores")
 # Limits far above this load: every request is admitted (a 429 would skip the pod and the router).
 LIMITS = """\
 tenants:
@@ -98,23 +101,41 @@ def _proc_table() -> dict[int, tuple[int, int]]:
     return table
 
 
-def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each named process with all its threads and descendants; a child
-    reaped meanwhile is in its parent's cutime/cstime, so nothing is lost or counted twice."""
-    table = _proc_table()
+def _tree(roots: dict[str, int], table: dict[int, tuple[int, int]]) -> dict[str, list[int]]:
+    """The pids of each named process and all its descendants."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
     out = {}
     for name, root in roots.items():
-        ticks, todo = 0, [root]
+        pids, todo = [], [root]
         while todo:
             pid = todo.pop()
             if pid in table:
-                ticks += table[pid][1]
+                pids.append(pid)
                 todo += children.get(pid, [])
-        out[name] = ticks / TICK
+        out[name] = pids
     return out
+
+
+def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process with all its threads and descendants; a child
+    reaped meanwhile is in its parent's cutime/cstime, so nothing is lost or counted twice."""
+    table = _proc_table()
+    return {
+        name: sum(table[pid][1] for pid in pids) / TICK
+        for name, pids in _tree(roots, table).items()
+    }
+
+
+def set_cores(roots: dict[str, int], cores: set[int]) -> None:
+    """Move every thread of the named processes and their descendants to `cores`."""
+    for pids in _tree(roots, _proc_table()).values():
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(tid), cores)
 
 
 def self_cpu() -> float:
@@ -217,15 +238,26 @@ class Bench:
         key = stack.tenants[-1]["api_key"] if stack.tenants else ""  # platinum
         return Target(stack.listen.host, stack.listen.port, api_key=key)
 
-    def body(self, stream: bool = False) -> dict[str, object]:
-        tokens = self.args.stream_tokens if stream else 8
-        return {"model": MODEL, "messages": PROMPT, "max_tokens": tokens, "stream": stream}
+    def body(self) -> dict[str, object]:
+        return {"model": MODEL, "messages": PROMPT, "max_tokens": 8, "stream": False}
+
+    def stream_bodies(self) -> list[dict[str, object]]:
+        """Streams of 0.5x to 1.5x `--stream-tokens` tokens, so that they do not stay in step."""
+        n = self.args.stream_tokens
+        return [
+            {"model": MODEL, "messages": PROMPT, "max_tokens": k, "stream": True}
+            for k in range(max(1, n // 2), n + n // 2 + 1)
+        ]
+
+    def roots(self, stack: Stack) -> dict[str, int]:
+        roots = {p.name: p.pid for p in stack.processes if p.pid is not None}
+        roots["pod"] = self.pod.pid or 0
+        return roots
 
     def measure_cpu(self, label: str, note: str, stack: Stack) -> Cpu:
         args = self.args
         target = self.target(stack)
-        roots = {p.name: p.pid for p in stack.processes if p.pid is not None}
-        roots["pod"] = self.pod.pid or 0
+        roots = self.roots(stack)
         warm = self.run(loadgen.closed_loop(target, self.body(), args.concurrency, 300))
         if warm.errors:
             print(f"# {label}: warm-up statuses {warm.statuses}", file=sys.stderr)
@@ -311,7 +343,8 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
         f"{'met' if full.total <= 2200 else 'NOT met'}); "
         f"without the pod {(full.total - full.us.get('pod', 0)) / 1e3:.2f} ms",
         f"- full chain / trivial-handler floor: **{ratio:.2f}×** (target ≤ 1.3×: "
-        f"{'met' if ratio <= 1.3 else 'NOT met'})",
+        f"{'met' if ratio <= 1.3 else 'NOT met'}); without the pod "
+        f"{(full.total - full.us.get('pod', 0)) / (floor.total - floor.us.get('pod', 0)):.2f}×",
         "- ratelimit alone (without extauthz) is not a configuration: its descriptors are built "
         "from extauthz's metadata, so Envoy would make no rate-limit call at all.",
     ]
@@ -324,7 +357,7 @@ def pct(s: list[float], q: float) -> float:
 
 def latency_table(
     title: str,
-    samples: dict[str, Samples],
+    samples: dict[tuple[str, str], Samples],
     first: bool,
     target: float,
     compare: tuple[str, str],
@@ -332,29 +365,35 @@ def latency_table(
     lines = [
         title,
         "",
-        "| path | p50 ms | p99 ms | p50 added vs direct | p50 added vs Envoy alone "
+        "| placement | path | p50 ms | p99 ms | p50 added vs direct | p50 added vs Envoy alone "
         "| p99 added vs Envoy alone | samples | req/s | non-200 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def vals(name: str) -> list[float]:
-        return samples[name].first if first else samples[name].total
+    def q(placement: str, name: str, p: float) -> float:
+        s = samples[(placement, name)]
+        return pct(s.first if first else s.total, p)
 
-    base = {q: pct(vals("direct to pod"), q) for q in (50, 99)}
-    envoy = {q: pct(vals("Envoy alone"), q) for q in (50, 99)}
-    for name, s in samples.items():
-        p50, p99 = pct(vals(name), 50), pct(vals(name), 99)
-        cells = [name, f"{p50:.2f}", f"{p99:.2f}", f"{p50 - base[50]:+.2f}"]
-        cells += [f"{p50 - envoy[50]:+.2f}", f"{p99 - envoy[99]:+.2f}"]
-        cells += [str(s.count), f"{s.count / s.elapsed:,.1f}", str(s.errors)]
-        lines.append("| " + " | ".join(cells) + " |")
+    placements = list(dict.fromkeys(p for p, _ in samples))
+    for placement in placements:
+        for (where, name), s in samples.items():
+            if where != placement:
+                continue
+            p50, p99 = q(where, name, 50), q(where, name, 99)
+            cells = [placement, name, f"{p50:.2f}", f"{p99:.2f}"]
+            cells += [f"{p50 - q(where, 'direct to pod', 50):+.2f}"]
+            cells += [f"{p50 - q(where, 'Envoy alone', 50):+.2f}"]
+            cells += [f"{p99 - q(where, 'Envoy alone', 99):+.2f}"]
+            cells += [str(s.count), f"{s.count / s.elapsed:,.1f}", str(s.errors)]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
     a, b = compare
-    added = pct(vals(a), 50) - pct(vals(b), 50)
-    lines += [
-        "",
-        f"- {a} − {b}, p50: **{added:.2f} ms** (target ≤ {target:g} ms: "
-        f"{'met' if added <= target else 'NOT met'})",
-    ]
+    for placement in placements:
+        added = q(placement, a, 50) - q(placement, b, 50)
+        lines.append(
+            f"- {placement}: {a} − {b}, p50: **{added:.2f} ms** (target ≤ {target:g} ms: "
+            f"{'met' if added <= target else 'NOT met'})"
+        )
     return "\n".join(lines)
 
 
@@ -411,27 +450,43 @@ def main() -> None:
         pod = Target(bench.pod_address.host, bench.pod_address.port)
         targets = {"direct to pod": pod}
         targets |= {name: bench.target(s) for name, s in kept.items()}
-        print("# latency at a fixed rate ...", file=sys.stderr, flush=True)
-        rate = bench.alternate(
-            targets,
-            2,
-            lambda t: loadgen.paced(t, bench.body(), args.rate, args.rate_seconds / 2),
-        )
-        print("# streams ...", file=sys.stderr, flush=True)
-        streams = bench.alternate(
-            targets,
-            2,
-            lambda t: loadgen.closed_loop(
-                t, bench.body(stream=True), args.streams, seconds=args.stream_seconds / 2
-            ),
-        )
+        rate: dict[tuple[str, str], Samples] = {}
+        streams: dict[tuple[str, str], Samples] = {}
+        stream_s = args.stream_tokens * args.token_interval_ms / 1e3
+        for placement in PLACEMENTS if pin.stack is not None else ("no pinning",):
+            if placement == PLACEMENTS[1]:
+                every = (pin.stack or set()) | (pin.client or set())
+                for s in kept.values():
+                    set_cores(bench.roots(s), every)
+                os.sched_setaffinity(0, every)
+            print(f"# latency at a fixed rate, {placement} ...", file=sys.stderr, flush=True)
+            got = bench.alternate(
+                targets,
+                2,
+                lambda t: loadgen.paced(t, bench.body(), args.rate, args.rate_seconds / 2),
+            )
+            rate |= {(placement, name): v for name, v in got.items()}
+            print(f"# streams, {placement} ...", file=sys.stderr, flush=True)
+            got = bench.alternate(
+                targets,
+                2,
+                lambda t: loadgen.closed_loop(
+                    t,
+                    bench.stream_bodies(),
+                    args.streams,
+                    seconds=args.stream_seconds / 2,
+                    stagger=stream_s,
+                ),
+            )
+            streams |= {(placement, name): v for name, v in got.items()}
 
     print(cpu_table([rows[i] for i in range(len(CONFIGS))], args, pin.stack is not None))
     print()
     print(
         latency_table(
-            f"Non-stream latency at {args.rate:g} req/s (open loop, {args.rate_seconds:g} s per "
-            "path in alternating rounds; client-side, request written → last byte read)",
+            f"Non-stream latency at {args.rate:g} req/s (open loop, max_tokens 8, "
+            f"{args.rate_seconds:g} s per path and placement in alternating rounds; client-side, "
+            "request written → last byte read)",
             rate,
             first=False,
             target=3.0,
@@ -441,9 +496,10 @@ def main() -> None:
     print()
     print(
         latency_table(
-            f"Time to first token at {args.streams} concurrent streams ({args.stream_tokens} "
-            f"tokens {args.token_interval_ms:g} ms apart per stream, {args.stream_seconds:g} s "
-            "per path in alternating rounds; request written → first content event read)",
+            f"Time to first token at {args.streams} concurrent streams (closed loop, staggered; "
+            f"{args.stream_tokens // 2}-{args.stream_tokens * 3 // 2} tokens "
+            f"{args.token_interval_ms:g} ms apart per stream; {args.stream_seconds:g} s per path "
+            "and placement in alternating rounds; request written → first content event read)",
             streams,
             first=True,
             target=3.0,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -112,31 +113,38 @@ async def open_all(target: Target, n: int) -> list[Conn]:
 
 async def closed_loop(
     target: Target,
-    body: dict[str, object],
+    body: dict[str, object] | list[dict[str, object]],
     concurrency: int,
     requests: int | None = None,
     seconds: float | None = None,
+    stagger: float = 0.0,
 ) -> Samples:
-    """`requests` in all (or as many as start within `seconds`), `concurrency` at a time."""
-    request = target.request(body)
+    """`requests` in all (or as many as start within `seconds`), `concurrency` at a time.
+
+    With a list of bodies each request takes one at random (seeded); worker i starts
+    `i / concurrency * stagger` seconds late, so that equal streams do not arrive in bursts.
+    """
+    prepared = [target.request(b) for b in (body if isinstance(body, list) else [body])]
+    pick = random.Random(len(prepared)).choice
     conns = await open_all(target, concurrency)
     samples = Samples()
     left = requests if requests is not None else 1 << 62
     start = time.perf_counter()
     deadline = start + seconds if seconds is not None else float("inf")
 
-    async def worker(conn: Conn) -> None:
+    async def worker(i: int, conn: Conn) -> None:
         nonlocal left
+        await asyncio.sleep(i / concurrency * stagger)
         while left > 0 and time.perf_counter() < deadline:
             left -= 1
-            status, first, total, keep = await conn.exchange(request)
+            status, first, total, keep = await conn.exchange(pick(prepared))
             samples.add(status, first, total)
             if not keep:
                 conn.close()
                 conn = await Conn.open(target)
         conn.close()
 
-    await asyncio.gather(*(worker(c) for c in conns))
+    await asyncio.gather(*(worker(i, c) for i, c in enumerate(conns)))
     samples.elapsed = time.perf_counter() - start
     return samples
 

@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
-from google.protobuf import struct_pb2
 
 from llmgw import wire
 from llmgw.facts import RequestFacts
 from llmgw.outcome import Outcome, OutcomeKind
+from llmgw.structs import to_dict
 
 # ResponseFlags field → Envoy's short code (as %RESPONSE_FLAGS% prints it).
 FLAG_CODES = {
@@ -67,21 +67,6 @@ _CLIENT_GONE = frozenset({"DC", "DR"})
 _STREAM_BROKEN = frozenset({"UR", "UC", "LR", "UPE", "SI", "UT", "UMSDR", "DT"})
 
 
-def value(v: struct_pb2.Value) -> Any:
-    kind = v.WhichOneof("kind")
-    if kind == "struct_value":
-        return struct(v.struct_value)
-    if kind == "list_value":
-        return [value(x) for x in v.list_value.values]
-    if kind == "null_value" or kind is None:
-        return None
-    return getattr(v, kind)
-
-
-def struct(s: struct_pb2.Struct) -> dict[str, Any]:
-    return {k: value(v) for k, v in s.fields.items()}
-
-
 def flags(f: accesslog_pb2.ResponseFlags) -> list[str]:
     codes = [code for name, code in FLAG_CODES.items() if getattr(f, name)]
     if f.HasField("unauthorized_details"):
@@ -108,16 +93,16 @@ def kind_of(status: int, codes: list[str], pod: str, stream_failed: bool = False
     return "ok" if status < 400 else "upstream_error"
 
 
+def _namespace(filter_meta: Any, name: str) -> dict[str, Any]:
+    return to_dict(filter_meta[name]) if name in filter_meta else {}
+
+
 def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     """None for an entry with no request ID (nothing to key it by)."""
     common = entry.common_properties
     filter_meta = common.metadata.filter_metadata
-    authz = (
-        struct(filter_meta[wire.EXTAUTHZ_NAMESPACE])
-        if wire.EXTAUTHZ_NAMESPACE in filter_meta
-        else {}
-    )
-    usage = struct(filter_meta[wire.USAGE_NAMESPACE]) if wire.USAGE_NAMESPACE in filter_meta else {}
+    authz = _namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE)
+    usage = _namespace(filter_meta, wire.USAGE_NAMESPACE)
     request_id = str(authz.get(wire.META_REQUEST_ID) or entry.request.request_id)
     if not request_id:
         return None

@@ -19,12 +19,12 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from llmgw import wire
+from llmgw.structs import to_dict
 from llmgw.telemetry import parent_context
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
@@ -48,7 +48,7 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 def authz_metadata(msg: pb.ProcessingRequest) -> dict[str, Any]:
     """extauthz's namespace as Envoy forwarded it; {} when absent (no extauthz in front)."""
     found = msg.metadata_context.filter_metadata.get(wire.EXTAUTHZ_NAMESPACE)
-    return MessageToDict(found) if found is not None else {}
+    return to_dict(found) if found is not None else {}
 
 
 class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
