@@ -35,7 +35,6 @@ RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin llmg
 COPY --from=build /opt/llmgw /opt/llmgw
 ENV PATH=/opt/llmgw/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
-WORKDIR /home/llmgw
 ENTRYPOINT ["python", "-m"]
 CMD ["extauthz"]
 # gRPC health on the port of the service this container runs (LLMGW_<SERVICE>__SERVE__PORT).

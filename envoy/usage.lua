@@ -18,6 +18,11 @@ local function has_choice(event)
   return event:find('"choices"%s*:%s*%[%s*{') ~= nil
 end
 
+-- A choice's first event names the role and carries no token.
+local function role_only(event)
+  return event:find('"role"%s*:%s*"assistant"') ~= nil and event:find('"content"%s*:%s*""') ~= nil
+end
+
 -- `,"usage":{...}` is structural JSON: inside a string value every quote is escaped.
 local function without_usage(event)
   return (event:gsub(',%s*"usage"%s*:%s*%b{}', '', 1))
@@ -44,7 +49,9 @@ function envoy_on_response(handle)
       end
       local event = text:sub(at, stop)
       if has_choice(event) then
-        streamed = streamed + 1
+        if not role_only(event) then
+          streamed = streamed + 1
+        end
         out[#out + 1] = strip and without_usage(event) or event
       else
         if event:find('^data:%s*[{]%s*"error"%s*:') then

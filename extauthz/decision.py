@@ -85,7 +85,15 @@ class Decider:
             )
 
         request_facts = facts.RequestFacts()
-        request = _json_object(body)
+        try:
+            request = _json_object(body)
+        except RecursionError:  # Python's parser gives up around 1,000 levels; the pod's too
+            return Deny(
+                400,
+                "invalid_json",
+                "The request body nests JSON too deeply to be parsed.",
+                tenant=tenant.id,
+            )
         if request is not None:
             name = request.get("model")
             model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None

@@ -5,18 +5,21 @@ The entry carries every filter's dynamic metadata: extauthz's tenant context and
 and the router's pick (`envoy.lb`).
 
 Outcome kinds, from what the client finally got (after Envoy's retries):
-- `refused`: the gateway answered itself without asking a pod (authentication, quota, bad input,
-  unknown route);
+- `refused`: the request was refused as it stood: by the gateway without asking a pod
+  (authentication, quota, bad input, unknown route), or by the pod as invalid (a 4xx);
 - `aborted`: the client hung up before the response was complete;
-- `upstream_error`: the pod answered with an error, no pod could answer (5xx local replies), or
-  the pod's stream broke after it started (a reset, or an error event: vLLM's mid-stream error);
+- `upstream_error`: the pod failed (a 5xx), no pod could answer (5xx local replies), or the pod's
+  answer broke or timed out after it started (a reset, a timeout, an error event: vLLM's
+  mid-stream error);
 - `ok`: a complete 2xx or 3xx answer from a pod.
 
-Tokens charged (the settlement's "actual"):
+Tokens charged (the settlement's "actual"), never less than what the pod may have generated:
 - the pod's usage (prompt + completion) when it arrived;
-- a stream cut short (aborted, or the pod reset it): the prompt (usage, else the estimate) plus the
-  tokens that reached the client (the pod's running usage if it sent it on every chunk, else one
-  token per content event);
+- a stream cut short: the prompt (the larger of the pod's running usage and the estimate) plus
+  the tokens that reached the client (the pod's running usage when it sends it on every chunk,
+  else one token per content event);
+- a non-stream answer cut short, which shows nothing until it is done: the whole reservation
+  (prompt estimate plus the output cap), once for each attempt that timed out;
 - an error or refusal before any output, or a request that never reached a pod: nothing;
 - a complete answer without usage (a pod that does not report it): the reservation.
 """
@@ -64,6 +67,7 @@ FLAG_CODES = {
     "downstream_remote_reset": "DR",
 }
 _CLIENT_GONE = frozenset({"DC", "DR"})
+_TIMED_OUT = frozenset({"UT", "SI", "DT", "UMSDR"})
 _STREAM_BROKEN = frozenset({"UR", "UC", "LR", "UPE", "SI", "UT", "UMSDR", "DT"})
 
 
@@ -88,9 +92,9 @@ def kind_of(status: int, codes: list[str], pod: str, stream_failed: bool = False
         return "aborted"
     if (stream_failed or _STREAM_BROKEN.intersection(codes)) and pod:
         return "upstream_error"
-    if not pod:
-        return "upstream_error" if status >= 500 else "refused"
-    return "ok" if status < 400 else "upstream_error"
+    if status >= 500:
+        return "upstream_error"
+    return "refused" if status >= 400 or not pod else "ok"
 
 
 def _namespace(filter_meta: Any, name: str) -> dict[str, Any]:
@@ -129,7 +133,12 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     )
     path = entry.request.path.partition("?")[0]
     prompt_tokens, completion_tokens = charge(
-        outcome, facts, prompt, completion, streamed, reserved, status, bool(pod)
+        outcome,
+        facts,
+        (prompt, completion),
+        streamed,
+        reserved,
+        (status, codes, common.upstream_request_attempt_count, bool(pod)),
     )
     return Outcome(
         request_id=request_id,
@@ -162,25 +171,26 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
 def charge(
     outcome: OutcomeKind,
     facts: RequestFacts,
-    prompt: int | None,
-    completion: int | None,
+    usage: tuple[int | None, int | None],
     streamed: int,
     reserved: int,
-    status: int,
-    reached_pod: bool,
+    answer: tuple[int, list[str], int, bool],
 ) -> tuple[int, int]:
-    """(prompt, completion) tokens the request is charged for; see the module's rules."""
+    """(prompt, completion) tokens the request is charged for; see the module's rules.
+    `usage` is the pod's (prompt, completion); `answer` is (status, flags, attempts, whether a
+    pod was reached)."""
+    prompt, completion = usage
+    status, codes, attempts, reached_pod = answer
     if not reached_pod:
         return 0, 0
-    # Cut short: the client left, or the pod's answer broke after its 2xx status went out.
-    if outcome == "aborted" or (outcome == "upstream_error" and status < 400):
+    timed_out = bool(_TIMED_OUT.intersection(codes))
+    if outcome == "aborted" or (outcome == "upstream_error" and (status < 400 or timed_out)):
         if facts.stream:
-            return prompt if prompt is not None else facts.prompt_tokens, max(
-                completion or 0, streamed
-            )
-        return (prompt, completion or 0) if prompt is not None else (facts.prompt_tokens, 0)
+            return max(prompt or 0, facts.prompt_tokens), max(completion or 0, streamed)
+        spent = reserved * (max(attempts, 1) if timed_out else 1)
+        return facts.prompt_tokens, max(spent - facts.prompt_tokens, 0)
     if outcome != "ok":
         return 0, 0
     if prompt is not None or completion is not None:
         return prompt or 0, completion or 0
-    return reserved, 0
+    return facts.prompt_tokens, max(reserved - facts.prompt_tokens, 0)

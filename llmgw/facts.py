@@ -27,6 +27,7 @@ _HASH_HEX = 16
 # No client number reaches Redis or a pod unclamped: beyond any model's context.
 MAX_OUTPUT_TOKENS = 1 << 24
 MAX_CHOICES = 128
+MAX_SEQUENCES = 4096  # choices × prompts of one request
 
 MetaValue = str | float | bool | Mapping[str, "MetaValue"]
 
@@ -36,7 +37,7 @@ class RequestFacts:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False  # the client asked for the usage chunk (stream_options)
-    n: int = 1  # choices generated (max of n and best_of)
+    n: int = 1  # sequences generated: max(n, best_of) for each prompt of the request
     max_output: int = 0  # output cap per choice the reservation assumes
     prompt_tokens: int = 0  # estimate
     prefix_blocks: tuple[int, ...] = ()
@@ -88,16 +89,22 @@ def from_body(
     max_blocks: int,
     model: str | None,
 ) -> RequestFacts:
-    """Facts of a parsed JSON object body; `model` is the validated model name, if any."""
-    stream = request.get("stream") is True
+    """Facts of a parsed JSON object body; `model` is the validated model name, if any.
+
+    Values are read the way the pod reads them (vLLM validates with pydantic in lax mode:
+    `"stream": "true"` streams, `"max_tokens": 2500.0` is 2500), or a client could make the
+    gateway believe something other than what the pod does.
+    """
+    stream = _lax_bool(request.get("stream"))
     options = request.get("stream_options")
-    include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+    include_usage = stream and isinstance(options, dict) and _lax_bool(options.get("include_usage"))
     output = _max_output(request)
+    choices = max(_count(request.get("n")), _count(request.get("best_of")))
     return RequestFacts(
         model=model,
         stream=stream,
         include_usage=include_usage,
-        n=max(_count(request.get("n")), _count(request.get("best_of"))),
+        n=min(choices * _prompts(request.get("prompt")), MAX_SEQUENCES),
         max_output=default_output if output is None else output,
         prompt_tokens=prompt_tokens(request, chars_per_token),
         prefix_blocks=block_hashes(render(request), max_blocks),
@@ -130,6 +137,8 @@ def prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
                     chars += len(item)
                 elif isinstance(item, int):
                     tokens += 1
+                elif isinstance(item, list):  # a batch of token-ID prompts
+                    tokens += sum(1 for t in item if isinstance(t, int))
     return math.ceil(chars / chars_per_token) + tokens
 
 
@@ -186,17 +195,51 @@ def block_hashes(text: str, max_blocks: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _lax_bool(value: object) -> bool:
+    """True where pydantic's lax bool is True (True, 1, "true", "yes", "on", …)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.strip().lower() in _TRUE
+
+
+def _lax_int(value: object) -> int | None:
+    """An integer where pydantic's lax int accepts one (2500, 2500.0, "2500"), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
 def _max_output(request: Mapping[str, Any]) -> int | None:
     for name in ("max_completion_tokens", "max_tokens"):
-        value = request.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = _lax_int(request.get(name))
+        if value is not None and value >= 0:
             return min(value, MAX_OUTPUT_TOKENS)
     return None
 
 
 def _count(value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return min(value, MAX_CHOICES)
+    n = _lax_int(value)
+    return min(n, MAX_CHOICES) if n is not None and n >= 1 else 1
+
+
+def _prompts(prompt: object) -> int:
+    """Completions answer each prompt of a list (of strings or of token-ID lists) on its own."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
     return 1
 
 

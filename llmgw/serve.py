@@ -13,6 +13,7 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import start_http_server
+from pydantic import Field
 
 from llmgw.config import Strict
 
@@ -25,6 +26,9 @@ class ServeSettings(Strict):
     metrics_host: str = "127.0.0.1"  # admin endpoints bind to localhost by default
     metrics_port: int | None = None  # None: no metrics endpoint
     grace_seconds: float = 5.0
+    # Above Envoy's request-body limit (8 MiB) plus its framing: ext_authz receives whole bodies,
+    # and gRPC's default of 4 MiB turned 4-8 MiB requests into "authorization unavailable".
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
 
 
 async def serve(
@@ -37,7 +41,13 @@ async def serve(
     """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds`.
 
     gRPC health answers SERVING for "", `name` and each of `health_services`."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+        ]
+    )
     register(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -36,6 +36,7 @@ import json
 import logging
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -77,6 +78,9 @@ class FleetSettings(Strict):
     error_cooldown: float = Field(default=2.0, gt=0)
     publish_interval: float = Field(default=1.0, gt=0)
     publish_ttl: float = Field(default=10.0, gt=0)
+    # A pick whose outcome never arrives (the client left before Envoy used it, a lost access-log
+    # batch) stops counting as in flight after this long.
+    in_flight_ttl: float = Field(default=900.0, gt=0)
 
 
 def split_hostport(target: str) -> tuple[str, int]:
@@ -98,6 +102,7 @@ class Fleet:
         self._trips: dict[PodId, int] = {}  # times taken out since the pod last answered well
         self._down_until: dict[PodId, float] = {}
         self._models_at: dict[PodId, float] = {}
+        self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
 
     # Membership.
 
@@ -153,10 +158,32 @@ class Fleet:
             for pod, snap in self.snapshots.items()
         ]
 
-    def acquire(self, pod: PodId) -> None:
-        if pod in self.in_flight:
-            self.in_flight[pod] += 1
-            metrics.IN_FLIGHT.labels(pod).inc()
+    def acquire(self, pod: PodId, request_id: str | None = None) -> None:
+        """Count a pick in flight; with a request ID, until `finish(request_id)` (or the TTL)."""
+        if pod not in self.in_flight:
+            return
+        self.in_flight[pod] += 1
+        metrics.IN_FLIGHT.labels(pod).inc()
+        if request_id:
+            now = self.clock()
+            self._flights[request_id] = (pod, now)
+            self._expire(now)
+
+    def finish(self, request_id: str) -> PodId | None:
+        """The request's outcome arrived: release its pick; the pod it was sent to, if known."""
+        flight = self._flights.pop(request_id, None)
+        if flight is None:
+            return None
+        self.release(flight[0])
+        return flight[0]
+
+    def _expire(self, now: float) -> None:
+        while self._flights:
+            request_id, (pod, at) = next(iter(self._flights.items()))
+            if now - at < self.settings.in_flight_ttl:
+                return
+            del self._flights[request_id]
+            self.release(pod)
 
     def release(self, pod: PodId) -> None:
         if self.in_flight.get(pod, 0) > 0:

@@ -5,9 +5,10 @@ The protocol (gateway-api-inference-extension, docs/proposals/004-endpoint-picke
 - ext_proc, the body mode read from the first message's `protocol_config`:
   FULL_DUPLEX_STREAMED (what the reference picker's gateways configure): nothing is answered
   until the end of the body (at most `max_body_bytes`, else a 413); then the headers' answer
-  with the pick, then the whole body back as streamed chunks. BUFFERED/STREAMED: the headers'
-  answer is empty, the pick rides on the last body chunk's answer (headers not yet sent
-  upstream). NONE, or headers that end the request: picked at the headers.
+  with the pick, then the whole body back as streamed chunks. BUFFERED (and STREAMED, where
+  Envoy may have picked before the body ends): the headers' answer is empty, the pick rides on
+  the last body chunk's answer (headers not yet sent upstream). NONE, or headers that end the
+  request: picked at the headers.
 - The pick goes out twice with one value, best first: the request header
   `x-gateway-destination-endpoint` and dynamic metadata `envoy.lb` /
   `x-gateway-destination-endpoint`, "ip:port,ip:port,...".
@@ -34,16 +35,15 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf.json_format import MessageToDict
 from opentelemetry import trace
 from pydantic import Field
 
-from llmgw import facts, wire
+from llmgw import facts, structs, wire
 from llmgw.config import Strict
 from llmgw.telemetry import parent_context
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
-from router.request import from_metadata
+from router.request import from_headers, from_metadata
 from router.service import authz_metadata, header_map, lb_metadata
 from router.types import PickRequest, PodId
 
@@ -59,7 +59,7 @@ class InferencePoolSettings(Strict):
     """`LLMGW_ROUTER__INFERENCE_POOL__ENABLED=true`: speak the picker protocol."""
 
     enabled: bool = False
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)  # longer bodies: picked without
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)  # longer bodies: a 413
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed
 
 
@@ -68,7 +68,7 @@ def subset_hint(msg: pb.ProcessingRequest) -> frozenset[PodId] | None:
     found = msg.metadata_context.filter_metadata.get(wire.SUBSET_HINT_NAMESPACE)
     if found is None or wire.SUBSET_HINT_KEY not in found.fields:
         return None
-    value = MessageToDict(found).get(wire.SUBSET_HINT_KEY)
+    value = structs.value(found.fields[wire.SUBSET_HINT_KEY])
     items = value if isinstance(value, list) else [value]
     return frozenset(str(i) for i in items if isinstance(i, str) and i)
 
@@ -80,14 +80,15 @@ def served_endpoint(msg: pb.ProcessingRequest) -> PodId | None:
     return found.fields[wire.SERVED_ENDPOINT].string_value.split(",", 1)[0] or None
 
 
-def from_body(body: bytes, settings: InferencePoolSettings) -> PickRequest:
-    """Model and prompt prefix from an OpenAI body; nothing (any pod) when it is not JSON."""
+def from_body(body: bytes, settings: InferencePoolSettings, session: str | None) -> PickRequest:
+    """Model and prompt prefix from an OpenAI body (nothing when it is not JSON), and the
+    client's `x-session-id` for affinity."""
     try:
         request = json.loads(body) if body else None
     except ValueError:
         request = None
     if not isinstance(request, dict):
-        return PickRequest()
+        return PickRequest(session=session)
     model = request.get("model")
     found = facts.from_body(
         request,
@@ -97,7 +98,10 @@ def from_body(body: bytes, settings: InferencePoolSettings) -> PickRequest:
         model=model if isinstance(model, str) and model else None,
     )
     return PickRequest(
-        model=found.model, prefix_blocks=found.prefix_blocks, first_turn=found.first_turn
+        model=found.model,
+        session=session,
+        prefix_blocks=found.prefix_blocks,
+        first_turn=found.first_turn,
     )
 
 
@@ -208,7 +212,9 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
                     authz = authz_metadata(msg)
                     subset = subset_hint(msg)
                     if msg.request_headers.end_of_stream or mode == NONE:
-                        result, pod = self.pick(self._request(authz, b""), subset, headers, context)
+                        result, pod = self.pick(
+                            self._request(authz, headers, b""), subset, headers, context
+                        )
                         if result is None:
                             yield unavailable(NO_POD)
                             return
@@ -233,7 +239,7 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
                         continue
                     waiting = False
                     result, pod = self.pick(
-                        self._request(authz, bytes(body)), subset, headers, context
+                        self._request(authz, headers, bytes(body)), subset, headers, context
                     )
                     if result is None:
                         yield unavailable(NO_POD)
@@ -265,8 +271,10 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
             if pod is not None:  # no response headers seen: the request ended some other way
                 self.fleet.release(pod)
 
-    def _request(self, authz: dict[str, Any], body: bytes) -> PickRequest:
-        return from_metadata(authz) if authz else from_body(body, self.settings)
+    def _request(self, authz: dict[str, Any], headers: dict[str, str], body: bytes) -> PickRequest:
+        if authz:
+            return from_metadata(authz)
+        return from_body(body, self.settings, from_headers(headers).session)
 
     def _outcome(self, pod: PodId, served: PodId | None, headers: dict[str, str]) -> None:
         self.fleet.release(pod)

@@ -13,7 +13,7 @@ from llmgw.facts import RequestFacts
 from router.types import PickRequest
 
 
-def from_metadata(meta: Mapping[str, Any]) -> PickRequest:
+def from_metadata(meta: Mapping[str, Any], request_id: str | None = None) -> PickRequest:
     """extauthz's namespace as a dict. Missing or malformed values are left out (fail open)."""
     facts = RequestFacts.from_metadata(meta)
     priority = meta.get(wire.META_PRIORITY)
@@ -24,7 +24,7 @@ def from_metadata(meta: Mapping[str, Any]) -> PickRequest:
         if isinstance(priority, float | int) and 1 <= priority <= 10
         else None,
         session=_text(meta.get(wire.META_SESSION)),
-        request_id=_text(meta.get(wire.META_REQUEST_ID)),
+        request_id=request_id or _text(meta.get(wire.META_REQUEST_ID)),
         prefix_blocks=facts.prefix_blocks,
         first_turn=facts.first_turn,
     )
@@ -36,4 +36,7 @@ def _text(value: object) -> str | None:
 
 def from_headers(headers: Mapping[str, str]) -> PickRequest:
     """No extauthz metadata: the `x-session-id` header, for affinity only."""
-    return PickRequest(session=_text(headers.get(wire.HEADER_SESSION)))
+    return PickRequest(
+        session=_text(headers.get(wire.HEADER_SESSION)),
+        request_id=_text(headers.get(wire.HEADER_REQUEST_ID)),
+    )

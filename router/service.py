@@ -70,7 +70,7 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return None, None
             span.set_attribute("router.pod", result.pods[0])
             span.set_attribute("router.reason", result.reason)
-        self.fleet.acquire(result.pods[0])
+        self.fleet.acquire(result.pods[0], req.request_id)
         return lb_metadata(result.pods), result.pods[0]
 
     async def Process(
@@ -84,7 +84,9 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 headers = header_map(msg.request_headers)
                 parent = parent_context(context.invocation_metadata(), headers)
                 authz = authz_metadata(msg)
-                req = from_metadata(authz) if authz else from_headers(headers)
+                # Envoy's x-request-id names the request in the access log too.
+                rid = headers.get(wire.HEADER_REQUEST_ID)
+                req = from_metadata(authz, rid) if authz else from_headers(headers)
                 meta, _ = self.decide(req, parent)
                 yield pb.ProcessingResponse(
                     request_headers=pb.HeadersResponse(), dynamic_metadata=meta
@@ -102,21 +104,16 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
-def answered_by(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[PodId | None, PodId | None]:
-    """(the pod the router picked, the pod that answered), each None when unknown."""
-    common = entry.common_properties
-    lb = common.metadata.filter_metadata.get(wire.LB_NAMESPACE)
-    picked = None
-    if lb is not None and wire.DESTINATION_ENDPOINT in lb.fields:
-        picked = lb.fields[wire.DESTINATION_ENDPOINT].string_value.split(",", 1)[0] or None
-    sock = common.upstream_remote_address.socket_address
-    answered = f"{sock.address}:{sock.port_value}" if sock.address else None
-    return picked, answered
+def answered_by(entry: accesslog_pb2.HTTPAccessLogEntry) -> PodId | None:
+    """The pod that answered, None when none did."""
+    sock = entry.common_properties.upstream_remote_address.socket_address
+    return f"{sock.address}:{sock.port_value}" if sock.address else None
 
 
 class OutcomeService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """The router's access log: each picked request's end releases its pod and reports how the
-    pod did (a retry elsewhere counts as a 503 of the picked pod)."""
+    """The router's access log: each picked request's end (by request ID, Envoy's x-request-id)
+    releases its pod and reports how the pod did (a retry elsewhere counts as a 503 of the picked
+    pod). A pick Envoy never used (the client left during the pick) ends by its TTL."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -128,10 +125,10 @@ class OutcomeService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mis
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
-                picked, answered = answered_by(entry)
-                if picked is None:
+                picked = self.fleet.finish(entry.request.request_id)
+                if picked is None:  # not picked by this replica (or long ago)
                     continue
-                self.fleet.release(picked)
+                answered = answered_by(entry)
                 status = entry.response.response_code.value
                 if answered is not None and answered != picked:
                     self.fleet.report(picked, 503)

@@ -257,3 +257,25 @@ def test_a_body_that_is_not_json_gets_the_pods_400(stack: Stack) -> None:
     assert reply.status == 400, reply.body
     assert reply.headers["content-type"] == "application/json"
     assert "x-session-id" in reply.headers  # authorised, then answered by the pod
+
+
+def test_bodies_up_to_envoys_limit_are_authorized_not_refused_as_unavailable(stack: Stack) -> None:
+    """gRPC's default 4 MiB message limit once turned 4-8 MiB bodies into 503s (retried by SDKs)."""
+    text = "ab " * (9 * 512 * 1024 // 6)  # 4.5 MiB, above gRPC's default limit
+    reply = chat(stack, bearer(api_key(stack)), {"messages": [{"role": "user", "content": text}]})
+    assert reply.status != 503, reply.body  # extauthz decided; what the pod says is the pod's
+    too_big = chat(
+        stack, bearer(api_key(stack)), {"messages": [{"role": "user", "content": text * 2}]}
+    )
+    assert_error(too_big, 413, "request_too_large")
+
+
+def test_json_nested_too_deep_is_a_400_not_an_outage(stack: Stack) -> None:
+    body = (
+        b'{"messages": [{"role": "user", "content": "hi"}], "x": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}"
+    )
+    reply = call("POST", f"{stack.base_url}/chat/completions", body, bearer(api_key(stack)))
+    assert_error(reply, 400, "invalid_json")

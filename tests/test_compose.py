@@ -6,14 +6,15 @@
   environment and mounted files, with the compose hostnames mapped to loopback (a port of ours
   for each `host:port`), and answers the compose health check: a compose file whose services
   could not start fails here. Redis runs with the compose file's flags, the vLLM pods are
-  simulated; PostgreSQL and the collector are not run (the ledger waits for its database and
-  the exporters drop spans: both keep serving, which is what the health check asks).
+  simulated, PostgreSQL runs with the compose file's user, database and password (the ledger
+  must reach it and apply its schema); the collector is not run (the exporters drop spans).
 - Prometheus scrapes every service, Envoy and the pods, and the dashboard names only metrics
   that the running services, the pods and a running Envoy really export.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ import jsonschema
 import pytest
 import yaml
 
-from llmgw import cli, envoyconf
+from llmgw import cli, envoyconf, postgres
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
 from llmgw.stack import Stack
 from tests.conftest import api_key
@@ -212,6 +214,13 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
         argv = [bin_path("redis-server"), *redis_flags, "--port", str(port), "--bind", "127.0.0.1"]
         argv += ["--dir", str(tmp)]
         run.processes.append(Process("redis", argv, redis_ping("127.0.0.1", port), tmp / "r.log"))
+        # PostgreSQL with the compose file's user, database and password (the ledger's URL).
+        pg = spec["services"]["postgres"]["environment"]
+        assert (pg["POSTGRES_USER"], pg["POSTGRES_DB"]) == (postgres.USER, postgres.DATABASE)
+        home = tmp / "postgres"
+        home.mkdir()
+        (home / "password").write_text(interpolate(pg["POSTGRES_PASSWORD"], INTERPOLATION) + "\n")
+        run.processes.append(postgres.Postgres(home, tmp / "pg.log", run.port("postgres", 5432)))
         for pod in PODS:
             host, _, pod_port = pod.partition(":")
             port = run.port(host, int(pod_port))
@@ -254,6 +263,25 @@ def test_every_compose_service_of_ours_starts_here_and_passes_its_health_check(
             check=False,
         )
         assert result.returncode == 0, (name, result.stderr)
+
+
+def test_the_ledger_reaches_postgresql_with_the_compose_credentials(started: Started) -> None:
+    """The ledger's DATABASE_URL and the postgres service's settings agree: its schema lands."""
+    url = started.envs["ledger"]["LLMGW_LEDGER__DATABASE_URL"]
+
+    async def outcomes_table() -> bool:
+        import asyncpg
+
+        conn = await asyncpg.connect(url, timeout=5)
+        try:
+            return bool(await conn.fetchval("SELECT to_regclass('outcomes') IS NOT NULL"))
+        finally:
+            await conn.close()
+
+    deadline = time.monotonic() + START_TIMEOUT
+    while not asyncio.run(outcomes_table()):
+        assert time.monotonic() < deadline, "the ledger never applied its schema"
+        time.sleep(0.1)
 
 
 def exported(text: str) -> set[str]:

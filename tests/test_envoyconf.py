@@ -90,10 +90,17 @@ def test_parse_endpoint_rejects(spec: str) -> None:
 
 
 def test_render_envoy_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["render-envoy", "--upstream", "vllm-0:8000", "--upstream", "vllm-1:8000"]) == 0
+    argv = ["render-envoy", "--upstream", "vllm-0:8000", "--upstream", "vllm-1:8000"]
+    argv += ["--extauthz", "extauthz:9001", "--ratelimit", "10.0.0.7:9002"]  # a name, an IP
+    assert cli.main(argv) == 0
     path = tmp_path / "out.yaml"
     path.write_text(capsys.readouterr().out)
     envoyconf.validate(path)
+    clusters = {
+        c["name"]: c["type"]
+        for c in yaml.safe_load(path.read_text())["static_resources"]["clusters"]
+    }
+    assert (clusters["extauthz"], clusters["ratelimit"]) == ("STRICT_DNS", "STATIC")
 
 
 def test_tracing_config_is_valid(tmp_path: Path) -> None:

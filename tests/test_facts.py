@@ -54,7 +54,27 @@ def test_no_max_tokens_reserves_the_default_cap_and_absurd_numbers_are_clamped()
     assert parse({"messages": []}).max_output == 256
     huge = parse({"messages": [], "max_tokens": 10**20, "n": 10**9, "best_of": -1})
     assert (huge.max_output, huge.n) == (facts.MAX_OUTPUT_TOKENS, facts.MAX_CHOICES)
-    assert parse({"messages": [], "max_tokens": True, "n": "3"}) == parse({"messages": []})
+    assert parse({"messages": [], "max_tokens": True, "n": []}) == parse({"messages": []})
+
+
+def test_values_are_read_the_way_the_pod_reads_them() -> None:
+    """vLLM validates in pydantic's lax mode: a client must not get a stream (or a cap, or
+    several choices) that the gateway does not know about."""
+    lax = parse(
+        {"messages": [], "stream": "true", "stream_options": {"include_usage": 1},
+         "max_tokens": 2500.0, "n": "3"}
+    )  # fmt: skip
+    assert (lax.stream, lax.include_usage, lax.max_output, lax.n) == (True, True, 2500, 3)
+    assert not parse({"messages": [], "stream": "no"}).stream
+    assert parse({"messages": [], "max_tokens": "12"}).max_output == 12
+    assert parse({"messages": [], "max_tokens": 2.5}).max_output == 256  # the pod refuses it
+
+
+def test_a_batch_of_prompts_reserves_for_every_prompt() -> None:
+    batch = parse({"prompt": ["a" * 400] * 5, "max_tokens": 10, "n": 2})
+    assert (batch.n, batch.prompt_tokens, batch.token_estimate) == (10, 500, 600)
+    ids = parse({"prompt": [[7] * 600, [8] * 400], "max_tokens": 1})
+    assert (ids.prompt_tokens, ids.n) == (1000, 2)
 
 
 def test_missing_or_mistyped_metadata_reads_as_defaults() -> None:

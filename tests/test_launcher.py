@@ -65,7 +65,8 @@ def test_up_serves_and_stops_cleanly(
     models = call("GET", f"{info['base_url']}/models", headers={"authorization": f"Bearer {key}"})
     assert models.status == 200
     children = list(info["processes"].values())
-    names = {"redis", "pod-0", "pod-1", "extauthz", "ratelimit", "router", "envoy"}
+    names = {"redis", "postgres", "pod-0", "pod-1", "envoy"}
+    names |= {"extauthz", "ratelimit", "router", "ledger"}
     assert set(info["processes"]) == names
     assert {t["tier"] for t in info["tenants"]} == {"free", "standard", "platinum"}
     assert "base_url" in log.read_text()

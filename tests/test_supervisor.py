@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,8 @@ class Load:
                 reply = call("POST", self.url, self.body, self.headers, timeout=20)
                 outcome = Outcome(start, time.monotonic(), reply.status, body=reply.body)
             except (OSError, http.client.HTTPException) as exc:
-                outcome = Outcome(start, time.monotonic(), None, repr(exc))
+                reason = getattr(exc, "reason", exc)  # urllib wraps the socket's error
+                outcome = Outcome(start, time.monotonic(), None, type(reason).__name__)
             with self.lock:
                 self.outcomes.append(outcome)
             self.done.wait(max(0.0, PACE_S - (time.monotonic() - start)))
@@ -222,11 +224,12 @@ def test_every_child_is_restarted_under_load_and_requests_survive(
             kills.append(kill_under_load(load, ready, child))
     assert proc.poll() is None, "the launcher must outlive every child's death"
 
-    print("\nchild       requests  failed  restarted_s  serving_s")
+    print("\nchild       requests  failed  restarted_s  serving_s  failures")
     for k in kills:
+        kinds = Counter(str(o.status) if o.status else o.error for o in k.failures)
         print(
             f"{k.child:<11} {k.requests:>8}  {len(k.failures):>6}  "
-            f"{k.restarted_s:>11.2f}  {k.serving_s:>9.2f}"
+            f"{k.restarted_s:>11.2f}  {k.serving_s:>9.2f}  {dict(kinds) or ''}"
         )
     for k in kills:
         if k.child == "extauthz":

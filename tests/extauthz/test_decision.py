@@ -193,7 +193,11 @@ def test_non_json_body_passes_for_the_pod_to_answer(
         (chat(content="x" * 401, max_completion_tokens=10, max_tokens=99), 101 + 10),
         (chat(content="x" * 8), 2 + 256),  # default output when absent
         (chat(content=[{"type": "text", "text": "y" * 40}], max_tokens=0), 10),
-        (json.dumps({"model": "llama-3-8b", "prompt": ["ab" * 10, "c" * 20]}).encode(), 10 + 256),
+        # two prompts: each gets its own completion
+        (
+            json.dumps({"model": "llama-3-8b", "prompt": ["ab" * 10, "c" * 20]}).encode(),
+            10 + 2 * 256,
+        ),
         (json.dumps({"model": "llama-3-8b", "prompt": [1, 2, 3], "max_tokens": 7}).encode(), 10),
     ],
 )

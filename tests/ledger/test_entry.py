@@ -120,7 +120,7 @@ def test_a_stream_the_pod_broke_is_an_upstream_error_charged_what_streamed() -> 
         (503, None, ("no_healthy_upstream",), "upstream_error"),
         (503, POD, ("upstream_connection_failure",), "upstream_error"),
         (500, POD, (), "upstream_error"),
-        (400, POD, (), "upstream_error"),
+        (400, POD, (), "refused"),  # the pod refused it as invalid: the client's mistake
     ],
 )
 def test_errors_before_any_output_are_charged_nothing(
@@ -141,4 +141,24 @@ def test_an_unauthenticated_request_is_recorded_without_a_tenant() -> None:
 
 def test_a_complete_answer_without_usage_is_charged_its_reservation() -> None:
     o = to_outcome(entry(200))
-    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (120, 0)
+    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (20, 100)
+
+
+def test_a_non_stream_answer_cut_short_is_charged_the_whole_reservation() -> None:
+    """It shows nothing until it is done: the pod may have generated up to the cap."""
+    gone = to_outcome(entry(0, flags=("downstream_connection_termination",)))
+    assert gone is not None and gone.outcome == "aborted"
+    assert gone.prompt_tokens + gone.completion_tokens == 120
+    timed_out = entry(504, flags=("stream_idle_timeout",))
+    timed_out.common_properties.upstream_request_attempt_count = 3  # Envoy tried three times
+    o = to_outcome(timed_out)
+    assert o is not None and o.outcome == "upstream_error"
+    assert o.prompt_tokens + o.completion_tokens == 3 * 120
+
+
+def test_an_aborted_stream_charges_the_larger_prompt_count() -> None:
+    small = {wire.META_PROMPT_TOKENS: 5, wire.META_STREAMED_EVENTS: 2}  # one choice's own usage
+    o = to_outcome(
+        entry(200, stream=True, usage=small, flags=("downstream_connection_termination",))
+    )
+    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (20, 2)

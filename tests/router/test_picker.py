@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,8 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
 from llmgw import wire
-from llmgw.procs import Process, free_port, grpc_serving, http_ok, stop_all
+from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, stop_all
 from router.picker import HEALTH_SERVICES
+from tests.http import call
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default
 
@@ -233,3 +236,73 @@ def test_the_served_endpoint_and_the_end_of_the_stream_release_the_pick(picker: 
     # A stream that ends without response headers (client gone) releases its pick too.
     exchange(picker, [msg])
     assert in_flight(picker) == before
+
+
+def test_a_body_beyond_the_limit_is_an_openai_shaped_413(picker: Picker) -> None:
+    chunk = b" " * (3 << 20)  # 3 MiB a message, under gRPC's 4 MiB; 9 MiB > the 8 MiB limit
+    start = pb.ProcessingRequest(request_headers=headers("POST", "/v1/chat/completions", False))
+    messages = [first(pm.ProcessingMode.FULL_DUPLEX_STREAMED, start)]
+    messages += [pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk)) for _ in range(3)]
+    (answer,) = exchange(picker, messages)
+    assert answer.immediate_response.status.code == 413
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "request_too_large"
+
+
+# The same, through a real Envoy configured as conformant gateways configure it for a picker
+# (tests/router/gateway.yaml).
+
+
+GATEWAY = Path(__file__).with_name("gateway.yaml")
+
+
+def gateway_config(picker: Picker, listen: int, admin: int, body_mode: str) -> str:
+    pod0, pod1 = (p.rpartition(":")[2] for p in picker.pods)
+    return string.Template(GATEWAY.read_text()).substitute(
+        admin=admin,
+        listen=listen,
+        body_mode=body_mode,
+        # Full duplex: trailers tell the picker the body ended when the client sent trailers.
+        trailer_mode="SEND" if body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+        pod0=pod0,
+        pod1=pod1,
+        picker=picker.target.rpartition(":")[2],
+    )
+
+
+def picks(picker: Picker) -> dict[str, float]:
+    text = urllib.request.urlopen(picker.metrics, timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("llmgw_router_picks_total{"):
+            pod = line.split('pod="', 1)[1].split('"', 1)[0]
+            out[pod] = out.get(pod, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def test_a_real_envoy_gateway_sends_each_request_to_the_picked_pod(
+    picker: Picker, body_mode: str, tmp_path: Path
+) -> None:
+    wait_scraped(picker)
+    listen, admin = free_port(), free_port()
+    config = tmp_path / "gateway.yaml"
+    config.write_text(gateway_config(picker, listen, admin, body_mode))
+    argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart", "--base-id", str(admin)]
+    argv += ["--concurrency", "1", "--log-level", "warn"]
+    envoy = Process("envoy", argv, http_ok(f"http://127.0.0.1:{admin}/ready"), tmp_path / "e.log")
+    envoy.start(60)
+    try:
+        url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+        # 90 kB: more than one of the picker's 62 kB streamed chunks goes back to Envoy.
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 30_000}]}
+        for _ in range(8):  # a pick honoured by chance: 1 in 256
+            before = picks(picker)
+            reply = call("POST", url, {**body, "max_tokens": 2}, timeout=30)
+            after = picks(picker)
+            assert reply.status == 200, reply.body  # the body reached the pod whole
+            (picked,) = [pod for pod in after if after[pod] != before.get(pod, 0.0)]
+            assert reply.headers["x-upstream"] == picked
+        unknown = call("POST", url, {**body, "model": "no-such-model"}, timeout=30)
+        assert unknown.status == 503 and unknown.json()["error"]["type"] == "server_error"
+    finally:
+        envoy.stop()

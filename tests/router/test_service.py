@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,11 +33,21 @@ Starter = Callable[[Fleet], Awaitable[Served]]
 TRACEPARENT = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
 
 
+REQUEST_IDS = itertools.count()
+
+
 def headers_msg(
-    meta: dict[str, object] | None = None, headers: dict[str, str] | None = None
+    meta: dict[str, object] | None = None,
+    headers: dict[str, str] | None = None,
+    request_id: str | None = None,
 ) -> pb.ProcessingRequest:
     """The one message Envoy sends: request headers plus extauthz's forwarded metadata."""
-    values = {":method": "POST", ":path": "/v1/chat/completions", **(headers or {})}
+    values = {
+        ":method": "POST",
+        ":path": "/v1/chat/completions",
+        wire.HEADER_REQUEST_ID: request_id or f"req-{next(REQUEST_IDS)}",
+        **(headers or {}),
+    }
     msg = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
@@ -52,11 +63,11 @@ def headers_msg(
     return msg
 
 
-def log_entry(picked: str, answered: str | None, status: int) -> accesslog_pb2.HTTPAccessLogEntry:
+def log_entry(
+    request_id: str, answered: str | None, status: int
+) -> accesslog_pb2.HTTPAccessLogEntry:
     entry = accesslog_pb2.HTTPAccessLogEntry()
-    entry.common_properties.metadata.filter_metadata[wire.LB_NAMESPACE].update(
-        {wire.DESTINATION_ENDPOINT: f"{picked},10.9.9.9:1"}
-    )
+    entry.request.request_id = request_id
     if answered is not None:
         host, port = answered.split(":")
         entry.common_properties.upstream_remote_address.CopyFrom(
@@ -130,7 +141,9 @@ async def test_one_message_picks_and_the_access_log_releases(serve: Starter) -> 
     )
     _, stub, log = await serve(fleet)
     call = stub.Process()
-    await call.write(headers_msg({wire.META_TENANT: "acme"}, {"traceparent": TRACEPARENT}))
+    await call.write(
+        headers_msg({wire.META_TENANT: "acme"}, {"traceparent": TRACEPARENT}, request_id="a")
+    )
     resp = await call.read()
     assert resp.WhichOneof("response") == "request_headers"
     dest = destination(resp)
@@ -142,8 +155,31 @@ async def test_one_message_picks_and_the_access_log_releases(serve: Starter) -> 
     assert await call.code() == grpc.StatusCode.OK
     # In flight until the outcome arrives, batched, from the access log.
     assert fleet.in_flight[listed[0]] == 1
-    await send_log(log, log_entry(listed[0], listed[0], 200))
+    await send_log(log, log_entry("a", listed[0], 200))
     assert sum(fleet.in_flight.values()) == 0
+
+
+async def test_a_pick_envoy_never_used_stops_counting_after_its_ttl(serve: Starter) -> None:
+    """The client left during the pick: no outcome will name it; the count must not stay."""
+    now = [1000.0]
+    fleet = make_fleet(["10.0.0.1:8000"])
+    fleet.clock = lambda: now[0]
+    fleet.settings = FleetSettings(in_flight_ttl=60)
+    _, stub, log = await serve(fleet)
+    for rid in ("gone", "late"):
+        call = stub.Process()
+        await call.write(headers_msg(request_id=rid))
+        await call.read()
+        await call.done_writing()
+    assert fleet.in_flight["10.0.0.1:8000"] == 2
+    await send_log(log, log_entry("unknown", "10.0.0.1:8000", 200))  # not ours: no effect
+    assert fleet.in_flight["10.0.0.1:8000"] == 2
+    now[0] += 61
+    call = stub.Process()
+    await call.write(headers_msg(request_id="next"))  # any pick sweeps the expired ones
+    await call.read()
+    await call.done_writing()
+    assert fleet.in_flight["10.0.0.1:8000"] == 1
 
 
 async def test_the_outcome_reports_the_pods_status(serve: Starter) -> None:
@@ -151,11 +187,11 @@ async def test_the_outcome_reports_the_pods_status(serve: Starter) -> None:
     fleet.settings = FleetSettings(error_threshold=1)
     _, stub, log = await serve(fleet)
     call = stub.Process()
-    await call.write(headers_msg())
+    await call.write(headers_msg(request_id="b"))
     assert destination(await call.read()) == "10.0.0.1:8000"
     await call.done_writing()
     assert fleet.in_flight["10.0.0.1:8000"] == 1
-    await send_log(log, log_entry("10.0.0.1:8000", "10.0.0.1:8000", 503))
+    await send_log(log, log_entry("b", "10.0.0.1:8000", 503))
     assert fleet.in_flight["10.0.0.1:8000"] == 0
     assert not fleet.candidates()[0].healthy  # one 5xx reaches the threshold of 1
 
@@ -165,11 +201,11 @@ async def test_a_pick_envoy_retried_elsewhere_counts_as_a_failure(serve: Starter
     fleet.settings = FleetSettings(error_threshold=1)
     _, stub, log = await serve(fleet)
     call = stub.Process()
-    await call.write(headers_msg())
+    await call.write(headers_msg(request_id="c"))
     picked = (destination(await call.read()) or "").split(",")[0]
     await call.done_writing()
     other = next(p for p in fleet.snapshots if p != picked)
-    await send_log(log, log_entry(picked, other, 200))
+    await send_log(log, log_entry("c", other, 200))
     healthy = {c.pod: c.healthy for c in fleet.candidates()}
     assert healthy == {picked: False, other: True}
     assert fleet.in_flight[picked] == 0
@@ -227,13 +263,14 @@ async def test_two_replicas_keep_a_session_on_one_pod(
         for turn in range(3):
             stub, log = stubs[turn % 2]  # turns alternate between the replicas
             call = stub.Process()
-            await call.write(headers_msg({wire.META_SESSION: session_id}))
+            rid = f"{session_id}-{turn}"
+            await call.write(headers_msg({wire.META_SESSION: session_id}, request_id=rid))
             dest = destination(await call.read())
             assert dest is not None
             firsts.append(dest.split(",")[0])
             await call.done_writing()
             assert await call.code() == grpc.StatusCode.OK
-            await send_log(log, log_entry(firsts[-1], firsts[-1], 200))  # the turn ended
+            await send_log(log, log_entry(rid, firsts[-1], 200))  # the turn ended
         assert len(set(firsts)) == 1, (session_id, firsts)
 
 
