@@ -261,7 +261,7 @@ def test_a_body_that_is_not_json_gets_the_pods_400(stack: Stack) -> None:
 
 def test_bodies_up_to_envoys_limit_are_authorized_not_refused_as_unavailable(stack: Stack) -> None:
     """gRPC's default 4 MiB message limit once turned 4-8 MiB bodies into 503s (retried by SDKs)."""
-    text = "ab " * (9 * 512 * 1024 // 6)  # 4.5 MiB, above gRPC's default limit
+    text = "ab " * (9 * 512 * 1024 // 3)  # 4.5 MiB, above gRPC's default limit
     reply = chat(stack, bearer(api_key(stack)), {"messages": [{"role": "user", "content": text}]})
     assert reply.status != 503, reply.body  # extauthz decided; what the pod says is the pod's
     too_big = chat(
