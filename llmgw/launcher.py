@@ -30,6 +30,10 @@ def banner(info: dict[str, Any]) -> str:
         f"  admin:     {info['envoy_admin_url']} (localhost only)",
         f"  logs:      {info['logs']}",
     ]
+    if info.get("database_url"):  # never the URL itself: it carries the password
+        lines.append(
+            "  ledger:    .venv/bin/llmgw usage --by tenant   (PostgreSQL, see the ready file)"
+        )
     for tenant in info["tenants"]:
         lines.append(f"  tenant {tenant['id']} ({tenant['tier']}): api_key={tenant['api_key']}")
     lines += [
