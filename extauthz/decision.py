@@ -17,7 +17,7 @@ from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
 from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, Snapshot
-from llmgw import facts, wire
+from llmgw import facts, priority, wire
 from llmgw.facts import MetaValue
 
 _MAX_KEY_CHARS = 256
@@ -49,6 +49,12 @@ class Decider:
     def __init__(self, settings: DecisionSettings, sessions: Sessions) -> None:
         self.settings = settings
         self.sessions = sessions
+
+    def _engine_priority(self, tenant_priority: int) -> int:
+        """vLLM's `priority` for the pod: the tenant's, or vLLM's default when switched off."""
+        if not self.settings.engine_priority:
+            return priority.NEUTRAL
+        return priority.vllm_priority(tenant_priority)
 
     def decide(
         self, snapshot: Snapshot, headers: Mapping[str, str], body: bytes, now: float
@@ -94,6 +100,12 @@ class Decider:
                 "The request body nests JSON too deeply to be parsed.",
                 tenant=tenant.id,
             )
+        if headers.get(":path", "").partition("?")[0] in wire.GENERATION_PATHS:
+            # Decided here, before any pod or quota sees the request, so that what the gateway
+            # counts and routes is what the pod will do, and bad input is never charged.
+            refused = _refuse_body(headers, request, tenant.id)
+            if refused is not None:
+                return refused
         if request is not None:
             name = request.get("model")
             model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
@@ -131,6 +143,8 @@ class Decider:
 
         set_headers = (
             *tenant.headers,
+            # Replaces a client's header; overrides the body's `priority` in vLLM.
+            (wire.HEADER_VLLM_PRIORITY, str(self._engine_priority(tenant.priority))),
             (wire.HEADER_TOKEN_ESTIMATE, str(request_facts.token_estimate)),
             (wire.HEADER_SESSION, session),
             (wire.HEADER_REQUEST_ID, request_id),
@@ -163,6 +177,37 @@ class Decider:
             session=session,
             model=model,
         )
+
+
+def _refuse_body(
+    headers: Mapping[str, str], request: dict[str, Any] | None, tenant: str
+) -> Deny | None:
+    """A generation request the gateway refuses as it stands, or None."""
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        # The gateway reads the body to authorize, count and route it: it must read what the
+        # pod would decode.
+        return Deny(
+            415,
+            "unsupported_content_encoding",
+            f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed.",
+            param="content-encoding",
+            tenant=tenant,
+        )
+    if request is None:
+        return Deny(
+            400,
+            "invalid_json",
+            "We could not parse the JSON body of your request. The API expects a JSON object "
+            "with the request's parameters.",
+            tenant=tenant,
+        )
+    if not isinstance(request.get("model"), str) or not request["model"]:
+        # Without it the pod would serve its default model, whatever the tenant may use.
+        return Deny(
+            400, "missing_model", "You must provide a model parameter.", param="model", tenant=tenant
+        )
+    return None
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -10,11 +10,12 @@ from typing import Literal
 
 from pydantic import AwareDatetime, Field, field_validator, model_validator
 
+from llmgw import wire
 from llmgw.config import Strict
 from llmgw.facts import MetaValue
 
 BUILTIN_TIERS = ("free", "standard", "platinum")
-KEY_PREFIX = "sk-llmgw-"
+KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 

@@ -19,8 +19,6 @@ TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "envoy"
 TEMPLATE = "envoy.yaml.j2"
 
 # The OpenAI endpoints served by the pods; any other path is a 404 in OpenAI's shape.
-EXACT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-PREFIX_PATHS = ("/v1/models",)
 
 
 class Address(Strict):
@@ -40,6 +38,7 @@ class Timeouts(Strict):
     upstream_idle: str = "300s"
     stream_idle: str = "300s"
     request_headers: str = "10s"
+    request: str = "30s"  # to receive the whole request, body included (not the response)
     connection_idle: str = "3600s"
 
 
@@ -131,8 +130,14 @@ def _is_ip(host: str) -> bool:
 
 
 def _reply(
-    status: int, message: str, kind: str, code: str | None = None, flags: tuple[str, ...] = ()
+    status: int | None,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """A mapper; `status` None matches every status (with `flags`); `kind` "passthrough" keeps
+    the reply's own body (ours, already in the OpenAI envelope)."""
     return {"status": status, "message": message, "type": kind, "code": code, "flags": flags}
 
 
@@ -157,6 +162,8 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
             "server_error",
             flags=("UAEX",),
         ),
+        # extauthz's own denials: already OpenAI errors, kept as they are by the mappers below.
+        _reply(None, body, "passthrough", flags=("UAEX",)),
         _reply(
             503,
             f"The model servers are unavailable or overloaded: {body}",
@@ -164,6 +171,9 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
             "server_is_overloaded",
         ),
         _reply(504, body, "server_error", "timeout"),
+        # Envoy's codec and path checks (escaped slashes, HTTP/1.0, malformed requests).
+        _reply(400, "Bad request (%RESPONSE_CODE_DETAILS%).", "invalid_request_error"),
+        _reply(426, "HTTP/1.1 or HTTP/2 is required.", "invalid_request_error"),
     ]
 
 
@@ -185,8 +195,12 @@ def render(
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
     )
-    routes = [f'{{path: "{p}"}}' for p in EXACT_PATHS] + [
-        f'{{prefix: "{p}"}}' for p in PREFIX_PATHS
+    # Exact methods: generation is POST only, the model list GET only; anything else is a 404.
+    post = '[{name: ":method", string_match: {exact: POST}}]'
+    get = '[{name: ":method", string_match: {exact: GET}}]'
+    routes = [f'{{path: "{p}", headers: {post}}}' for p in wire.GENERATION_PATHS] + [
+        f'{{path: "{wire.MODELS_PATH}", headers: {get}}}',
+        f'{{prefix: "{wire.MODELS_PATH}/", headers: {get}}}',
     ]
     return env.get_template(TEMPLATE).render(
         wire=wire,

@@ -6,6 +6,10 @@ Add a name here before using it anywhere else.
 
 from __future__ import annotations
 
+# API keys: `Authorization: Bearer sk-llmgw-…` or `api-key: sk-llmgw-…`. Envoy refuses a request
+# without one before buffering its body (envoy/authn.lua); extauthz decides the rest.
+KEY_PREFIX = "sk-llmgw-"
+
 # Trusted tenant context: set by extauthz, stripped from client requests by Envoy.
 HEADER_PREFIX = "x-llmgw-"
 HEADER_TENANT = "x-llmgw-tenant"
@@ -15,6 +19,9 @@ HEADER_MODEL = "x-llmgw-model"
 HEADER_TOKEN_ESTIMATE = "x-llmgw-token-estimate"
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
+# vLLM's own (0.33 reads it and lets it override the body's `priority`): extauthz sets it from
+# the tenant's priority (llmgw/priority.py), so what the pod schedules by is what we decided.
+HEADER_VLLM_PRIORITY = "x-vllm-priority"
 
 # Dynamic metadata written by extauthz, read by Envoy's rate-limit descriptors and the router.
 EXTAUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
@@ -41,6 +48,10 @@ META_LIMIT_TOKENS = "limit_tokens"
 # Envoy's ext_authz marks a request body cut at `with_request_body.max_request_bytes`.
 HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 
+# The OpenAI endpoints the pods serve: generation takes a JSON body (POST), models is read (GET).
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+MODELS_PATH = "/v1/models"
+
 # Endpoint picking (Gateway API Inference Extension protocol): the router writes an ordered
 # "ip:port,ip:port" list under this namespace and key; Envoy's override_host policy reads it.
 LB_NAMESPACE = "envoy.lb"
@@ -58,6 +69,7 @@ TRUSTED_HEADERS = (
     HEADER_PRIORITY,
     HEADER_MODEL,
     HEADER_TOKEN_ESTIMATE,
+    HEADER_VLLM_PRIORITY,
     DESTINATION_ENDPOINT,
 )
 

@@ -240,3 +240,60 @@ def test_sessions_signed_by_another_deployment_are_rejected(snap: Snapshot, keys
     foreign = allowed(theirs.decide(snap, bearer(keys.acme), b"", NOW_S)).session
     d = mine.decide(snap, bearer(keys.acme, **{"x-session-id": foreign}), b"", NOW_S)
     denied(d, 400, "invalid_session_id")
+
+
+def test_the_tenant_priority_reaches_vllm_and_replaces_the_clients(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    client = {wire.HEADER_VLLM_PRIORITY: "-100"}
+    acme = allowed(decider.decide(snap, bearer(keys.acme, **client), chat(priority=-9), NOW_S))
+    globex = allowed(decider.decide(snap, {"api-key": keys.globex, **client}, b"", NOW_S))
+    # acme is priority 5, globex 8: vLLM serves lower numbers first, so globex goes first.
+    assert dict(acme.headers)[wire.HEADER_VLLM_PRIORITY] == "5"
+    assert dict(globex.headers)[wire.HEADER_VLLM_PRIORITY] == "2"
+    # Set with OVERWRITE (extauthz/service.py), so the client's copy is replaced, not appended.
+    assert [v for k, v in acme.headers if k == wire.HEADER_VLLM_PRIORITY] == ["5"]
+
+
+def test_with_engine_priority_off_every_request_gets_vllms_default(
+    snap: Snapshot, keys: Keys
+) -> None:
+    off = make_decider(engine_priority=False)
+    forged = bearer(keys.acme, **{wire.HEADER_VLLM_PRIORITY: "-100"})
+    d = allowed(off.decide(snap, forged, chat(priority=-9), NOW_S))
+    assert dict(d.headers)[wire.HEADER_VLLM_PRIORITY] == "0"
+
+
+GENERATION = {":path": "/v1/chat/completions", ":method": "POST"}
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code"),
+    [
+        (b"{not json", {}, 400, "invalid_json"),
+        (b"[1, 2]", {}, 400, "invalid_json"),
+        (b"", {}, 400, "invalid_json"),
+        (json.dumps({"messages": []}).encode(), {}, 400, "missing_model"),
+        (json.dumps({"model": ["m"], "messages": []}).encode(), {}, 400, "missing_model"),
+        (chat(), {"content-encoding": "gzip"}, 415, "unsupported_content_encoding"),
+        (chat(), {"content-encoding": "br"}, 415, "unsupported_content_encoding"),
+    ],
+)
+def test_generation_bodies_the_pod_would_read_otherwise_are_refused(
+    decider: Decider, snap: Snapshot, keys: Keys, body: bytes, headers: dict[str, str],
+    status: int, code: str,
+) -> None:  # fmt: skip
+    # globex may use any model: a missing one would still reach the pod's default model.
+    request_headers = {**bearer(keys.globex), **GENERATION, **headers}
+    d = denied(decider.decide(snap, request_headers, body, NOW_S), status, code)
+    assert d.tenant is not None
+
+
+def test_a_valid_generation_body_and_other_paths_pass(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    allowed(decider.decide(snap, {**bearer(keys.globex), **GENERATION}, chat("any"), NOW_S))
+    identity = {**bearer(keys.globex), **GENERATION, "content-encoding": "identity"}
+    allowed(decider.decide(snap, identity, chat("any"), NOW_S))
+    models = {**bearer(keys.globex), ":path": "/v1/models?x=1", ":method": "GET"}
+    allowed(decider.decide(snap, models, b"", NOW_S))

@@ -37,11 +37,12 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 def check_request(
     headers: dict[str, str], body: bytes = b"", raw: bool = True
 ) -> external_auth_pb2.CheckRequest:
+    method, path = ("POST", "/v1/chat/completions") if body else ("GET", "/v1/models")
     http = attribute_context_pb2.AttributeContext.HttpRequest(
-        method="POST" if body else "GET",
-        path="/v1/chat/completions" if body else "/v1/models",
+        method=method,
+        path=path,
         host="gateway",
-        headers={":method": "POST", ":path": "/v1/chat/completions", **headers},
+        headers={":method": method, ":path": path, **headers},
         size=len(body) if body else -1,
     )
     if raw:
