@@ -205,7 +205,11 @@ def _refuse_body(
     if not isinstance(request.get("model"), str) or not request["model"]:
         # Without it the pod would serve its default model, whatever the tenant may use.
         return Deny(
-            400, "missing_model", "You must provide a model parameter.", param="model", tenant=tenant
+            400,
+            "missing_model",
+            "You must provide a model parameter.",
+            param="model",
+            tenant=tenant,
         )
     return None
 
