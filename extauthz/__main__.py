@@ -31,11 +31,17 @@ def build_sessions(settings: Settings) -> Sessions:
     return Sessions(codec, s.worker_id)
 
 
+def cache_secret(settings: Settings) -> bytes:
+    """The key of the tenants' cache salts: the session secret (salts are HMACs with their own
+    label, so neither reveals the other); rotating it costs each group one cold cache."""
+    return settings.sessions.secret.get_secret_value().encode()
+
+
 async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
     store = TenantsStore(settings.tenants_file)
     service = AuthorizationService(
-        store, Decider(settings.decision, build_sessions(settings)), tracer
+        store, Decider(settings.decision, build_sessions(settings), cache_secret(settings)), tracer
     )
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
 

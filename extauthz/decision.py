@@ -46,9 +46,23 @@ def _api_key(headers: Mapping[str, str]) -> str | None:
 
 
 class Decider:
-    def __init__(self, settings: DecisionSettings, sessions: Sessions) -> None:
+    def __init__(
+        self, settings: DecisionSettings, sessions: Sessions, cache_secret: bytes = b""
+    ) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.cache_secret = cache_secret
+        self._salts: dict[str, str] = {}
+
+    def cache_salt(self, group: str) -> str:
+        """vLLM's `cache_salt` for a cache group: requests share prefix-cache blocks on a pod
+        only with the same salt. Keyed by a server secret, so no client can compute another
+        group's salt."""
+        salt = self._salts.get(group)
+        if salt is None:
+            mac = hmac.new(self.cache_secret, b"llmgw-cache-salt\0" + group.encode(), "sha256")
+            salt = self._salts[group] = mac.hexdigest()[:32]
+        return salt
 
     def _engine_priority(self, tenant_priority: int) -> int:
         """vLLM's `priority` for the pod: the tenant's, or vLLM's default when switched off."""
@@ -123,6 +137,7 @@ class Decider:
                 default_output=self.settings.default_output_tokens,
                 max_blocks=self.settings.max_prefix_blocks,
                 model=model,
+                cache_group=tenant.cache_group,
             )
         model = request_facts.model
 
@@ -168,6 +183,13 @@ class Decider:
             **request_facts.to_metadata(),
             **tenant.limits,
         }
+        if request is not None:
+            # Fields the pod must get from the gateway, whatever the client sent: appended to
+            # the JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON
+            # parser, like this one, keeps the last of duplicate keys).
+            own = {"cache_salt": self.cache_salt(tenant.cache_group)}
+            suffix = json.dumps(own)[1:-1]
+            metadata[wire.META_BODY_SUFFIX] = f",{suffix}" if request else suffix
         return Allow(
             headers=set_headers,
             headers_to_remove=remove,

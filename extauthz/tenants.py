@@ -77,6 +77,9 @@ def snapshot(data: TenantsFile) -> Snapshot:
                 (wire.HEADER_PRIORITY, str(tenant.priority)),
             ),
             limits=MappingProxyType(limits),
+            cache_group=f"group/{tenant.cache_group}"
+            if tenant.cache_group
+            else f"tenant/{tenant.id}",
         )
         tenants[tenant.id] = view
         for key in tenant.keys:

@@ -57,6 +57,10 @@ class Tenant(Strict):
     models: Literal["*"] | tuple[str, ...]
     limits: Limits = Limits()
     keys: tuple[ApiKey, ...] = ()
+    # Tenants naming the same cache group share prefix-cache blocks on the pods (e.g. one system
+    # prompt for a customer's several tenants). Without one, a tenant shares with nobody: a
+    # shared cache is a timing oracle on another tenant's prompts.
+    cache_group: str | None = Field(default=None, pattern=_NAME)
 
 
 class TenantsFile(Strict):
@@ -102,6 +106,7 @@ class TenantView:
     models: frozenset[str] | None  # None: every model
     headers: tuple[tuple[str, str], ...]  # tenant, tier, priority
     limits: Mapping[str, MetaValue]  # metadata limit overrides, possibly empty
+    cache_group: str  # "tenant/<id>" unless the tenant joined a group: "group/<name>"
 
 
 @dataclass(frozen=True, slots=True)

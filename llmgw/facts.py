@@ -88,6 +88,7 @@ def from_body(
     default_output: int,
     max_blocks: int,
     model: str | None,
+    cache_group: str = "",
 ) -> RequestFacts:
     """Facts of a parsed JSON object body; `model` is the validated model name, if any.
 
@@ -107,7 +108,7 @@ def from_body(
         n=min(choices * _prompts(request.get("prompt")), MAX_SEQUENCES),
         max_output=default_output if output is None else output,
         prompt_tokens=prompt_tokens(request, chars_per_token),
-        prefix_blocks=block_hashes(render(request), max_blocks),
+        prefix_blocks=block_hashes(render(request), max_blocks, cache_group),
         first_turn=is_first_turn(request),
     )
 
@@ -184,11 +185,12 @@ def is_first_turn(request: Mapping[str, Any]) -> bool:
     return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
-def block_hashes(text: str, max_blocks: int) -> tuple[int, ...]:
-    """Chained hashes of the leading full blocks."""
+def block_hashes(text: str, max_blocks: int, cache_group: str = "") -> tuple[int, ...]:
+    """Chained hashes of the leading full blocks. The cache group enters the first hash: pods
+    share cached blocks only within a group (vLLM's cache_salt), so must the router's map."""
     data = text.encode()
     out: list[int] = []
-    prev = b""
+    prev = cache_group.encode()
     for start in range(0, min(len(data) // BLOCK_CHARS, max_blocks) * BLOCK_CHARS, BLOCK_CHARS):
         prev = hashlib.blake2b(prev + data[start : start + BLOCK_CHARS], digest_size=8).digest()
         out.append(int.from_bytes(prev, "big"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -47,9 +48,13 @@ def banner(info: dict[str, Any]) -> str:
 
 
 def write_ready(ready_file: Path, info: dict[str, Any]) -> None:
-    """Replace the ready file atomically: readers never see half of it."""
+    """Replace the ready file atomically: readers never see half of it. Owner-only (0600): it
+    holds the demo tenants' API keys and the database password."""
     tmp = ready_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(info, indent=2))
+    tmp.chmod(0o600)  # an older tmp file may have had wider bits
     tmp.replace(ready_file)
 
 

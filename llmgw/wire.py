@@ -41,6 +41,9 @@ META_CHOICES = "n"
 META_MAX_OUTPUT = "max_output"
 META_FIRST_TURN = "first_turn"
 META_PREFIX_BLOCKS = "prefix_blocks"
+# JSON members Envoy appends to the request body's object (envoy/rewrite.lua): the gateway's own
+# values for fields the pod reads (e.g. `"cache_salt": "…"`), after the client's.
+META_BODY_SUFFIX = "body_suffix"
 # Per-tenant limit overrides, shaped for Envoy's rate-limit `limit: {dynamic_metadata: ...}`:
 # a struct {"requests_per_unit": int, "unit": "MINUTE"}; absent when the tier defaults apply.
 META_LIMIT_REQUESTS = "limit_requests"

@@ -105,3 +105,11 @@ def test_any_json_body_gives_facts_that_round_trip(body: dict[str, Any]) -> None
     written = parse(json.loads(json.dumps(body)))
     assert written.token_estimate >= 0
     assert facts.RequestFacts.from_metadata(through_envoy(written.to_metadata())) == written
+
+
+def test_prefix_hashes_are_per_cache_group() -> None:
+    """The router's prefix map follows the pods' caches, which only share within a group."""
+    text = "a shared system prompt " * 20
+    mine = facts.block_hashes(text, 64, "tenant/a")
+    assert mine == facts.block_hashes(text, 64, "tenant/a")
+    assert set(mine).isdisjoint(facts.block_hashes(text, 64, "tenant/b"))

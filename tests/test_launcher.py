@@ -70,6 +70,9 @@ def test_up_serves_and_stops_cleanly(
     assert set(info["processes"]) == names
     assert {t["tier"] for t in info["tenants"]} == {"free", "standard", "platinum"}
     assert "base_url" in log.read_text()
+    ready = Path(info["logs"]).parent.parent / "ready.json"  # the fixture's --ready-file
+    assert ready.stat().st_mode & 0o077 == 0  # it holds API keys and the database password
+    assert info["database_url"] not in log.read_text()
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0

@@ -65,7 +65,7 @@ class Sequence:
         progress: asyncio.Event | None = None,
     ) -> None:
         self.job = job
-        self.chain = block_hashes(job.prompt, block_size)
+        self.chain = block_hashes(job.prompt, block_size, job.cache_salt)
         self.owned: list[int] = []  # cached blocks referenced: a prefix of `chain`
         self.private = 0  # other blocks held
         self.preemptions = 0

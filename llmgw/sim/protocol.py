@@ -48,6 +48,8 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
+    # vLLM: requests share prefix-cache blocks only with the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class _Message(BaseModel):
@@ -188,7 +190,7 @@ def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | No
             priority = int(header_priority)
     n = body.n or 1
     jobs = [
-        _job(settings, prompt, sample, cap, body.ignore_eos, priority)
+        _job(settings, prompt, sample, cap, body.ignore_eos, priority, body.cache_salt or "")
         for prompt in prompts
         for sample in range(n)
     ]
@@ -216,6 +218,7 @@ def _job(
     cap: int | None,
     ignore_eos: bool,
     priority: int,
+    cache_salt: str = "",
 ) -> Job:
     # Room left beside the prompt: a larger max_tokens is clamped to it (v0.33), and a
     # request with no room at all fails SamplingParams' max_tokens >= 1.
@@ -232,4 +235,12 @@ def _job(
         output, reason = wanted, "length"
     elif ignore_eos or natural >= room:
         output, reason = room, "length"
-    return Job(prompt.text, prompt.tokens, output, reason, sample=sample, priority=priority)
+    return Job(
+        prompt.text,
+        prompt.tokens,
+        output,
+        reason,
+        sample=sample,
+        priority=priority,
+        cache_salt=cache_salt,
+    )

@@ -86,11 +86,12 @@ def count_tokens(text: str) -> int:
     return max(1, -(-len(text) // CHARS_PER_TOKEN))
 
 
-def block_hashes(text: str, block_size: int) -> list[int]:
-    """Hash chain over the prompt's full blocks: each hash covers the block and all before it."""
+def block_hashes(text: str, block_size: int, salt: str = "") -> list[int]:
+    """Hash chain over the prompt's full blocks: each hash covers the block and all before it,
+    and the salt (vLLM's cache_salt enters the first block's hash)."""
     width = block_size * CHARS_PER_TOKEN
     hashes: list[int] = []
-    prev = 0
+    prev = hash(("salt", salt)) if salt else 0
     for start in range(0, len(text) - width + 1, width):
         prev = hash((prev, text[start : start + width]))
         hashes.append(prev)

@@ -67,3 +67,4 @@ class Job:
     finish_reason: FinishReason  # "stop": the last output token is the EOS (empty text)
     sample: int = 0  # which of the request's n samples: seeds its words and length
     priority: int = 0  # vLLM's: lower is served earlier (under --scheduling-policy priority)
+    cache_salt: str = ""  # prefix-cache blocks are shared only between equal salts
