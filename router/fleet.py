@@ -198,6 +198,10 @@ class Fleet:
             self._errors[pod] = 0
             self._trips[pod] = 0
             return
+        if self.clock() < self._down_until.get(pod, float("-inf")):
+            # Already out: these are picks made before it was taken out (their outcomes come
+            # late, from the access log), not new evidence. They must not lengthen its penalty.
+            return
         self._errors[pod] = self._errors.get(pod, 0) + 1
         if self._errors[pod] >= self.settings.error_threshold:
             trips = self._trips.get(pod, 0)

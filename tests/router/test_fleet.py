@@ -129,6 +129,19 @@ def test_a_pod_failing_again_stays_out_longer_until_it_answers_well() -> None:
     assert fleet.candidates()[0].healthy  # back to the base cooldown
 
 
+def test_late_failures_of_a_pod_already_out_do_not_lengthen_its_penalty() -> None:
+    """Outcomes arrive batched, after the fact: the picks that were in flight when the pod died
+    all fail, but they are one incident, not many."""
+    clock = Clock()
+    fleet = Fleet(FleetSettings(error_threshold=1, error_cooldown=1.0), clock=clock)
+    fleet.set_pods(["a:1"])
+    fleet.snapshots["a:1"] = PodMetrics("a:1", clock.now, ok=True)
+    for _ in range(40):  # forty picks in flight when it died
+        fleet.report("a:1", 503)
+    clock.now += 1.1
+    assert fleet.candidates()[0].healthy  # one base cooldown, not 2**40 of them
+
+
 def test_in_flight_counts_follow_acquire_and_release() -> None:
     fleet = Fleet(FleetSettings())
     fleet.set_pods(["a:1"])
