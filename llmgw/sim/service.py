@@ -54,7 +54,11 @@ class Service:
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._starlette_errors, self._inject_faults])
+        # vLLM (uvicorn) sets no body size limit; aiohttp's default 1 MiB would answer a plain
+        # text 413 that no vLLM sends.
+        app = web.Application(
+            middlewares=[self._starlette_errors, self._inject_faults], client_max_size=1 << 30
+        )
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)

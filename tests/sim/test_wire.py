@@ -306,3 +306,30 @@ async def test_metrics_carry_vllm_names_and_labels(
     assert samples["vllm:time_to_first_token_seconds_count"].value == 1
     assert samples["vllm:inter_token_latency_seconds_count"].value == 3
     assert samples["vllm:e2e_request_latency_seconds_count"].value == 1
+
+
+async def test_large_bodies_are_read_like_vllm_reads_them(pod: SimPod) -> None:
+    """vLLM sets no body size limit (the gateway does): a 3 MiB prompt gets vLLM's own answer,
+    here the context-length 400, never a plain-text 413."""
+    async with client(pod) as sdk:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "ab " * (1 << 20)}]
+            )
+    assert "maximum context length" in refused.value.message
+
+
+async def test_cache_salt_separates_prefix_caches(pod: SimPod) -> None:
+    prompt = [{"role": "user", "content": "a long shared prompt " * 200}]
+    async with client(pod) as sdk:
+        for salt in ("one", "one", "two"):
+            await sdk.chat.completions.create(
+                model=MODEL, messages=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+            )
+    cached = pod.engine.stats.prompt_tokens_cached
+    assert cached > 0  # the second request hit the first one's blocks; the third hit nothing
+    async with client(pod) as sdk:
+        await sdk.chat.completions.create(
+            model=MODEL, messages=prompt, max_tokens=1, extra_body={"cache_salt": "three"}
+        )
+    assert pod.engine.stats.prompt_tokens_cached == cached
