@@ -104,6 +104,9 @@ class EnvoySettings(Strict):
     circuit: Circuit = Circuit()
     max_request_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_downstream_connections: int = 50_000
+    max_streams_per_connection: int = Field(default=128, gt=0)  # HTTP/2 clients
+    # Envoy sheds new requests above 95 % of this (bodies are buffered in memory).
+    max_heap_bytes: int = Field(default=2 * 1024**3, gt=0)
     slow_start: str = "5s"
     # Envoy's own pick when the router names no pod (no router, router down).
     fallback_policy: Literal["least_request", "round_robin"] = "least_request"

@@ -109,3 +109,18 @@ def test_tracing_config_is_valid(tmp_path: Path) -> None:
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert hcm["typed_config"]["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
     assert "otel" in {c["name"] for c in config["static_resources"]["clusters"]}
+
+
+def test_memory_is_bounded_per_connection_and_in_all(tmp_path: Path) -> None:
+    settings = EnvoySettings(max_heap_bytes=1 << 30, max_streams_per_connection=64)
+    config = render_and_validate(tmp_path, settings, [Address(port=8001)])
+    overload = config["overload_manager"]
+    heap = next(m for m in overload["resource_monitors"] if m["name"].endswith("fixed_heap"))
+    assert heap["typed_config"]["max_heap_size_bytes"] == 1 << 30
+    shed = {a["name"]: a["triggers"][0]["threshold"]["value"] for a in overload["actions"]}
+    assert shed["envoy.overload_actions.stop_accepting_requests"] == 0.95
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    options = hcm["typed_config"]
+    assert options["http2_protocol_options"]["max_concurrent_streams"] == 64
+    assert options["request_timeout"] == "30s"  # receiving a request is bounded
+    assert options["normalize_path"] and options["merge_slashes"]
