@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmgw.telemetry import Children
+
 DECISIONS = Counter(
     "llmgw_extauthz_decisions_total",
     "Check decisions by result (allow or the error code) and tenant ('' when unknown).",
@@ -14,6 +16,7 @@ DECISION_SECONDS = Histogram(
     "Time to decide one Check, excluding gRPC.",
     buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
 )
+decisions = Children(DECISIONS)  # (result, tenant), looked up once per pair
 RELOADS = Counter(
     "llmgw_extauthz_reloads_total",
     "Tenants file reloads by result (ok, failed).",

@@ -1,16 +1,18 @@
-"""The gRPC adapter: Envoy's CheckRequest in, the decision out as a CheckResponse."""
+"""The gRPC adapter: Envoy's CheckRequest in, the decision out as a CheckResponse.
+
+Hot path (one call per request): an allowed response is filled in place (messages passed to a
+constructor are copied once more), and no span is started when tracing is off."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 from opentelemetry import trace
 
@@ -18,8 +20,7 @@ from extauthz import metrics
 from extauthz.decision import Decider
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision
-from llmgw.facts import MetaValue
-from llmgw.telemetry import parent_context
+from llmgw.telemetry import parent_context, recording
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON = base_pb2.HeaderValueOption(
@@ -29,33 +30,29 @@ _JSON = base_pb2.HeaderValueOption(
 _DENY_GRPC = {401: code_pb2.UNAUTHENTICATED}  # every other denial: PERMISSION_DENIED
 
 
-def _header_options(headers: Iterable[tuple[str, str]]) -> list[base_pb2.HeaderValueOption]:
-    return [
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=key, value=value), append_action=_OVERWRITE
-        )
-        for key, value in headers
-    ]
-
-
-def _struct(values: Mapping[str, MetaValue]) -> struct_pb2.Struct:
-    out = struct_pb2.Struct()
-    out.update(values)
-    return out
+def _add_headers(
+    field: Any,  # RepeatedCompositeFieldContainer[HeaderValueOption]
+    headers: Iterable[tuple[str, str]],
+) -> None:
+    for key, value in headers:
+        header = field.add(append_action=_OVERWRITE).header
+        header.key = key
+        header.value = value
 
 
 def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
     if isinstance(decision, Allow):
-        return external_auth_pb2.CheckResponse(
-            status=status_pb2.Status(code=code_pb2.OK),
-            ok_response=external_auth_pb2.OkHttpResponse(
-                headers=_header_options(decision.headers),
-                headers_to_remove=decision.headers_to_remove,
-                response_headers_to_add=_header_options(decision.response_headers),
-            ),
-            # Only here: OkHttpResponse.dynamic_metadata (deprecated) would replace this silently.
-            dynamic_metadata=_struct(decision.metadata),
-        )
+        response = external_auth_pb2.CheckResponse()
+        response.status.SetInParent()  # code OK
+        ok = response.ok_response
+        ok.SetInParent()
+        _add_headers(ok.headers, decision.headers)
+        ok.headers_to_remove.extend(decision.headers_to_remove)
+        _add_headers(ok.response_headers_to_add, decision.response_headers)
+        # Only here: OkHttpResponse.dynamic_metadata (deprecated) would replace this silently.
+        response.dynamic_metadata.SetInParent()
+        response.dynamic_metadata.update(decision.metadata)
+        return response
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=_DENY_GRPC.get(decision.status, code_pb2.PERMISSION_DENIED)),
         denied_response=external_auth_pb2.DeniedHttpResponse(
@@ -78,6 +75,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.decider = decider
         self.tracer = tracer
         self.clock = clock
+        self.tracing = recording(tracer)
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -85,6 +83,15 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         http = request.attributes.request.http
         headers = dict(http.headers)
         body = http.raw_body or http.body.encode()
+        if not self.tracing:
+            started = time.perf_counter()
+            decision = self.decider.decide(self.store.current, headers, body, self.clock())
+            metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+            if isinstance(decision, Allow):
+                metrics.decisions("allow", decision.tenant).inc()
+            else:
+                metrics.decisions(decision.code, decision.tenant or "").inc()
+            return to_response(decision)
         with self.tracer.start_as_current_span(
             "extauthz.check",
             context=parent_context(context.invocation_metadata(), headers),
@@ -101,7 +108,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             else:
                 result, tenant = decision.code, decision.tenant or ""
                 span.set_attribute("http.response.status_code", decision.status)
-            metrics.DECISIONS.labels(result=result, tenant=tenant).inc()
+            metrics.decisions(result, tenant).inc()
             span.set_attribute("llmgw.decision", result)
             if tenant:
                 span.set_attribute("tenant.id", tenant)

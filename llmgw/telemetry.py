@@ -1,4 +1,5 @@
-"""OpenTelemetry tracing for the services: OTLP/gRPC export when an endpoint is configured."""
+"""OpenTelemetry tracing for the services (OTLP/gRPC export when an endpoint is configured), and
+cheap access to labelled Prometheus counters on the request path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client import Counter
 
 from llmgw.config import Strict
 
@@ -37,6 +39,13 @@ def setup(service: str, settings: TracingSettings) -> trace.Tracer:
     return trace.get_tracer(service)
 
 
+def recording(tracer: trace.Tracer) -> bool:
+    """False for the no-op tracer `setup` returns without a collector: a service may then skip
+    the span altogether (parsing the parent context and entering a no-op span cost ~4 % of a
+    callout's CPU). A proxy tracer (no provider yet) may start recording later: True."""
+    return not isinstance(tracer, trace.NoOpTracer)
+
+
 def parent_context(
     metadata: Iterable[tuple[str, str | bytes]] | None, headers: Mapping[str, str] | None = None
 ) -> Context:
@@ -47,3 +56,20 @@ def parent_context(
 
 
 _TRACE_KEYS = ("traceparent", "tracestate")
+
+
+class Children:
+    """`counter.labels(*values)` remembered per label tuple (values in the counter's label order):
+    prometheus_client's own lookup (validation, a lock, a dict) costs more than the increment on
+    every decision. Holds the same child objects the counter does, so values read through either
+    agree."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._children: dict[tuple[str, ...], Counter] = {}
+
+    def __call__(self, *values: str) -> Counter:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._counter.labels(*values)
+        return child

@@ -2,7 +2,9 @@
 -- KEYS[1]: the tenant's key prefix "llmgw:rl:{tenant}"; every key below shares its hash tag.
 -- ARGV: now_ms, shadow (0/1), reservation id ("" for none), reservation ttl_ms, check count,
 --       then per check: name, bucket_ms, buckets, limit, cost, reserve (0/1).
--- Returns {admitted (0/1), then each check's buckets before this decision, newest first}.
+-- Returns one string of integers separated by spaces: admitted (0/1), then each check's buckets
+-- before this decision, newest first. One bulk string, not an array of integers: the client
+-- reads one reply instead of one per bucket (about 25 per decision).
 local p = KEYS[1]
 local now = tonumber(ARGV[1])
 local shadow = ARGV[2] == '1'
@@ -10,7 +12,7 @@ local rid = ARGV[3]
 local ttl = tonumber(ARGV[4])
 local n = tonumber(ARGV[5])
 
-local out = {0}
+local out = {'0'}
 local plan = {}
 local ok = true
 local longest = 0
@@ -27,7 +29,7 @@ for i = 1, n do
   for j = 1, nb do
     local v = tonumber(vals[j]) or 0
     used = used + v
-    out[#out + 1] = v
+    out[#out + 1] = string.format('%d', v)
   end
   if used + cost > limit then ok = false end
   if nb * bms > longest then longest = nb * bms end
@@ -62,5 +64,5 @@ if ok or shadow then
     redis.call('SET', p .. ':tspec', spec, 'PX', longest + ttl)
   end
 end
-if ok then out[1] = 1 end
-return out
+if ok then out[1] = '1' end
+return table.concat(out, ' ')

@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from llmgw.resp import Resp, RespError
+from llmgw.resp import Arg, Reply, Resp, RespError
 from ratelimit import metrics
-from ratelimit.redis_store import RedisStore
+from ratelimit.redis_store import RedisStore, admit_args, outcome
 from ratelimit.store import LocalStore
 from ratelimit.types import Check, Outcome
 
@@ -81,15 +81,9 @@ class Failover:
         if redis is not None:
             try:
                 started = time.perf_counter()
-                async with asyncio.timeout(self.deadline_s):
-                    outcome = await redis.admit(
-                        prefix,
-                        checks,
-                        now_ms,
-                        shadow=shadow,
-                        reservation=reservation,
-                        ttl_ms=ttl_ms,
-                    )
+                outcome = await self._admit(
+                    redis, checks, admit_args(prefix, checks, now_ms, shadow, reservation, ttl_ms)
+                )
                 metrics.REDIS_SECONDS.observe(time.perf_counter() - started)
                 return outcome
             except FAILURES as exc:
@@ -97,6 +91,25 @@ class Failover:
         return await self.local.admit(
             prefix, checks, now_ms, shadow=shadow, reservation=reservation, ttl_ms=ttl_ms
         )
+
+    async def _admit(self, redis: RedisStore, checks: Sequence[Check], args: list[Arg]) -> Outcome:
+        """The script's reply within the deadline, else TimeoutError. The reply's future itself
+        fails at the deadline: one timer per call and no task cancellation (asyncio.timeout's
+        bookkeeping cost ~3 % of a decision)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
+        reply_future = redis.send_admit(args)
+        timer = loop.call_at(deadline, _expire, reply_future)
+        try:
+            reply = await reply_future
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            async with asyncio.timeout_at(deadline):  # rare: Redis lost its script cache
+                reply = await redis.eval_admit(args)
+        finally:
+            timer.cancel()
+        return outcome(reply, checks)
 
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key from Redis (None when degraded or absent)."""
@@ -152,3 +165,8 @@ class Failover:
                 "redis back, deciding from redis", extra={"redis": f"{self.host}:{self.port}"}
             )
             return
+
+
+def _expire(reply: asyncio.Future[Reply]) -> None:
+    if not reply.done():  # the client drops the late reply when it comes (llmgw/resp.py)
+        reply.set_exception(TimeoutError("redis deadline"))

@@ -131,15 +131,12 @@ class Limiter:
                 ttl_ms=self.reservation_ttl_ms,
             )
             added = outcome.admitted or policy.shadow
+            share = outcome.share
             for check, counts in zip(checks, outcome.counts, strict=True):
-                enforced = (
-                    check
-                    if outcome.share == 1
-                    else replace(check, limit=int(check.limit * outcome.share))
-                )
+                enforced = check if share == 1 else replace(check, limit=int(check.limit * share))
                 states.append(state(enforced, counts, added, now_ms))
             if outcome.local:
-                metrics.DEGRADED_DECISIONS.labels(req.tenant, policy.tier).inc()
+                metrics.degraded_decisions(req.tenant, policy.tier).inc()
         refusal, refused = self._refusal(states)
         retry_ms = 0
         if refused is not None and refusal != "insufficient_quota":
@@ -174,14 +171,17 @@ class Limiter:
     @staticmethod
     def _binding(kind: Kind, states: list[CheckState]) -> KindState | None:
         """The limit of a kind that is closest to exhaustion (a refusing one first)."""
-        mine = [s for s in states if s.check.name.startswith(kind + ":")]
-        if not mine:
-            return None
-        best = min(
-            mine,
-            key=lambda s: (s.passed, (s.check.limit - s.used) / max(s.check.limit, 1)),
-        )
-        return _kind_state(best)
+        best: CheckState | None = None
+        best_key = (True, 0.0)
+        prefix = kind + ":"
+        for s in states:
+            if not s.check.name.startswith(prefix):
+                continue
+            limit = s.check.limit
+            key = (s.passed, (limit - s.used) / max(limit, 1))
+            if best is None or key < best_key:  # the first of equals, as min() picks
+                best, best_key = s, key
+        return None if best is None else _kind_state(best)
 
     def _count(
         self,
@@ -192,25 +192,38 @@ class Limiter:
         refusal: Refusal | None,
     ) -> None:
         tenant, tier = req.tenant, policy.tier
-        metrics.DECISIONS.labels(tenant, tier, refusal or "ok", str(policy.shadow).lower()).inc()
+        shadow = "true" if policy.shadow else "false"
+        metrics.decisions(tenant, tier, refusal or "ok", shadow).inc()
         added = refusal is None or policy.shadow
         for s, (kind, base) in zip(states, bases, strict=True):
             if not s.passed:
-                metrics.OVER_LIMIT.labels(tenant, tier, kind).inc()
+                metrics.over_limit(tenant, tier, kind).inc()
             elif added:
                 if s.check.limit - s.used < self.near_limit_ratio * s.check.limit:
-                    metrics.NEAR_LIMIT.labels(tenant, tier, kind).inc()
+                    metrics.near_limit(tenant, tier, kind).inc()
                 borrowed = min(s.check.cost, s.used - base)
                 if borrowed > 0:
-                    metrics.BORROWED.labels(tenant, tier, kind).inc(borrowed)
+                    metrics.borrowed(tenant, tier, kind).inc(borrowed)
+
+
+# Check name → its kind and unit ("budget:day" is a token limit), without parsing per decision.
+_NAMES: dict[str, tuple[Kind, Unit]] = {
+    f"{role}:{unit.value}": ("requests" if role == "requests" else "tokens", unit)
+    for role in ("requests", "tokens", "budget")
+    for unit in Unit
+}
 
 
 def _kind_state(s: CheckState) -> KindState:
-    kind: Kind = "requests" if s.check.name.startswith("requests:") else "tokens"
+    name = s.check.name
+    known = _NAMES.get(name)
+    if known is None:
+        kind: Kind = "requests" if name.startswith("requests:") else "tokens"
+        known = (kind, Unit(name.split(":", 1)[1]))
     return KindState(
-        kind=kind,
+        kind=known[0],
         limit=s.check.limit,
-        unit=Unit(s.check.name.split(":", 1)[1]),
+        unit=known[1],
         remaining=max(0, s.check.limit - s.used),
         reset_ms=s.reset_ms,
         used=s.used,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmgw.telemetry import Children
+
 DECISIONS = Counter(
     "llmgw_ratelimit_decisions_total",
     "Admission decisions by result (ok, requests, tokens, insufficient_quota) and shadow mode.",
@@ -42,3 +44,11 @@ DECISION_SECONDS = Histogram(
     "Time to decide one RateLimitRequest inside the service.",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
 )
+
+
+# The children the decision path increments, looked up once per label tuple.
+decisions = Children(DECISIONS)
+over_limit = Children(OVER_LIMIT)
+near_limit = Children(NEAR_LIMIT)
+borrowed = Children(BORROWED)
+degraded_decisions = Children(DEGRADED_DECISIONS)

@@ -9,6 +9,7 @@ or flushed its script cache) is answered by EVAL of the source, which caches it 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from importlib import resources
@@ -39,20 +40,22 @@ class RedisStore:
         reservation: str = "",
         ttl_ms: int = 0,
     ) -> Outcome:
-        args: list[Arg] = [now_ms, int(shadow), reservation, ttl_ms, len(checks)]
-        for c in checks:
-            w = c.window
-            args += [c.name, w.bucket_ms, w.buckets, c.limit, c.cost, int(c.reserve)]
-        reply = await self._run(ADMIT, prefix, args)
-        if not isinstance(reply, list):
-            raise RespError(f"admit.lua returned {reply!r}")
-        flat = [int(v) for v in reply if isinstance(v, int)]
-        counts: list[tuple[int, ...]] = []
-        at = 1
-        for c in checks:
-            counts.append(tuple(flat[at : at + c.window.buckets]))
-            at += c.window.buckets
-        return Outcome(flat[0] == 1, tuple(counts))
+        args = admit_args(prefix, checks, now_ms, shadow, reservation, ttl_ms)
+        try:
+            reply = await self.send_admit(args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            reply = await self.eval_admit(args)
+        return outcome(reply, checks)
+
+    def send_admit(self, args: list[Arg]) -> asyncio.Future[Reply]:
+        """EVALSHA of admit.lua, written now; the reply (or NOSCRIPT) arrives in the future."""
+        return self.client.call("EVALSHA", ADMIT[1], *args)
+
+    async def eval_admit(self, args: list[Arg]) -> Reply:
+        """EVAL of admit.lua's source, after a NOSCRIPT (it caches the script again)."""
+        return await self.client.call("EVAL", ADMIT[0], *args)
 
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key as a string (JSON) or a hash; None when absent."""
@@ -70,11 +73,35 @@ class RedisStore:
         for source, _ in (ADMIT,):
             await self.client.call("SCRIPT", "LOAD", source)
 
-    async def _run(self, script: tuple[str, str], prefix: str, args: list[Arg]) -> Reply:
-        source, sha = script
-        try:
-            return await self.client.call("EVALSHA", sha, 1, prefix, *args)
-        except RespError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            return await self.client.call("EVAL", source, 1, prefix, *args)
+
+def admit_args(
+    prefix: str,
+    checks: Sequence[Check],
+    now_ms: int,
+    shadow: bool,
+    reservation: str,
+    ttl_ms: int,
+) -> list[Arg]:
+    """admit.lua's keys and arguments after the script (numkeys 1, the prefix, ARGV)."""
+    args: list[Arg] = [1, prefix, now_ms, int(shadow), reservation, ttl_ms, len(checks)]
+    for c in checks:
+        w = c.window
+        args += [c.name, w.bucket_ms, w.window_ms // w.bucket_ms, c.limit, c.cost, int(c.reserve)]
+    return args
+
+
+def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
+    """admit.lua's reply folded: admitted, and each check's buckets (newest first)."""
+    if not isinstance(reply, bytes):
+        raise RespError(f"admit.lua returned {reply!r}")
+    try:
+        flat = [int(v) for v in reply.split()]
+    except ValueError:
+        raise RespError(f"admit.lua returned {reply!r}") from None
+    counts: list[tuple[int, ...]] = []
+    at = 1
+    for c in checks:
+        n = c.window.window_ms // c.window.bucket_ms
+        counts.append(tuple(flat[at : at + n]))
+        at += n
+    return Outcome(flat[0] == 1, tuple(counts))

@@ -1,4 +1,8 @@
-"""The gRPC adapter: RateLimitService/ShouldRateLimit in and out of xds-protos messages."""
+"""The gRPC adapter: RateLimitService/ShouldRateLimit in and out of xds-protos messages.
+
+Hot path (one call per request): messages are built in one constructor call each, the
+descriptor status names are precomputed, and no span is started when tracing is off.
+"""
 
 from __future__ import annotations
 
@@ -10,66 +14,92 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2
 from opentelemetry import trace
 
-from llmgw.telemetry import parent_context
+from llmgw.telemetry import parent_context, recording
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
 from ratelimit.response import rate_headers, refusal
-from ratelimit.types import KindState, Verdict
+from ratelimit.types import KindState, Unit, Verdict
 
 Code = rls_pb2.RateLimitResponse.Code
+_Status = rls_pb2.RateLimitResponse.DescriptorStatus
+_RateLimit = rls_pb2.RateLimitResponse.RateLimit
+_Response = rls_pb2.RateLimitResponse
+_Header = base_pb2.HeaderValue
+_Duration = duration_pb2.Duration
+_OK = Code.OK
+_OVER = Code.OVER_LIMIT
+# requests_per_unit and limit_remaining are uint32 on the wire; a larger limit (a token budget
+# above 4.29 billion is valid config) is reported as the largest value, the headers carry it whole.
+_UINT32_MAX = 2**32 - 1
+_NAMES = {
+    (kind, unit): f"{kind}_per_{unit.value}" for kind in ("requests", "tokens") for unit in Unit
+}
 
 
 def _status(state: KindState | None, over: bool) -> rls_pb2.RateLimitResponse.DescriptorStatus:
-    status = rls_pb2.RateLimitResponse.DescriptorStatus(code=Code.OVER_LIMIT if over else Code.OK)
-    if state is not None:
-        status.current_limit.CopyFrom(
-            rls_pb2.RateLimitResponse.RateLimit(
-                name=f"{state.kind}_per_{state.unit.value}",
-                requests_per_unit=state.limit,
-                unit=UNITS[state.unit],
-            )
-        )
-        status.limit_remaining = state.remaining
-        status.duration_until_reset.CopyFrom(
-            duration_pb2.Duration(
-                seconds=state.reset_ms // 1000, nanos=state.reset_ms % 1000 * 1_000_000
-            )
-        )
-    return status
-
-
-def _header(name: str, value: str) -> base_pb2.HeaderValue:
-    return base_pb2.HeaderValue(key=name, value=value)
+    if state is None:
+        return _Status(code=_OVER if over else _OK)
+    reset_ms = state.reset_ms
+    return _Status(
+        code=_OVER if over else _OK,
+        current_limit=_RateLimit(
+            name=_NAMES[(state.kind, state.unit)],
+            requests_per_unit=min(state.limit, _UINT32_MAX),
+            unit=UNITS[state.unit],
+        ),
+        limit_remaining=min(state.remaining, _UINT32_MAX),
+        duration_until_reset=_Duration(seconds=reset_ms // 1000, nanos=reset_ms % 1000 * 1_000_000),
+    )
 
 
 def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitResponse:
     """One status per descriptor, in order; headers and, on refusal, the 429 body."""
-    refused = verdict is not None and verdict.refusal is not None
-    response = rls_pb2.RateLimitResponse(overall_code=Code.OVER_LIMIT if refused else Code.OK)
+    if verdict is None:
+        return _Response(overall_code=_OK, statuses=[_Status(code=_OK) for _ in parsed.roles])
+    refused = verdict.refusal is not None
+    statuses = []
     for role in parsed.roles:
-        if verdict is None or role not in ("requests", "tokens"):
-            response.statuses.append(_status(None, False))
-            continue
-        state = verdict.requests if role == "requests" else verdict.tokens
-        over = refused and (verdict.refusal == "requests") == (role == "requests")
-        response.statuses.append(_status(state, over))
-    if verdict is not None:
-        headers = rate_headers(verdict)
-        if verdict.refusal is not None:
-            extra, body = refusal(verdict)
-            headers += extra
-            response.raw_body = body
-        response.response_headers_to_add.extend(_header(k, v) for k, v in headers)
-    return response
+        if role == "requests":
+            statuses.append(_status(verdict.requests, refused and verdict.refusal == "requests"))
+        elif role == "tokens":
+            statuses.append(_status(verdict.tokens, refused and verdict.refusal != "requests"))
+        else:
+            statuses.append(_Status(code=_OK))
+    headers = rate_headers(verdict)
+    body = b""
+    if refused:
+        extra, body = refusal(verdict)
+        headers += extra
+    return _Response(
+        overall_code=_OVER if refused else _OK,
+        statuses=statuses,
+        response_headers_to_add=[_Header(key=k, value=v) for k, v in headers],
+        raw_body=body,
+    )
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, limiter: Limiter, tracer: trace.Tracer) -> None:
         self.limiter = limiter
         self.tracer = tracer
+        self.tracing = recording(tracer)
 
     async def ShouldRateLimit(
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> rls_pb2.RateLimitResponse:
+        if self.tracing:
+            return await self._traced(request, context)
+        started = time.perf_counter()
+        parsed = parse(request)
+        verdict = None
+        if parsed.admission is not None:
+            verdict = await self.limiter.admit(parsed.admission)
+        response = to_response(parsed, verdict)
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        return response
+
+    async def _traced(
         self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> rls_pb2.RateLimitResponse:
         started = time.perf_counter()

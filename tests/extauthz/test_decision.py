@@ -74,7 +74,10 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         wire.META_INCLUDE_USAGE: False,
         wire.META_FIRST_TURN: True,
         wire.META_PREFIX_BLOCKS: d.metadata[wire.META_PREFIX_BLOCKS],
+        # Appended to the body by Envoy (envoy/rewrite.lua): the tenant's cache salt.
+        wire.META_BODY_SUFFIX: d.metadata[wire.META_BODY_SUFFIX],
     }
+    assert str(d.metadata[wire.META_BODY_SUFFIX]).startswith(',"cache_salt": "')
     assert str(d.metadata[wire.META_KEY_ID]).startswith("key_")
     assert len(str(d.metadata[wire.META_PREFIX_BLOCKS])) == 16 * 6  # 6 full blocks of 64 chars
 

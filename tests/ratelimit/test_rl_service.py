@@ -149,3 +149,29 @@ def test_python_m_ratelimit_serves_and_stops_on_sigterm(tmp_path: Path, redis: i
         assert proc.popen.wait(15) == 0
     finally:
         proc.stop()
+
+
+async def test_limits_beyond_32_bits_are_answered_not_failed_open(
+    redis: int, make_failover: Callable[..., Awaitable[Failover]]
+) -> None:
+    """The RLS response's limit fields are 32-bit: a bigger limit (valid config) once raised on
+    every request, and Envoy let everything through unchecked."""
+    config = LimitsConfig(tiers={"free": TierSpec(tokens=PerUnit(minute=10**10))})
+    store = await make_failover(redis)
+    limiter = Limiter(Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(
+        RateLimitService(limiter, trace.get_tracer("test")), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            response = await Stub(channel).ShouldRateLimit(request_time("big", 400))
+    finally:
+        await server.stop(None)
+    assert response.overall_code == Code.OK
+    _, tokens = response.statuses
+    assert tokens.current_limit.requests_per_unit == 2**32 - 1  # the field's largest value
+    headers = {h.key: h.value for h in response.response_headers_to_add}
+    assert headers["x-ratelimit-limit-tokens"] == str(10**10)  # the headers carry it whole
