@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import sys
@@ -14,9 +13,9 @@ from extauthz.service import AuthorizationService, register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
 from extauthz.store import TenantsStore
-from llmgw import logs, telemetry
-from llmgw.config import ConfigError, load
-from llmgw.serve import run, serve
+from llmgw import telemetry
+from llmgw.config import load
+from llmgw.serve import command, serve
 
 NAME = "extauthz"
 
@@ -53,34 +52,15 @@ async def main(settings: Settings) -> None:
     await serve(NAME, settings.serve, register(service), stop_watching)
 
 
-def check_config(path: Path) -> int:
-    """Validate the settings and the tenants file they name; print the first problem."""
-    try:
-        settings = load(Settings, path, ENV_PREFIX)
-        tenants.read(settings.tenants_file)
-    except ConfigError as exc:
-        print(f"invalid: {exc}", file=sys.stderr)
-        return 1
-    print(f"ok: {path} (tenants: {settings.tenants_file})")
-    return 0
+def settings(path: Path | None) -> Settings:
+    """The settings and the tenants file they name, both validated."""
+    loaded = load(Settings, path, ENV_PREFIX)
+    tenants.read(loaded.tenants_file)
+    return loaded
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extauthz", description=__doc__)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--config", type=Path, help="settings YAML file")
-    group.add_argument("--check-config", type=Path, metavar="FILE", help="validate and exit")
-    args = parser.parse_args(argv)
-    if args.check_config is not None:
-        return check_config(args.check_config)
-    try:
-        settings = load(Settings, args.config, ENV_PREFIX)
-        logs.setup(settings.log_level)
-        run(lambda: main(settings))
-    except ConfigError as exc:
-        print(f"extauthz: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return command(NAME, __doc__, settings, main, argv)
 
 
 if __name__ == "__main__":

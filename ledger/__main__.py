@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import math
@@ -13,9 +12,9 @@ from ledger.db import Ledger
 from ledger.recorder import Recorder, RedisLink
 from ledger.service import AccessLogService, register
 from ledger.settings import ENV_PREFIX, Settings
-from llmgw import logs, telemetry
-from llmgw.config import ConfigError, load
-from llmgw.serve import run, serve
+from llmgw import telemetry
+from llmgw.config import load
+from llmgw.serve import command, serve
 
 NAME = "ledger"
 
@@ -53,32 +52,12 @@ async def main(settings: Settings) -> None:
     await serve(NAME, settings.serve, register(AccessLogService(recorder.add, tracer)), drain)
 
 
-def check_config(path: Path) -> int:
-    try:
-        load(Settings, path, ENV_PREFIX)
-    except ConfigError as exc:
-        print(f"invalid: {exc}", file=sys.stderr)
-        return 1
-    print(f"ok: {path}")
-    return 0
+def settings(path: Path | None) -> Settings:
+    return load(Settings, path, ENV_PREFIX)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ledger", description=__doc__)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--config", type=Path, help="settings YAML file")
-    group.add_argument("--check-config", type=Path, metavar="FILE", help="validate and exit")
-    args = parser.parse_args(argv)
-    if args.check_config is not None:
-        return check_config(args.check_config)
-    try:
-        settings = load(Settings, args.config, ENV_PREFIX)
-        logs.setup(settings.log_level)
-        run(lambda: main(settings))
-    except ConfigError as exc:
-        print(f"ledger: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return command(NAME, __doc__, settings, main, argv)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import uvloop
@@ -15,7 +18,8 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import start_http_server
 from pydantic import Field
 
-from llmgw.config import Strict
+from llmgw import logs
+from llmgw.config import ConfigError, Strict
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,42 @@ async def serve(
     await server.stop(settings.grace_seconds)
     if on_stop is not None:
         await on_stop()
+
+
+class HasLogLevel(Protocol):
+    log_level: str
+
+
+S = TypeVar("S", bound=HasLogLevel)
+
+
+def command(
+    name: str,
+    doc: str | None,
+    settings: Callable[[Path | None], S],
+    main: Callable[[S], Coroutine[Any, Any, None]],
+    argv: list[str] | None = None,
+) -> int:
+    """Every service's `python -m NAME [--config FILE | --check-config FILE]`, one shape:
+    `settings(path)` loads the file, its environment overrides and every file it names (tenants,
+    limits, plugins), raising ConfigError; `--check-config` stops there (exit 0 or 1)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=doc)
+    group = parser.add_mutually_exclusive_group()
+    env = f"LLMGW_{name.upper()}__…"
+    group.add_argument("--config", type=Path, help=f"settings YAML (env overrides: {env})")
+    group.add_argument("--check-config", type=Path, metavar="FILE", help="validate and exit")
+    args = parser.parse_args(argv)
+    try:
+        loaded = settings(args.check_config or args.config)
+    except ConfigError as exc:
+        print(f"{name}: invalid: {exc}", file=sys.stderr)
+        return 1
+    if args.check_config is not None:
+        print(f"{name}: ok: {args.check_config}")
+        return 0
+    logs.setup(loaded.log_level)
+    run(lambda: main(loaded))
+    return 0
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

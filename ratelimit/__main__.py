@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -10,9 +9,9 @@ from pathlib import Path
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from llmgw import logs, telemetry, wire
-from llmgw.config import ConfigError, load
-from llmgw.serve import run, serve
+from llmgw import telemetry, wire
+from llmgw.config import load
+from llmgw.serve import command, serve
 from ratelimit.failover import Failover
 from ratelimit.fleet import FleetView
 from ratelimit.limiter import Limiter
@@ -24,15 +23,14 @@ from ratelimit.store import LocalStore
 ENV_PREFIX = "LLMGW_RATELIMIT"
 
 
-def check_config(path: Path) -> int:
-    try:
-        settings = load(Settings, path, ENV_PREFIX)
-        load_limits(settings.limits_file)
-    except ConfigError as exc:
-        print(f"invalid: {exc}", file=sys.stderr)
-        return 1
-    print(f"ok: {path}")
-    return 0
+NAME = "ratelimit"
+
+
+def settings(path: Path | None) -> Settings:
+    """The settings and the limits file they name, both validated."""
+    loaded = load(Settings, path, ENV_PREFIX)
+    load_limits(loaded.limits_file)
+    return loaded
 
 
 async def main(settings: Settings) -> None:
@@ -58,7 +56,7 @@ async def main(settings: Settings) -> None:
         stale_after_s=settings.fleet.stale_after_s,
         near_limit_ratio=settings.near_limit_ratio,
     )
-    tracer = telemetry.setup("ratelimit", settings.tracing)
+    tracer = telemetry.setup(NAME, settings.tracing)
     servicer = RateLimitService(limiter, tracer)
 
     def register(server: grpc.aio.Server) -> None:
@@ -70,23 +68,7 @@ async def main(settings: Settings) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ratelimit")
-    parser.add_argument(
-        "--config", type=Path, help="settings YAML (env overrides: LLMGW_RATELIMIT__…)"
-    )
-    parser.add_argument("--check-config", type=Path, metavar="FILE", help="validate FILE, exit 0/1")
-    args = parser.parse_args(argv)
-    if args.check_config is not None:
-        return check_config(args.check_config)
-    try:
-        settings = load(Settings, args.config, ENV_PREFIX)
-        load_limits(settings.limits_file)
-    except ConfigError as exc:
-        print(f"invalid: {exc}", file=sys.stderr)
-        return 1
-    logs.setup(settings.log_level)
-    run(lambda: main(settings))
-    return 0
+    return command(NAME, __doc__, settings, main, argv)
 
 
 if __name__ == "__main__":

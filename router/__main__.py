@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import sys
@@ -11,12 +10,10 @@ from pathlib import Path
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from opentelemetry import trace
 from redis.asyncio import Redis
 
-from llmgw import logs, telemetry
-from llmgw.config import ConfigError
-from llmgw.serve import run, serve
+from llmgw import telemetry
+from llmgw.serve import command, serve
 from router.engine import Engine
 from router.fleet import Fleet
 from router.picker import HEALTH_SERVICES, InferencePoolService
@@ -24,8 +21,11 @@ from router.registry import default_registry
 from router.service import OutcomeService, RouterService
 from router.settings import Settings, check
 
+NAME = "router"
 
-async def amain(settings: Settings, tracer: trace.Tracer) -> None:
+
+async def main(settings: Settings) -> None:
+    tracer = telemetry.setup(NAME, settings.tracing)
     registry = default_registry()
     engine = Engine(registry.build(settings.plugins, settings.profile))
     fleet = Fleet(settings.fleet)
@@ -60,25 +60,14 @@ async def amain(settings: Settings, tracer: trace.Tracer) -> None:
     await serve("router", settings.serve, register, on_stop, health)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
-    parser.add_argument("--config", type=Path, help="settings YAML (env: LLMGW_ROUTER__A__B=v)")
-    parser.add_argument("--check-config", type=Path, metavar="FILE", help="validate and exit")
-    args = parser.parse_args(argv)
-    try:
-        if args.check_config is not None:
-            check(args.check_config, default_registry())
-            print(f"{args.check_config}: ok")
-            return 0
-        settings = check(args.config, default_registry())
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 1
-    logs.setup(settings.log_level)
-    tracer = telemetry.setup("router", settings.tracing)
-    run(lambda: amain(settings, tracer))
-    return 0
+def settings(path: Path | None) -> Settings:
+    """The settings with the plugin profile built, so a broken profile is refused here."""
+    return check(path, default_registry())
+
+
+def cli(argv: list[str] | None = None) -> int:
+    return command(NAME, __doc__, settings, main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

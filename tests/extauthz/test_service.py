@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from extauthz import cli, metrics
-from extauthz.__main__ import check_config
+from extauthz.__main__ import cli as service_cli
 from extauthz.service import AuthorizationService, register
 from extauthz.store import TenantsStore
 from llmgw import wire
@@ -223,12 +223,12 @@ def _settings_file(tmp_path: Path, tenants_file: Path, port: int) -> Path:
 
 def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     good = _settings_file(tmp_path, tenants_file, 0)
-    assert check_config(good) == 0
+    assert service_cli(["--check-config", str(good)]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"tenants_file": str(tenants_file), "sessions": {"secret": "x"}}))
-    assert check_config(bad) == 1
-    tenants_file.write_text("tenants: [{id: 1}]")
-    assert check_config(good) == 1
+    assert service_cli(["--check-config", str(bad)]) == 1
+    tenants_file.write_text("tenants: [{id: 1}]")  # the tenants file it names is checked too
+    assert service_cli(["--check-config", str(good)]) == 1
 
 
 def test_python_m_extauthz_serves_and_exits_0_on_sigterm(
