@@ -2,13 +2,20 @@
 
 A simulated fleet (`--pods`, the last one `--slow-factor` times as fast) behind a fresh stack per
 (workload, policy): extauthz in front every time (it mints the session IDs clients send back),
-the router only in the "router" runs. Two workloads, each replayed identically (seeded) for every
-policy:
+the router only in the "router" runs. Two routing workloads, each replayed identically (seeded)
+for every policy, and a priority workload:
 
 - chat: multi-tenant chat; sessions of `--turns` turns with a long system prompt per tenant and
   the conversation so far; sessions start as a Poisson process so requests arrive at `--chat-rate`
   per second (near the fleet's capacity without the router).
 - short: uniform short prompts, no shared prefixes, Poisson at `--short-rate` per second.
+- surge: long distinct prompts from the free and platinum demo tenants at an easy pace, then a
+  surge of free requests (`--surge-rate` for `--surge-length` s) well past what the fleet's KV
+  caches hold, so requests queue in the pods. Two stacks in the same run, the same requests:
+  `priority_off` (every request reaches vLLM at priority 0: first come, first served) and
+  `priority_on` (each tenant's priority as x-vllm-priority, pods on `--scheduling-policy
+  priority`); TTFT and latency per tier. Envoy's least_request only, no router, so the
+  difference is the pods' scheduler alone.
 
 Reports TTFT p50/p90/p99, end-to-end latency, output tokens/s, the pods' prefix-cache hit rate
 (vllm:prefix_cache_hits / queries) and requests per pod, as a table (stdout and `--out`.txt) and
@@ -16,6 +23,7 @@ a PNG (`--out`.png). The load generator's own health is reported too: how late r
 against their schedule (p99) and its CPU use, so that a slow client is not mistaken for routing.
 
     python -m bench.routing [--duration 40] [--time-scale 1.0] [--chat-rate 8] [--short-rate 16]
+        [--workloads chat,short,surge] [--surge-rate 8] [--platinum-rate 2]
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ POLICIES: dict[str, tuple[str, tuple[ServiceName, ...]]] = {
     "router": ("least_request", ("extauthz", "router")),
 }
 WORKLOADS = ("chat", "short")
+SURGE = "surge"
+# The surge's two stacks: does each tenant's priority reach the pods (StackSettings)?
+ARMS = {"priority_off": False, "priority_on": True}
+SURGE_TIERS = ("platinum", "free")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
 
 
@@ -55,6 +67,7 @@ class Sample:
     e2e: float = float("nan")
     tokens: int = 0
     ok: bool = False
+    tier: str = ""
 
 
 @dataclass
@@ -119,7 +132,14 @@ class Client:
             return session_id
 
 
-async def run_chat(client: Client, keys: list[str], args: argparse.Namespace) -> list[Sample]:
+def api_keys(tenants: list[dict[str, str]]) -> list[str]:
+    return [t["api_key"] for t in tenants]
+
+
+async def run_chat(
+    client: Client, tenants: list[dict[str, str]], args: argparse.Namespace
+) -> list[Sample]:
+    keys = api_keys(tenants)
     rng = random.Random(args.seed)
     systems = [
         f"You are the assistant of tenant {t}. " + text(random.Random(t), args.system_tokens)
@@ -161,7 +181,10 @@ async def run_chat(client: Client, keys: list[str], args: argparse.Namespace) ->
     return samples
 
 
-async def run_short(client: Client, keys: list[str], args: argparse.Namespace) -> list[Sample]:
+async def run_short(
+    client: Client, tenants: list[dict[str, str]], args: argparse.Namespace
+) -> list[Sample]:
+    keys = api_keys(tenants)
     rng = random.Random(args.seed + 1)
     samples: list[Sample] = []
     tasks = []
@@ -183,8 +206,37 @@ async def run_short(client: Client, keys: list[str], args: argparse.Namespace) -
     return samples
 
 
-Runner = Callable[[Client, list[str], argparse.Namespace], Awaitable[list[Sample]]]
-RUNNERS: dict[str, Runner] = {"chat": run_chat, "short": run_short}
+async def run_surge(
+    client: Client, tenants: list[dict[str, str]], args: argparse.Namespace
+) -> list[Sample]:
+    rng = random.Random(args.seed + 2)
+    keys = {t["tier"]: t["api_key"] for t in tenants}
+    arrivals: list[tuple[float, str]] = []
+    surge_end = args.surge_start + args.surge_length
+    for tier, rate, start, end in (
+        ("platinum", args.platinum_rate, 0.0, args.duration),
+        ("free", args.free_rate, 0.0, args.duration),
+        ("free", args.surge_rate, args.surge_start, surge_end),
+    ):
+        t = start
+        while (t := t + rng.expovariate(rate)) < end:
+            arrivals.append((t, tier))
+    arrivals.sort()
+    # Distinct prompts (no prefix-cache hits), built before the clock starts.
+    prompts = [f"{rng.getrandbits(64):x} " + text(rng, args.surge_tokens) for _ in arrivals]
+    samples = [Sample(sent=t, lag=0.0, tier=tier) for t, tier in arrivals]
+
+    async def one(s: Sample, prompt: str) -> None:
+        await asyncio.sleep(max(0.0, s.sent - client.now()))
+        messages = [{"role": "user", "content": prompt}]
+        await client.request(s, keys[s.tier], messages, args.surge_max_tokens, None)
+
+    await asyncio.gather(*(one(s, p) for s, p in zip(samples, prompts, strict=True)))
+    return samples
+
+
+Runner = Callable[[Client, list[dict[str, str]], argparse.Namespace], Awaitable[list[Sample]]]
+RUNNERS: dict[str, Runner] = {"chat": run_chat, "short": run_short, SURGE: run_surge}
 
 
 def pod_metric(url: str, name: str) -> float:
@@ -198,7 +250,7 @@ def pod_metric(url: str, name: str) -> float:
 
 
 async def drive(stack: Stack, workload: str, args: argparse.Namespace) -> Result:
-    keys = [t["api_key"] for t in stack.tenants]
+    keys = api_keys(stack.tenants)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -208,12 +260,12 @@ async def drive(stack: Stack, workload: str, args: argparse.Namespace) -> Result
             model = (await r.json())["data"][0]["id"]
         cpu0 = time.process_time()
         client = Client(session, stack.base_url, model)
-        samples = await RUNNERS[workload](client, keys, args)
+        samples = await RUNNERS[workload](client, stack.tenants, args)
         return Result(samples, client.now(), time.process_time() - cpu0)
 
 
 def run_one(workload: str, policy: str, args: argparse.Namespace, root: Path) -> Result:
-    fallback, services = POLICIES[policy]
+    fallback, services = POLICIES["least_request" if policy in ARMS else policy]
     pods = args.pods
     slow = ("--speed-factor", str(args.slow_factor))
     settings = StackSettings(
@@ -223,6 +275,7 @@ def run_one(workload: str, policy: str, args: argparse.Namespace, root: Path) ->
         pod_args=(*[()] * (pods - 1), slow),
         services=services,
         envoy=EnvoySettings(fallback_policy=fallback),  # type: ignore[arg-type]
+        engine_priority=ARMS.get(policy, True),
     )
     with Stack(settings, root / f"{workload}-{policy}") as stack:
         result = asyncio.run(drive(stack, workload, args))
@@ -240,13 +293,14 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
 
-def summary(r: Result) -> dict[str, float]:
-    ok = [s for s in r.samples if s.ok]
+def summary(r: Result, tier: str | None = None) -> dict[str, float]:
+    samples = [s for s in r.samples if tier is None or s.tier == tier]
+    ok = [s for s in samples if s.ok]
     ttft = [s.ttft for s in ok]
     e2e = [s.e2e for s in ok]
     return {
-        "requests": len(r.samples),
-        "failed": len(r.samples) - len(ok),
+        "requests": len(samples),
+        "failed": len(samples) - len(ok),
         "ttft_p50": pct(ttft, 50),
         "ttft_p90": pct(ttft, 90),
         "ttft_p99": pct(ttft, 99),
@@ -254,7 +308,7 @@ def summary(r: Result) -> dict[str, float]:
         "e2e_p90": pct(e2e, 90),
         "tok_s": sum(s.tokens for s in ok) / r.wall,
         "hit": r.hit_rate * 100,
-        "lag_p99": pct([s.lag for s in r.samples], 99),
+        "lag_p99": pct([s.lag for s in samples], 99),
         "cpu": r.cpu / r.wall * 100,
     }
 
@@ -270,6 +324,8 @@ def table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> s
         "  per pod",
     ]
     for (workload, policy), r in results.items():
+        if workload == SURGE:
+            continue
         s = summary(r)
         rows.append(
             f"{workload:<8}{policy:<15}{s['requests']:>6.0f}{s['failed']:>5.0f}"
@@ -281,9 +337,47 @@ def table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> s
         base = results.get((workload, "least_request"))
         routed = results.get((workload, "router"))
         if base and routed:
-            b, r = summary(base)["ttft_p90"], summary(routed)["ttft_p90"]
-            rows.append(f"{workload}: router p90 TTFT {100 * (r - b) / b:+.1f} % vs least_request")
+            b, rt = summary(base)["ttft_p90"], summary(routed)["ttft_p90"]
+            rows.append(f"{workload}: router p90 TTFT {100 * (rt - b) / b:+.1f} % vs least_request")
     return "\n".join(rows)
+
+
+def surge_table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> str:
+    surge_end = args.surge_start + args.surge_length
+    rows = [
+        f"surge: {args.pods} pods (last at speed x{args.slow_factor}), time-scale "
+        f"{args.time_scale}, KV {args.kv_blocks} blocks/pod, {args.duration:.0f} s of arrivals: "
+        f"platinum {args.platinum_rate}/s, free {args.free_rate}/s + {args.surge_rate}/s from "
+        f"{args.surge_start:.0f} to {surge_end:.0f} s; {args.surge_tokens}-token prompts, "
+        f"{args.surge_max_tokens} tokens out; least_request; ms unless noted",
+        f"{'arm':<14}{'tier':<10}{'reqs':>6}{'fail':>5}{'ttft50':>8}{'ttft90':>8}{'ttft99':>8}"
+        f"{'e2e50':>8}{'e2e90':>8}{'lag99':>7}{'cpu%':>6}",
+    ]
+    for (workload, arm), r in results.items():
+        if workload != SURGE:
+            continue
+        for tier in SURGE_TIERS:
+            s = summary(r, tier)
+            rows.append(
+                f"{arm:<14}{tier:<10}{s['requests']:>6.0f}{s['failed']:>5.0f}"
+                f"{s['ttft_p50']:>8.0f}{s['ttft_p90']:>8.0f}{s['ttft_p99']:>8.0f}"
+                f"{s['e2e_p50']:>8.0f}{s['e2e_p90']:>8.0f}{s['lag_p99']:>7.1f}{s['cpu']:>6.0f}"
+            )
+    off, on = results.get((SURGE, "priority_off")), results.get((SURGE, "priority_on"))
+    if off and on:
+        for tier in SURGE_TIERS:
+            p90_off, p90_on = summary(off, tier)["ttft_p90"], summary(on, tier)["ttft_p90"]
+            rows.append(f"surge: {tier} p90 TTFT with priority on = {p90_on / p90_off:.2f}x of off")
+    return "\n".join(rows)
+
+
+def report(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> str:
+    parts = []
+    if any(w != SURGE for w, _ in results):
+        parts.append(table(results, args))
+    if any(w == SURGE for w, _ in results):
+        parts.append(surge_table(results, args))
+    return "\n\n".join(parts)
 
 
 def plot(results: dict[tuple[str, str], Result], path: Path) -> None:
@@ -325,7 +419,14 @@ def main() -> None:
     add("--short-rate", type=float, default=16.0, help="short requests per second")
     add("--short-tokens", type=int, default=100)
     add("--max-tokens", type=int, default=48)
-    add("--workloads", default=",".join(WORKLOADS))
+    add("--platinum-rate", type=float, default=2.0, help="surge: platinum requests per second")
+    add("--free-rate", type=float, default=1.0, help="surge: free requests per second, always")
+    add("--surge-rate", type=float, default=8.0, help="surge: more free requests per second")
+    add("--surge-start", type=float, default=5.0, help="surge: seconds from the start")
+    add("--surge-length", type=float, default=15.0, help="surge: seconds")
+    add("--surge-tokens", type=int, default=6000, help="surge: prompt tokens of every request")
+    add("--surge-max-tokens", type=int, default=192)
+    add("--workloads", default=",".join((*WORKLOADS, SURGE)))
     add("--policies", default=",".join(POLICIES))
     add("--seed", type=int, default=1)
     add("--out", type=Path, default=Path(__file__).resolve().parent / "routing")
@@ -336,17 +437,16 @@ def main() -> None:
     results: dict[tuple[str, str], Result] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads.split(","):
-            for policy in args.policies.split(","):
+            policies = list(ARMS) if workload == SURGE else args.policies.split(",")
+            for policy in policies:
                 results[(workload, policy)] = run_one(workload, policy, args, Path(tmp))
-                print(
-                    table({(workload, policy): results[(workload, policy)]}, args).splitlines()[-1],
-                    flush=True,
-                )
-    report = table(results, args)
-    print(report)
-    args.out.with_suffix(".txt").write_text(report + "\n")
+                lines = report({(workload, policy): results[(workload, policy)]}, args)
+                print("\n".join(lines.splitlines()[2 if workload == SURGE else -1 :]), flush=True)
+    everything = report(results, args)
+    print(everything)
+    args.out.with_suffix(".txt").write_text(everything + "\n")
     if {w for w, _ in results} >= set(WORKLOADS):
-        plot(results, args.out.with_suffix(".png"))
+        plot({k: r for k, r in results.items() if k[0] != SURGE}, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ class StackSettings(Strict):
     ratelimit_limits: Path | None = None  # tiers and tenant limits (ratelimit/limits.py)
     # How long a token reservation waits for the ledger's settlement (then it stays charged).
     ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
+    # extauthz hands each tenant's priority to the pods' scheduler (x-vllm-priority); off: all 0.
+    engine_priority: bool = True
     envoy: EnvoySettings = EnvoySettings()
     start_timeout: float = 60.0
 
@@ -134,6 +136,8 @@ class Stack:
         argv = [sys.executable, "-m", SIM_MODULE, "--host", pod.host, "--port", str(pod.port)]
         # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
         argv += ["--usage-mode", "final"]  # usage.lua strips only usage-only chunks, for now
+        # vLLM's priority scheduler, as compose and k8s run it (sim_args may say fcfs instead).
+        argv += ["--scheduling-policy", "priority"]
         argv += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
         if index < len(self.settings.pod_args):
             argv += self.settings.pod_args[index]
@@ -146,6 +150,7 @@ class Stack:
                 "TENANTS_FILE": str(self.tenants_file),
                 "SESSIONS__SECRET": secrets.token_hex(32),
                 "DECISION__MAX_BODY_BYTES": str(self.settings.envoy.max_request_bytes),
+                "DECISION__ENGINE_PRIORITY": str(self.settings.engine_priority).lower(),
             },
             "ratelimit": {
                 "REDIS__HOST": "127.0.0.1",
