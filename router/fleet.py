@@ -103,6 +103,7 @@ class Fleet:
         self._down_until: dict[PodId, float] = {}
         self._models_at: dict[PodId, float] = {}
         self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
+        self._probed_at: dict[PodId, float] = {}  # last pick of a pod on probation
 
     # Membership.
 
@@ -110,7 +111,14 @@ class Fleet:
         wanted = set(pods)
         for pod in set(self.snapshots) - wanted:
             del self.snapshots[pod]
-            tables = (self.in_flight, self._errors, self._trips, self._down_until, self._models_at)
+            tables = (
+                self.in_flight,
+                self._errors,
+                self._trips,
+                self._down_until,
+                self._models_at,
+                self._probed_at,
+            )
             for table in tables:
                 table.pop(pod, None)
         for pod in wanted - set(self.snapshots):
@@ -138,19 +146,29 @@ class Fleet:
 
     def pickable(self, pod: PodId, now: float) -> bool:
         snap = self.snapshots.get(pod)
-        return snap is not None and snap.ok and self._down_until.get(pod, 0.0) <= now
+        return snap is not None and snap.ok and self._usable(pod, now)
+
+    def _usable(self, pod: PodId, now: float) -> bool:
+        """Not in a cooldown; and after one, on probation: one pick at a time until a pick
+        answers well (outcomes come late, batched: without this, every pick made while the
+        probe's answer is on its way would go to a pod that may still be failing)."""
+        if self._down_until.get(pod, 0.0) > now:
+            return False
+        if not self._trips.get(pod) or self.in_flight.get(pod, 0) == 0:
+            return True
+        # A probe whose outcome is lost must not keep the pod out: one more per base cooldown.
+        return now - self._probed_at.get(pod, float("-inf")) >= self.settings.error_cooldown
 
     def candidates(self) -> list[Candidate]:
         now = self.clock()
         stale_after = self.settings.stale_after
         caps = self.settings.capacities
         default_cap = self.settings.capacity
-        down = self._down_until
         flight = self.in_flight
         return [
             Candidate.of(
                 snap,
-                snap.ok and down.get(pod, 0.0) <= now,
+                snap.ok and self._usable(pod, now),
                 snap.ok and now - snap.at <= stale_after,
                 flight[pod],
                 caps.get(pod, default_cap),
@@ -164,6 +182,8 @@ class Fleet:
             return
         self.in_flight[pod] += 1
         metrics.IN_FLIGHT.labels(pod).inc()
+        if self._trips.get(pod):
+            self._probed_at[pod] = self.clock()
         if request_id:
             now = self.clock()
             self._flights[request_id] = (pod, now)
@@ -203,7 +223,8 @@ class Fleet:
             # late, from the access log), not new evidence. They must not lengthen its penalty.
             return
         self._errors[pod] = self._errors.get(pod, 0) + 1
-        if self._errors[pod] >= self.settings.error_threshold:
+        on_probation = self._trips.get(pod, 0) > 0  # one failed probe is enough
+        if on_probation or self._errors[pod] >= self.settings.error_threshold:
             trips = self._trips.get(pod, 0)
             cooldown = self.settings.error_cooldown * 2 ** min(trips, MAX_COOLDOWN_DOUBLINGS)
             self._down_until[pod] = self.clock() + cooldown

@@ -213,3 +213,27 @@ async def test_publisher_writes_the_fleet_load_key(redis_port: int) -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
+
+
+def test_after_a_cooldown_a_pod_gets_one_probe_until_it_answers() -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(error_threshold=3, error_cooldown=1.0), clock=clock)
+    fleet.set_pods(["a:1"])
+    fleet.snapshots["a:1"] = PodMetrics("a:1", clock.now, ok=True)
+    for _ in range(3):
+        fleet.report("a:1", 503)
+    clock.now += 1.1  # the cooldown is over: on probation
+    assert fleet.pickable("a:1", clock.now)
+    fleet.acquire("a:1", "probe")
+    assert not fleet.pickable("a:1", clock.now)  # its answer is on its way
+    fleet.finish("probe")
+    fleet.report("a:1", 503)  # one failed probe is enough to take it out again
+    assert not fleet.pickable("a:1", clock.now)
+    clock.now += 2.1  # twice the cooldown
+    fleet.acquire("a:1", "lost")  # a probe whose outcome never comes …
+    clock.now += 1.1
+    assert fleet.pickable("a:1", clock.now)  # … lets another one through after a cooldown
+    fleet.report("a:1", 200)
+    fleet.finish("lost")
+    fleet.acquire("a:1", "x")
+    assert fleet.pickable("a:1", clock.now)  # answered well: no probation
