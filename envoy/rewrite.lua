@@ -1,4 +1,6 @@
--- What the pod receives is what the gateway decided: extauthz names JSON members of its own
+-- What the pod receives, and what the client is shown, is what the gateway decided.
+--
+-- Requests: extauthz names JSON members of its own
 -- (`"cache_salt": "…"`) in {{ wire.EXTAUTHZ_NAMESPACE }}/{{ wire.META_BODY_SUFFIX }}, and this filter appends
 -- them to the request's JSON object, after whatever the client sent. The pod's parser, like
 -- extauthz's, keeps the last of duplicate keys, so the gateway's value is the one it uses.
@@ -7,6 +9,7 @@
 local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"
 local SUFFIX = "{{ wire.META_BODY_SUFFIX }}"
 local CLOSE = string.byte("}")
+local ALLOWED = "{{ wire.META_ALLOWED_MODELS }}"
 
 function envoy_on_request(handle)
   local facts = handle:streamInfo():dynamicMetadata():get(FACTS)
@@ -27,4 +30,39 @@ function envoy_on_request(handle)
       return
     end
   end
+end
+
+-- Responses: a tenant with an allow-list sees only those of the pods' models (GET /v1/models,
+-- vLLM's `{"object": "list", "data": [{"id": …, …}, …]}`).
+function envoy_on_response(handle)
+  local facts = handle:streamInfo():dynamicMetadata():get(FACTS)
+  local allowed = facts and facts[ALLOWED]
+  if allowed == nil or handle:headers():get(":status") ~= "200" then
+    return
+  end
+  local keep = {}
+  for name in allowed:gmatch("%S+") do
+    keep[name] = true
+  end
+  local body = handle:body()
+  local text = body:getBytes(0, body:length())
+  local key = text:find('"data"%s*:%s*%[')
+  local open = key and text:find("[", key, true)
+  local first, last = nil, nil
+  if open then
+    first, last = text:find("%b[]", open)
+  end
+  local shown = '{"object":"list","data":[]}'  -- not a list we can read: show nothing
+  if first ~= nil then
+    local kept = {}
+    for model in text:sub(first + 1, last - 1):gmatch("%b{}") do
+      local id = model:match('"id"%s*:%s*"([^"]*)"')  -- a card's first member is its id
+      if id ~= nil and keep[id] then
+        kept[#kept + 1] = model
+      end
+    end
+    shown = text:sub(1, first) .. table.concat(kept, ",") .. text:sub(last)
+  end
+  body:setBytes(shown)
+  handle:headers():replace("content-length", tostring(#shown))
 end

@@ -190,6 +190,9 @@ class Decider:
             own = {"cache_salt": self.cache_salt(tenant.cache_group)}
             suffix = json.dumps(own)[1:-1]
             metadata[wire.META_BODY_SUFFIX] = f",{suffix}" if request else suffix
+        elif tenant.models is not None and headers.get(":path", "").startswith(wire.MODELS_PATH):
+            # The model list the client sees is its allow-list's part (envoy/rewrite.lua).
+            metadata[wire.META_ALLOWED_MODELS] = " ".join(sorted(tenant.models))
         return Allow(
             headers=set_headers,
             headers_to_remove=remove,

@@ -44,6 +44,9 @@ META_PREFIX_BLOCKS = "prefix_blocks"
 # JSON members Envoy appends to the request body's object (envoy/rewrite.lua): the gateway's own
 # values for fields the pod reads (e.g. `"cache_salt": "…"`), after the client's.
 META_BODY_SUFFIX = "body_suffix"
+# A tenant's allowed models, space-separated (model names have no spaces), on GET /v1/models:
+# Envoy drops the others from the pods' list (envoy/rewrite.lua). Absent: every model.
+META_ALLOWED_MODELS = "allowed_models"
 # Per-tenant limit overrides, shaped for Envoy's rate-limit `limit: {dynamic_metadata: ...}`:
 # a struct {"requests_per_unit": int, "unit": "MINUTE"}; absent when the tier defaults apply.
 META_LIMIT_REQUESTS = "limit_requests"

@@ -122,3 +122,30 @@ def test_the_pod_receives_the_gateways_salt_not_the_clients(tmp_path: Path) -> N
     # The pod parsed every rewritten body as JSON (the recording pod would have failed).
     assert all(isinstance(r.body, dict) for r in pod.requests)
     json.dumps([r.body for r in pod.requests])
+
+
+def test_the_model_list_is_the_tenants_allow_list(one_pod: Stack) -> None:
+    with tenants.editing(one_pod.tenants_file):
+        data = tenants.read(one_pod.tenants_file)
+        added, keys = [], {}
+        for tenant_id, models in (("ml-one", (SIM_MODEL,)), ("ml-none", ("other-model",))):
+            key, record = tenants.new_key(datetime.now(UTC).replace(microsecond=0))
+            keys[tenant_id] = key
+            added.append(
+                Tenant(id=tenant_id, name=tenant_id, tier="standard", priority=5, models=models,
+                       keys=(record,))
+            )  # fmt: skip
+        tenants.write(
+            one_pod.tenants_file, TenantsFile(tiers=data.tiers, tenants=(*data.tenants, *added))
+        )
+    deadline = time.monotonic() + 10
+    while call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-none"])).status == 401:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    every = call("GET", f"{one_pod.base_url}/models", headers=auth(one_pod.tenants[0]["api_key"]))
+    mine = call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-one"]))
+    none = call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-none"]))
+    assert [m["id"] for m in every.json()["data"]] == [SIM_MODEL]  # a "*" tenant: the pods' list
+    assert [m["id"] for m in mine.json()["data"]] == [SIM_MODEL]
+    assert mine.json()["data"][0] == every.json()["data"][0]  # the card itself untouched
+    assert none.status == 200 and none.json() == {"object": "list", "data": []}
