@@ -13,7 +13,7 @@ from ledger.recorder import Recorder, RedisLink
 from ledger.service import AccessLogService, register
 from ledger.settings import ENV_PREFIX, Settings
 from llmgw import telemetry
-from llmgw.config import load
+from llmgw.config import load, reveal
 from llmgw.serve import command, serve
 
 NAME = "ledger"
@@ -30,7 +30,12 @@ async def main(settings: Settings) -> None:
     connecting = asyncio.create_task(db.start(timeout_s=math.inf)) if db is not None else None
     s = settings.settle
     recorder = Recorder(
-        RedisLink(settings.redis.host, settings.redis.port, settings.redis.connect_timeout_s),
+        RedisLink(
+            settings.redis.host,
+            settings.redis.port,
+            settings.redis.connect_timeout_s,
+            reveal(settings.redis.password),
+        ),
         db,
         batch_max=s.batch_max,
         pending_max=s.pending_max,

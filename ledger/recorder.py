@@ -34,13 +34,18 @@ class Sink(Protocol):
 class RedisLink:
     """One pipelined connection, made again after it breaks."""
 
-    def __init__(self, host: str, port: int, connect_timeout_s: float) -> None:
+    def __init__(
+        self, host: str, port: int, connect_timeout_s: float, password: str | None = None
+    ) -> None:
         self.host, self.port, self.connect_timeout_s = host, port, connect_timeout_s
+        self._password = password
         self._client: Resp | None = None
 
     async def get(self) -> Resp:
         if self._client is None or self._client.closed:
-            self._client = await Resp.connect(self.host, self.port, self.connect_timeout_s)
+            self._client = await Resp.connect(
+                self.host, self.port, self.connect_timeout_s, self._password
+            )
         return self._client
 
     async def close(self) -> None:

@@ -14,6 +14,7 @@ ENV_PREFIX = "LLMGW_LEDGER"
 class RedisSettings(Strict):
     host: str = "127.0.0.1"
     port: int = 6379
+    password: SecretStr | None = None  # Redis's requirepass; None: no AUTH
     connect_timeout_s: float = Field(default=0.5, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)  # one batch's settlement round trip
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -22,6 +22,11 @@ class Strict(BaseModel):
     """Base of every settings model: unknown keys are rejected, instances are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def reveal(secret: SecretStr | None) -> str | None:
+    """A secret setting's value, for the one call that needs it (a connect, never a log line)."""
+    return None if secret is None else secret.get_secret_value()
 
 
 class ConfigError(Exception):

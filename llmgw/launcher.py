@@ -22,12 +22,18 @@ log = logging.getLogger("llmgw.up")
 POLL_SECONDS = 0.1  # how soon a dead child is noticed
 
 
+def redacted(url: str) -> str:
+    """A URL without its credentials (`redis://:PASSWORD@host` → `redis://host`)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rpartition("@")[2] if sep else url
+
+
 def banner(info: dict[str, Any]) -> str:
     lines = [
         "llmgw is up.",
         f"  base_url:  {info['base_url']}",
         f"  pods:      {', '.join(str(p['url']) for p in info['pods'])}",
-        f"  redis:     {info['redis_url']}",
+        f"  redis:     {redacted(info['redis_url'])} (password: see the ready file)",
         f"  admin:     {info['envoy_admin_url']} (localhost only)",
         f"  logs:      {info['logs']}",
     ]
@@ -49,7 +55,7 @@ def banner(info: dict[str, Any]) -> str:
 
 def write_ready(ready_file: Path, info: dict[str, Any]) -> None:
     """Replace the ready file atomically: readers never see half of it. Owner-only (0600): it
-    holds the demo tenants' API keys and the database password."""
+    holds the demo tenants' API keys and the Redis and database passwords."""
     tmp = ready_file.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:

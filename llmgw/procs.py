@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from llmgw.resp import encode
+
 
 class StartError(RuntimeError):
     """A child exited or never became ready; the message carries its log tail."""
@@ -73,12 +75,24 @@ def http_ok(url: str) -> Callable[[], bool]:
     return probe
 
 
-def redis_ping(host: str, port: int) -> Callable[[], bool]:
+def redis_ping(host: str, port: int, password: str | None = None) -> Callable[[], bool]:
+    """PONG to PING; with a password, after AUTH with it. Not NOAUTH as "up": ready means a
+    client holding the stack's password can use this server (a Redis left on the port by another
+    run, with another password, is not ready)."""
+    command = (encode(("AUTH", password)) if password is not None else b"") + b"PING\r\n"
+    expected = (b"+OK\r\n" if password is not None else b"") + b"+PONG\r\n"
+
     def probe() -> bool:
         try:
             with socket.create_connection((host, port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                s.sendall(command)
+                reply = b""
+                while len(reply) < len(expected) and not reply.startswith(b"-"):
+                    chunk = s.recv(64)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply == expected
         except OSError:
             return False
 

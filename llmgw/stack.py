@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
+import redis
 from pydantic import Field
 
 from extauthz.demo import seed_demo
@@ -73,6 +74,8 @@ class Stack:
         self.listen = settings.listen
         self.admin = settings.envoy.admin
         self.redis_port = 0
+        # Redis's `requirepass`, for this Stack's lifetime: a restarted Redis gets the same argv.
+        self.redis_password = secrets.token_urlsafe(24)
         self.database_url: str | None = None
         self.services = Services()
         self.metrics: dict[str, str] = {}
@@ -116,7 +119,11 @@ class Stack:
         # Append-only file, fsync every second: counters survive a Redis restart (supervisor).
         argv += ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec"]
         argv += ["--dir", str(self.state_dir)]
-        self._process("redis", argv, redis_ping("127.0.0.1", self.redis_port)).start()
+        # In argv, not logged anywhere; redis-server replaces its process title (ps shows
+        # `redis-server 127.0.0.1:PORT`), so the password is not in /proc/PID/cmdline either.
+        argv += ["--requirepass", self.redis_password]
+        ready = redis_ping("127.0.0.1", self.redis_port, self.redis_password)
+        self._process("redis", argv, ready).start()
 
     def _start_pods(self) -> None:
         if self.settings.upstreams:
@@ -155,6 +162,7 @@ class Stack:
             "ratelimit": {
                 "REDIS__HOST": "127.0.0.1",
                 "REDIS__PORT": str(self.redis_port),
+                "REDIS__PASSWORD": self.redis_password,
                 "RESERVATION_TTL_S": str(self.settings.ratelimit_reservation_ttl_s),
             },
             "router": {
@@ -164,6 +172,7 @@ class Stack:
             "ledger": {
                 "REDIS__HOST": "127.0.0.1",
                 "REDIS__PORT": str(self.redis_port),
+                "REDIS__PASSWORD": self.redis_password,
             },
         }
         if "ledger" in self.settings.services:
@@ -291,7 +300,12 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        """With the password: for the ready file (0600) and the router's environment only."""
+        return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
+
+    def redis_client(self) -> redis.Redis:
+        """A client of the stack's Redis, authenticated (for scripts and tests)."""
+        return redis.Redis(port=self.redis_port, password=self.redis_password)
 
     def pod_url(self, index: int) -> str:
         pod = self.pods[index]

@@ -10,7 +10,7 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from llmgw import telemetry, wire
-from llmgw.config import load
+from llmgw.config import load, reveal
 from llmgw.serve import command, serve
 from ratelimit.failover import Failover
 from ratelimit.fleet import FleetView
@@ -42,6 +42,7 @@ async def main(settings: Settings) -> None:
         deadline_s=settings.redis.deadline_ms / 1000,
         probe_interval_s=settings.redis.probe_interval_s,
         connect_timeout_s=settings.redis.connect_timeout_s,
+        password=reveal(settings.redis.password),
     )
     await store.start()
     fleet = FleetView(

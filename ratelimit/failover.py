@@ -35,6 +35,7 @@ class Failover:
         deadline_s: float = 0.02,
         probe_interval_s: float = 0.5,
         connect_timeout_s: float = 0.5,
+        password: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -42,6 +43,7 @@ class Failover:
         self.deadline_s = deadline_s
         self.probe_interval_s = probe_interval_s
         self.connect_timeout_s = connect_timeout_s
+        self._password = password
         self.redis: RedisStore | None = None
         self._probe: asyncio.Task[None] | None = None
         self._closing = False
@@ -124,7 +126,7 @@ class Failover:
             return None
 
     async def _connect(self) -> RedisStore:
-        client = await Resp.connect(self.host, self.port, self.connect_timeout_s)
+        client = await Resp.connect(self.host, self.port, self.connect_timeout_s, self._password)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await client.call("PING")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from llmgw.config import Strict
 from llmgw.serve import ServeSettings
@@ -14,6 +14,7 @@ from llmgw.telemetry import TracingSettings
 class RedisSettings(Strict):
     host: str = "127.0.0.1"
     port: int = 6379
+    password: SecretStr | None = None  # Redis's requirepass; None: no AUTH
     deadline_ms: float = Field(default=20.0, gt=0)  # longest a decision waits on Redis
     probe_interval_s: float = Field(default=0.5, gt=0)  # reconnect attempts while degraded
     connect_timeout_s: float = Field(default=0.5, gt=0)

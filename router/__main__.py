@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from redis.asyncio import Redis
 
 from llmgw import telemetry
+from llmgw.config import reveal
 from llmgw.serve import command, serve
 from router.engine import Engine
 from router.fleet import Fleet
@@ -36,7 +37,8 @@ async def main(settings: Settings) -> None:
         if pool.enabled
         else RouterService(fleet, engine, tracer)
     )
-    redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+    redis_url = reveal(settings.redis_url)
+    redis = Redis.from_url(redis_url) if redis_url else None
     tasks = [
         asyncio.create_task(fleet.run_resolver()),
         asyncio.create_task(fleet.run_scrapes()),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from llmgw.config import ConfigError, Strict, load
 from llmgw.serve import ServeSettings
@@ -24,7 +24,8 @@ class Settings(Strict):
     fleet: FleetSettings = FleetSettings()
     plugins: list[PluginSpec] = Field(default_factory=lambda: list(DEFAULT_PLUGINS))
     profile: ProfileSpec = DEFAULT_PROFILE
-    redis_url: str | None = None  # where the fleet load is published; None: not published
+    # Where the fleet load is published (redis://:PASSWORD@host:port/0); None: not published.
+    redis_url: SecretStr | None = None
     # The endpoint picker protocol of the Gateway API Inference Extension (router/picker.py).
     inference_pool: InferencePoolSettings = InferencePoolSettings()
 

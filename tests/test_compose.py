@@ -5,7 +5,8 @@
 - Every service built from our image starts here from the compose file's own command,
   environment and mounted files, with the compose hostnames mapped to loopback (a port of ours
   for each `host:port`), and answers the compose health check: a compose file whose services
-  could not start fails here. Redis runs with the compose file's flags, the vLLM pods are
+  could not start fails here. Redis runs with the compose file's flags (its password too: a
+  service without it would not get ready), the vLLM pods are
   simulated, PostgreSQL runs with the compose file's user, database and password (the ledger
   must reach it and apply its schema); the collector is not run (the exporters drop spans).
 - Prometheus scrapes every service, Envoy and the pods, and the dashboard names only metrics
@@ -31,6 +32,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import redis
 import yaml
 
 from llmgw import cli, envoyconf, postgres
@@ -59,6 +61,7 @@ PODS = ("vllm-0:8000", "vllm-1:8000")
 INTERPOLATION = {
     "LLMGW_SESSION_SECRET": secrets.token_hex(32),
     "POSTGRES_PASSWORD": "compose-test",
+    "REDIS_PASSWORD": secrets.token_hex(16),
     "GRAFANA_ADMIN_PASSWORD": "compose-test",
 }
 
@@ -113,6 +116,15 @@ def test_compose_runs_the_whole_product() -> None:
     redis = services["redis"]["command"]
     assert "--appendonly" in redis and redis[redis.index("--appendonly") + 1] == "yes"
     assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
+    # Redis asks for a password, and every client gets it from the same variable.
+    password = "${REDIS_PASSWORD:?set REDIS_PASSWORD (openssl rand -hex 16)}"
+    assert redis[redis.index("--requirepass") + 1] == password
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == password  # the health check
+    for name in ("ratelimit", "ledger"):
+        assert services[name]["environment"][f"LLMGW_{name.upper()}__REDIS__PASSWORD"] == password
+    assert services["router"]["environment"]["LLMGW_ROUTER__REDIS_URL"].startswith(
+        f"redis://:{password}@redis:"
+    )
     assert any("postgresql/data" in v for v in services["postgres"]["volumes"])
     # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
     # pod around Envoy.
@@ -209,11 +221,13 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
     files = tmp / "config"  # compose mounts ./config at /etc/llmgw
     shutil.copytree(COMPOSE / "config", files)
     try:
-        redis_flags = spec["services"]["redis"]["command"][1:]  # the compose file's own flags
+        # The compose file's own flags, with its password.
+        redis_flags = [interpolate(f, INTERPOLATION) for f in spec["services"]["redis"]["command"]]
         port = run.port("redis", 6379)
-        argv = [bin_path("redis-server"), *redis_flags, "--port", str(port), "--bind", "127.0.0.1"]
-        argv += ["--dir", str(tmp)]
-        run.processes.append(Process("redis", argv, redis_ping("127.0.0.1", port), tmp / "r.log"))
+        argv = [bin_path("redis-server"), *redis_flags[1:], "--port", str(port)]
+        argv += ["--bind", "127.0.0.1", "--dir", str(tmp)]
+        ready = redis_ping("127.0.0.1", port, INTERPOLATION["REDIS_PASSWORD"])
+        run.processes.append(Process("redis", argv, ready, tmp / "r.log"))
         # PostgreSQL with the compose file's user, database and password (the ledger's URL).
         pg = spec["services"]["postgres"]["environment"]
         assert (pg["POSTGRES_USER"], pg["POSTGRES_DB"]) == (postgres.USER, postgres.DATABASE)
@@ -281,6 +295,19 @@ def test_the_ledger_reaches_postgresql_with_the_compose_credentials(started: Sta
     deadline = time.monotonic() + START_TIMEOUT
     while not asyncio.run(outcomes_table()):
         assert time.monotonic() < deadline, "the ledger never applied its schema"
+        time.sleep(0.1)
+
+
+def test_ratelimit_decides_from_redis_with_the_compose_password(started: Started) -> None:
+    """The compose Redis refuses a client without its password; ratelimit, given it, is not
+    degraded (a wrong or missing password would leave it on in-process counters)."""
+    port = started.port("redis", 6379)
+    with redis.Redis(port=port) as anonymous, pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    metrics = started.url("ratelimit:9102")
+    deadline = time.monotonic() + START_TIMEOUT
+    while "llmgw_ratelimit_degraded 0.0" not in fetch(metrics):
+        assert time.monotonic() < deadline, "ratelimit never reached Redis"
         time.sleep(0.1)
 
 

@@ -158,6 +158,30 @@ def test_extauthz_replicas_get_distinct_session_worker_ids() -> None:
     assert "apps.kubernetes.io/pod-index" in var["valueFrom"]["fieldRef"]["fieldPath"]
 
 
+def test_redis_asks_for_the_password_every_client_gets_from_one_secret() -> None:
+    ref = {"secretKeyRef": {"name": "llmgw-redis", "key": "password"}}
+    redis = container("redis")
+    env = {v["name"]: v.get("valueFrom") for v in redis["env"]}
+    assert env == {"REDIS_PASSWORD": ref, "REDISCLI_AUTH": ref}  # the server, its probe
+    args = redis["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"  # expanded by Kubernetes
+    assert "grep -q PONG" in " ".join(redis["readinessProbe"]["exec"]["command"])  # not NOAUTH
+    for name in ("ratelimit", "ledger"):
+        var = next(v for v in container(name)["env"] if v["name"].endswith("__REDIS__PASSWORD"))
+        assert var["valueFrom"] == ref, name
+    router = container("router")["env"]
+    names = [v["name"] for v in router]
+    assert router[names.index("REDIS_PASSWORD")]["valueFrom"] == ref
+    assert names.index("REDIS_PASSWORD") < names.index("LLMGW_ROUTER__REDIS_URL")  # defined first
+    url = router[names.index("LLMGW_ROUTER__REDIS_URL")]["value"]
+    assert url == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+    secrets = yaml.safe_load_all((K8S / "examples" / "secrets.yaml").read_text())
+    assert (
+        "password"
+        in next(d for d in secrets if d["metadata"]["name"] == "llmgw-redis")["stringData"]
+    )
+
+
 def ingress_from(target: str) -> list[tuple[set[str], set[int]]]:
     """(pod names or 'monitoring' or 'anyone', ports) per ingress rule of the target's policy."""
     policies = [

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -73,6 +74,15 @@ def test_up_serves_and_stops_cleanly(
     ready = Path(info["logs"]).parent.parent / "ready.json"  # the fixture's --ready-file
     assert ready.stat().st_mode & 0o077 == 0  # it holds API keys and the database password
     assert info["database_url"] not in log.read_text()
+    # Redis's generated password: in the ready file's URL only, not on stdout, in a child's log
+    # or in Redis's command line as `ps` shows it (redis-server rewrites its process title).
+    password = urlsplit(info["redis_url"]).password
+    assert password and len(password) >= 24
+    assert password not in log.read_text()
+    for child_log in Path(info["logs"]).glob("*.log"):
+        assert password not in child_log.read_text(errors="replace"), child_log.name
+    cmdline = Path(f"/proc/{info['processes']['redis']}/cmdline").read_bytes()
+    assert password.encode() not in cmdline
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0

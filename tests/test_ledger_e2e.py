@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import redis
 
 from extauthz.types import Limits
 from llmgw import facts, wire
@@ -260,7 +259,7 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
         wait_for(lambda: stack_ledger_idle(stack), "the ledger settled what it received")
         expected = lost = 0
         prefix = wire.tenant_prefix("lg-kill")
-        with redis.Redis(port=stack.redis_port) as r:
+        with stack.redis_client() as r:
             for reply in replies:
                 rid = reply.headers["x-request-id"]
                 if r.exists(f"{prefix}:done:{rid}"):

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import redis
 
 from extauthz import tenants
 from extauthz.types import Limits, Tenant, TenantsFile, TierDef
@@ -84,13 +83,13 @@ def chat(stack: Stack, key: str, max_tokens: int = 8, **extra: object) -> Reply:
 
 
 def counter(stack: Stack, tenant: str, check: str = "tokens:minute") -> int:
-    with redis.Redis(port=stack.redis_port) as r:
+    with stack.redis_client() as r:
         keys = r.keys(f"llmgw:rl:{{{tenant}}}:{check}:*")
         return sum(int(v) for v in r.mget(keys) if v is not None) if keys else 0
 
 
 def reservations(stack: Stack, tenant: str) -> list[bytes]:
-    with redis.Redis(port=stack.redis_port) as r:
+    with stack.redis_client() as r:
         return list(r.keys(f"llmgw:rl:{{{tenant}}}:res:*"))
 
 

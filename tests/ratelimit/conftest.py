@@ -46,16 +46,19 @@ async def resp(redis: int) -> AsyncIterator[Resp]:
 
 @pytest.fixture
 async def make_failover() -> AsyncIterator[Callable[..., Awaitable[Failover]]]:
-    """Failover stores (closed at the end): make(port, deadline_s=2.0, replicas=1)."""
+    """Failover stores (closed at the end): make(port, deadline_s=2.0, replicas=1, password)."""
     made: list[Failover] = []
 
-    async def make(port: int, deadline_s: float = 2.0, replicas: int = 1) -> Failover:
+    async def make(
+        port: int, deadline_s: float = 2.0, replicas: int = 1, password: str | None = None
+    ) -> Failover:
         store = Failover(
             "127.0.0.1",
             port,
             LocalStore(1 / replicas),
             deadline_s=deadline_s,
             probe_interval_s=0.05,
+            password=password,
         )
         await store.start()
         made.append(store)

@@ -8,12 +8,15 @@ from pathlib import Path
 from llmgw.procs import Process, bin_path, free_port, redis_ping
 
 
-def start_redis(log_dir: Path, port: int | None = None) -> Process:
+def start_redis(log_dir: Path, port: int | None = None, password: str | None = None) -> Process:
+    """A redis-server; with `password`, its requirepass."""
     port = port or free_port()
     argv = [bin_path("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     argv += ["--appendonly", "no", "--dir", str(log_dir)]
+    if password is not None:
+        argv += ["--requirepass", password]
     return Process(
-        "redis", argv, redis_ping("127.0.0.1", port), log_dir / f"redis-{port}.log"
+        "redis", argv, redis_ping("127.0.0.1", port, password), log_dir / f"redis-{port}.log"
     ).start()
 
 
