@@ -21,7 +21,6 @@ in its own transaction, under an advisory lock so that replicas starting togethe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -37,6 +36,7 @@ import asyncpg
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from llmgw.outcome import Outcome
+from llmgw.serve import finish
 
 log = logging.getLogger("ledger.db")
 
@@ -262,13 +262,7 @@ class Ledger:
         """Write what is left for up to `drain_s`, then stop; what remains is counted dropped."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), drain_s)
-            except TimeoutError:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+        await finish(self._task, drain_s)
         self._closed = True
         self._drop("outcomes", "shutdown", len(self._outcomes))
         self._drop("events", "shutdown", len(self._events))

@@ -20,6 +20,7 @@ from ledger import metrics
 from ledger.settlement import Charge, Settled, settle
 from llmgw.outcome import Outcome
 from llmgw.resp import Resp, RespError
+from llmgw.serve import finish
 
 log = logging.getLogger("ledger.recorder")
 
@@ -131,13 +132,7 @@ class Recorder:
         reservations stay charged)."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), drain_s)
-            except TimeoutError:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+        await finish(self._task, drain_s)
         left = list(self._pending)
         self._pending.clear()
         self._store(left, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -111,6 +112,18 @@ def command(
     logs.setup(loaded.log_level)
     run(lambda: main(loaded))
     return 0
+
+
+async def finish(task: asyncio.Task[None] | None, within_s: float) -> None:
+    """Let a background loop finish its work for up to `within_s`, then cancel it."""
+    if task is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(task), within_s)
+    except TimeoutError:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
