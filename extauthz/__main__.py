@@ -9,7 +9,7 @@ from pathlib import Path
 
 from extauthz import tenants
 from extauthz.decision import Decider
-from extauthz.service import AuthorizationService, register
+from extauthz.service import AuthorizationService, BodyPool, register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
 from extauthz.store import TenantsStore
@@ -39,17 +39,19 @@ def cache_secret(settings: Settings) -> bytes:
 async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
     store = TenantsStore(settings.tenants_file)
-    service = AuthorizationService(
-        store, Decider(settings.decision, build_sessions(settings), cache_secret(settings)), tracer
-    )
+    decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
+    bodies = BodyPool(decider, settings.decision.pool_body_bytes)
+    await bodies.start()
+    service = AuthorizationService(store, decider, tracer, bodies=bodies)
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
 
-    async def stop_watching() -> None:
+    async def stop() -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        bodies.close()
 
-    await serve(NAME, settings.serve, register(service), stop_watching)
+    await serve(NAME, settings.serve, register(service), stop)
 
 
 def settings(path: Path | None) -> Settings:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 import uuid
 from collections.abc import Mapping
-from typing import Any
 
+from extauthz.body import Body
+from extauthz.body import read as read_body
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
@@ -21,7 +21,6 @@ from llmgw import facts, priority, wire
 from llmgw.facts import MetaValue
 
 _MAX_KEY_CHARS = 256
-_MODEL_NAME = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: safe as a header value
 _STRIP = ("authorization", "api-key", wire.DESTINATION_ENDPOINT)
 
 MISSING_KEY = Deny(
@@ -70,10 +69,21 @@ class Decider:
             return priority.NEUTRAL
         return priority.vllm_priority(tenant_priority)
 
+    def read(self, body: bytes) -> Body:
+        """The body as the decision needs it (picklable: large ones are read in a pool)."""
+        s = self.settings
+        return read_body(body, s.chars_per_token, s.default_output_tokens, s.max_prefix_blocks)
+
     def decide(
-        self, snapshot: Snapshot, headers: Mapping[str, str], body: bytes, now: float
+        self,
+        snapshot: Snapshot,
+        headers: Mapping[str, str],
+        body: bytes,
+        now: float,
+        parsed: Body | None = None,
     ) -> Decision:
-        """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds."""
+        """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds;
+        `parsed` is `self.read(body)` when the caller read the body already."""
         api_key = _api_key(headers)
         if api_key is None:
             return MISSING_KEY
@@ -104,10 +114,8 @@ class Decider:
                 tenant=tenant.id,
             )
 
-        request_facts = facts.RequestFacts()
-        try:
-            request = _json_object(body)
-        except RecursionError:  # Python's parser gives up around 1,000 levels; the pod's too
+        read = parsed or self.read(body)
+        if read.kind == "too_deep":
             return Deny(
                 400,
                 "invalid_json",
@@ -117,28 +125,20 @@ class Decider:
         if headers.get(":path", "").partition("?")[0] in wire.GENERATION_PATHS:
             # Decided here, before any pod or quota sees the request, so that what the gateway
             # counts and routes is what the pod will do, and bad input is never charged.
-            refused = _refuse_body(headers, request, tenant.id)
+            refused = _refuse_body(headers, read, tenant.id)
             if refused is not None:
                 return refused
-        if request is not None:
-            name = request.get("model")
-            model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
-            if tenant.models is not None and "model" in request and model not in tenant.models:
+        request_facts = facts.RequestFacts()
+        if read.kind == "object":
+            if tenant.models is not None and read.has_model and read.model not in tenant.models:
                 return Deny(
                     403,
                     "model_not_allowed",
-                    f"The model {name!r} is not available to tenant {tenant.id!r}.",
+                    f"The model {read.model_shown} is not available to tenant {tenant.id!r}.",
                     param="model",
                     tenant=tenant.id,
                 )
-            request_facts = facts.from_body(
-                request,
-                chars_per_token=self.settings.chars_per_token,
-                default_output=self.settings.default_output_tokens,
-                max_blocks=self.settings.max_prefix_blocks,
-                model=model,
-                cache_group=tenant.cache_group,
-            )
+            request_facts = read.for_group(tenant.cache_group, self.settings.max_prefix_blocks)
         model = request_facts.model
 
         now_ms = int(now * 1000)
@@ -183,13 +183,13 @@ class Decider:
             **request_facts.to_metadata(),
             **tenant.limits,
         }
-        if request is not None:
+        if read.kind == "object":
             # Fields the pod must get from the gateway, whatever the client sent: appended to
             # the JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON
             # parser, like this one, keeps the last of duplicate keys).
             own = {"cache_salt": self.cache_salt(tenant.cache_group)}
             suffix = json.dumps(own)[1:-1]
-            metadata[wire.META_BODY_SUFFIX] = f",{suffix}" if request else suffix
+            metadata[wire.META_BODY_SUFFIX] = suffix if read.empty else f",{suffix}"
         elif tenant.models is not None and headers.get(":path", "").startswith(wire.MODELS_PATH):
             # The model list the client sees is its allow-list's part (envoy/rewrite.lua).
             metadata[wire.META_ALLOWED_MODELS] = " ".join(sorted(tenant.models))
@@ -204,9 +204,7 @@ class Decider:
         )
 
 
-def _refuse_body(
-    headers: Mapping[str, str], request: dict[str, Any] | None, tenant: str
-) -> Deny | None:
+def _refuse_body(headers: Mapping[str, str], read: Body, tenant: str) -> Deny | None:
     """A generation request the gateway refuses as it stands, or None."""
     encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
@@ -219,7 +217,7 @@ def _refuse_body(
             param="content-encoding",
             tenant=tenant,
         )
-    if request is None:
+    if read.kind != "object":
         return Deny(
             400,
             "invalid_json",
@@ -227,7 +225,7 @@ def _refuse_body(
             "with the request's parameters.",
             tenant=tenant,
         )
-    if not isinstance(request.get("model"), str) or not request["model"]:
+    if not read.model_text:
         # Without it the pod would serve its default model, whatever the tenant may use.
         return Deny(
             400,
@@ -237,14 +235,3 @@ def _refuse_body(
             tenant=tenant,
         )
     return None
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    """The body as a JSON object; None for no body or anything else (the pod answers those)."""
-    if not body:
-        return None
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None
-    return parsed if isinstance(parsed, dict) else None

@@ -23,3 +23,7 @@ RELOADS = Counter(
     ["result"],
 )
 TENANTS = Gauge("llmgw_extauthz_tenants", "Tenants in the live snapshot.")
+POOLED_BODIES = Counter(
+    "llmgw_extauthz_pooled_bodies_total",
+    "Request bodies large enough to be read in the body pool, off the event loop.",
+)

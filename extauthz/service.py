@@ -5,8 +5,11 @@ constructor are copied once more), and no span is started when tracing is off.""
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import grpc
@@ -17,6 +20,8 @@ from google.rpc import code_pb2, status_pb2
 from opentelemetry import trace
 
 from extauthz import metrics
+from extauthz.body import Body
+from extauthz.body import read as read_body
 from extauthz.decision import Decider
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision
@@ -63,6 +68,44 @@ def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
     )
 
 
+class BodyPool:
+    """Large bodies are read in a worker process, so that one tenant's megabytes of JSON never
+    hold the event loop that decides everyone's requests (`json.loads` holds the GIL: a thread
+    would not help). Small ones are read inline: the hop costs more than they do."""
+
+    def __init__(self, decider: Decider, from_bytes: int, workers: int = 1) -> None:
+        self.decider = decider
+        self.from_bytes = from_bytes
+        # spawn, not fork: this process runs gRPC's threads.
+        context = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(workers, mp_context=context)
+
+    async def start(self) -> None:
+        """Start the workers now, not on the first large body."""
+        await self._run(b"{}")
+
+    async def read(self, body: bytes) -> Body | None:
+        """The body read in a worker if it is large, else None (the decision reads it)."""
+        if len(body) < self.from_bytes:
+            return None
+        metrics.POOLED_BODIES.inc()
+        return await self._run(body)
+
+    async def _run(self, body: bytes) -> Body:
+        s = self.decider.settings
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool,
+            read_body,
+            body,
+            s.chars_per_token,
+            s.default_output_tokens,
+            s.max_prefix_blocks,
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -70,12 +113,14 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         decider: Decider,
         tracer: trace.Tracer,
         clock: Callable[[], float] = time.time,
+        bodies: BodyPool | None = None,
     ) -> None:
         self.store = store
         self.decider = decider
         self.tracer = tracer
         self.clock = clock
         self.tracing = recording(tracer)
+        self.bodies = bodies
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -83,9 +128,10 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         http = request.attributes.request.http
         headers = dict(http.headers)
         body = http.raw_body or http.body.encode()
+        parsed = await self.bodies.read(body) if self.bodies is not None else None
         if not self.tracing:
             started = time.perf_counter()
-            decision = self.decider.decide(self.store.current, headers, body, self.clock())
+            decision = self.decider.decide(self.store.current, headers, body, self.clock(), parsed)
             metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
             if isinstance(decision, Allow):
                 metrics.decisions("allow", decision.tenant).inc()
@@ -98,7 +144,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             kind=trace.SpanKind.SERVER,
         ) as span:
             started = time.perf_counter()
-            decision = self.decider.decide(self.store.current, headers, body, self.clock())
+            decision = self.decider.decide(self.store.current, headers, body, self.clock(), parsed)
             metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
             if isinstance(decision, Allow):
                 result, tenant = "allow", decision.tenant

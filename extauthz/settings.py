@@ -26,6 +26,8 @@ class DecisionSettings(Strict):
     default_output_tokens: int = Field(default=256, ge=0)  # when the body names no max_tokens
     chars_per_token: float = Field(default=4.0, gt=0)
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
+    # Bodies from this size on are read in a worker process (extauthz/service.py BodyPool).
+    pool_body_bytes: int = Field(default=256 * 1024, ge=1)
     # Each tenant's priority to vLLM's scheduler as x-vllm-priority (llmgw/priority.py). Off:
     # every request gets vLLM's default 0 (first come, first served); a client's own value still
     # never reaches the scheduler.

@@ -300,3 +300,37 @@ def test_a_valid_generation_body_and_other_paths_pass(
     allowed(decider.decide(snap, identity, chat("any"), NOW_S))
     models = {**bearer(keys.globex), ":path": "/v1/models?x=1", ":method": "GET"}
     allowed(decider.decide(snap, models, b"", NOW_S))
+
+
+async def test_a_body_read_in_the_pool_decides_exactly_as_inline(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    """Large bodies are read in a worker process (off the event loop); the decision must not
+    depend on where the body was read."""
+    from extauthz.service import BodyPool
+
+    pool = BodyPool(decider, from_bytes=1)
+    try:
+        await pool.start()
+        headers = {**bearer(keys.acme, **{"x-request-id": "r-1"}), **GENERATION}
+        for body in (
+            chat(max_tokens=50),
+            chat("gpt-4"),
+            b"{bad",
+            json.dumps({"messages": []}).encode(),
+        ):
+            pooled = await pool.read(body)
+            assert pooled is not None
+            inline = decider.decide(snap, headers, body, NOW_S)
+            again = decider.decide(snap, headers, body, NOW_S, pooled)
+            if isinstance(inline, Allow):
+                assert isinstance(again, Allow)
+                assert {**inline.metadata, wire.META_SESSION: ""} == {
+                    **again.metadata,
+                    wire.META_SESSION: "",
+                }
+            else:
+                assert again == inline
+        assert await BodyPool(decider, from_bytes=10**9).read(chat()) is None  # small: inline
+    finally:
+        pool.close()
