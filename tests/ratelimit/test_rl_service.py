@@ -60,6 +60,17 @@ def request_time(rid: str, estimate: int, tenant: str = "acme") -> rls_pb2.RateL
     )
 
 
+async def serve_limiter(limiter: Limiter) -> tuple[grpc.aio.Server, int]:
+    """The service over real gRPC on a free port: (server, port)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(
+        RateLimitService(limiter, trace.get_tracer("test")), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 @pytest.fixture
 async def stubs(
     redis: int, make_failover: Callable[..., Awaitable[Failover]]
@@ -69,12 +80,7 @@ async def stubs(
     for _ in range(4):
         store = await make_failover(redis)
         limiter = Limiter(Limits(CONFIG).policy, store, lambda: IDLE_UNKNOWN, time.time)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(
-            RateLimitService(limiter, trace.get_tracer("test")), server
-        )
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await serve_limiter(limiter)
         servers.append(server)
         channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
     yield [Stub(c) for c in channels]
@@ -159,12 +165,7 @@ async def test_limits_beyond_32_bits_are_answered_not_failed_open(
     config = LimitsConfig(tiers={"free": TierSpec(tokens=PerUnit(minute=10**10))})
     store = await make_failover(redis)
     limiter = Limiter(Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(
-        RateLimitService(limiter, trace.get_tracer("test")), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve_limiter(limiter)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             response = await Stub(channel).ShouldRateLimit(request_time("big", 400))
