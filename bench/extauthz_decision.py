@@ -29,6 +29,7 @@ from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.types import Allow
 from llmgw.procs import Process, free_port, grpc_serving
+from llmgw.tiers import TierTable
 
 SECRET = "bench-secret-bench-secret-bench-secret"
 BODY = json.dumps(
@@ -85,7 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tenants.yaml"
         key = seed_demo(path)[1]["api_key"]
-        snap = tenants.load(path)
+        snap = tenants.load(path, TierTable())
         decider = Decider(DecisionSettings(), Sessions(SessionCodec(SECRET.encode()), 1))
         now = time.time()
         first = decider.decide(snap, headers_for(key), BODY, now)

@@ -20,15 +20,15 @@ import redis.asyncio as redis_asyncio
 import uvloop
 
 from llmgw.procs import Process, bin_path, free_port, redis_ping
+from llmgw.tiers import PerUnit, TierSpec, TierTable
 from ratelimit.failover import Failover
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
-from ratelimit.limits import Limits, LimitsConfig, PerUnit, TierSpec
+from ratelimit.limits import Limits
 from ratelimit.redis_store import ADMIT
-from ratelimit.store import LocalStore
 from ratelimit.types import Admission
 
-CONFIG = LimitsConfig(
+CONFIG = TierTable(
     tiers={
         "big": TierSpec(
             requests=PerUnit(second=10**9, minute=10**9), tokens=PerUnit(minute=10**12)
@@ -39,7 +39,7 @@ CONFIG = LimitsConfig(
 
 
 async def engine(port: int) -> Limiter:
-    store = Failover("127.0.0.1", port, LocalStore(), deadline_s=1.0)
+    store = Failover("127.0.0.1", port, deadline_s=1.0)
     await store.start()
     return Limiter(Limits(CONFIG).policy, store, lambda: IDLE_UNKNOWN, time.time)
 
@@ -83,7 +83,7 @@ async def run(port: int, seconds: float) -> list[tuple[str, str]]:
     assert limiter.store.redis is not None  # type: ignore[attr-defined]
     client = limiter.store.redis.client  # type: ignore[attr-defined]
     ra = redis_asyncio.Redis(port=port)
-    args = [0, 0, "", 0, 0]
+    args = [0, "", 0, 0]  # admit.lua with no checks: shadow, reservation, ttl, count
     calls = {
         "resp": lambda: client.call("EVALSHA", ADMIT[1], 1, "k", *args),
         "redis.asyncio": lambda: ra.evalsha(ADMIT[1], 1, "k", *args),

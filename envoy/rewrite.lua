@@ -1,9 +1,10 @@
 -- What the pod receives, and what the client is shown, is what the gateway decided.
 --
--- Requests: extauthz names JSON members of its own
--- (`"cache_salt": "…"`) in {{ wire.EXTAUTHZ_NAMESPACE }}/{{ wire.META_BODY_SUFFIX }}, and this filter appends
+-- Requests: extauthz names JSON members of its own (`"cache_salt": "…", "max_tokens": N`) in
+-- {{ wire.EXTAUTHZ_NAMESPACE }}/{{ wire.META_BODY_SUFFIX }}, and this filter appends
 -- them to the request's JSON object, after whatever the client sent. The pod's parser, like
--- extauthz's, keeps the last of duplicate keys, so the gateway's value is the one it uses.
+-- extauthz's, keeps the last of duplicate keys, so the gateway's value is the one it uses: the
+-- output cap the pod respects is the one the token reservation holds.
 -- extauthz has checked that the body is one JSON object; only the trailing "}" is touched.
 
 local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"

@@ -12,10 +12,11 @@ from extauthz.decision import Decider
 from extauthz.service import AuthorizationService, BodyPool, register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
-from extauthz.store import TenantsStore
+from extauthz.store import tenants_store
 from llmgw import telemetry
 from llmgw.config import load
 from llmgw.serve import command, serve
+from llmgw.tiers import load_tiers
 
 NAME = "extauthz"
 
@@ -38,7 +39,7 @@ def cache_secret(settings: Settings) -> bytes:
 
 async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
-    store = TenantsStore(settings.tenants_file)
+    store = tenants_store(settings.tenants_file, settings.tiers_file)
     decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
     bodies = BodyPool(decider, settings.decision.pool_body_bytes)
     await bodies.start()
@@ -55,9 +56,9 @@ async def main(settings: Settings) -> None:
 
 
 def settings(path: Path | None) -> Settings:
-    """The settings and the tenants file they name, both validated."""
+    """The settings and the files they name (tenants, tier table), all validated."""
     loaded = load(Settings, path, ENV_PREFIX)
-    tenants.read(loaded.tenants_file)
+    tenants.load(loaded.tenants_file, load_tiers(loaded.tiers_file))
     return loaded
 
 

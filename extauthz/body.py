@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from extauthz.settings import DecisionSettings
 from llmgw import facts
 from llmgw.facts import RequestFacts
 
@@ -27,16 +28,19 @@ class Body:
     model_text: bool = False  # … and it is a non-empty string
     model: str | None = None  # … and a valid model name
     model_shown: str = ""  # the member as sent, shortened, for messages
-    facts: RequestFacts = field(default_factory=RequestFacts)  # prefix not hashed: `for_group`
+    # Not yet the tenant's: prefix not hashed, output capped only by the client (`for_tenant`).
+    facts: RequestFacts = field(default_factory=RequestFacts)
     prefix_text: str = ""  # the rendered prompt's leading part that the prefix blocks cover
 
-    def for_group(self, cache_group: str, max_blocks: int) -> RequestFacts:
-        """The facts with the prefix hashed for this cache group (tenants' prefixes differ)."""
+    def for_tenant(self, cache_group: str, max_blocks: int, max_output: int) -> RequestFacts:
+        """The facts with the prefix hashed for this cache group (tenants' prefixes differ) and
+        the output cap lowered to this tenant's `max_output`."""
         blocks = facts.block_hashes(self.prefix_text, max_blocks, cache_group)
-        return dataclasses.replace(self.facts, prefix_blocks=blocks)
+        cap = min(self.facts.max_output, max_output)
+        return dataclasses.replace(self.facts, prefix_blocks=blocks, max_output=cap)
 
 
-def read(raw: bytes, chars_per_token: float, default_output: int, max_blocks: int) -> Body:
+def read(raw: bytes, settings: DecisionSettings) -> Body:
     if not raw:
         return Body("none")
     try:
@@ -47,18 +51,17 @@ def read(raw: bytes, chars_per_token: float, default_output: int, max_blocks: in
         return Body("invalid")
     if not isinstance(request, dict):
         return Body("invalid")
-    return _summary(request, chars_per_token, default_output, max_blocks)
+    return _summary(request, settings)
 
 
-def _summary(
-    request: dict[str, Any], chars_per_token: float, default_output: int, max_blocks: int
-) -> Body:
+def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
     name = request.get("model")
     model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
     parsed = facts.from_body(
         request,
-        chars_per_token=chars_per_token,
-        default_output=default_output,
+        chars_per_token=settings.chars_per_token,
+        image_tokens=settings.image_tokens,
+        max_output=facts.MAX_OUTPUT_TOKENS,
         max_blocks=0,
         model=model,
     )
@@ -70,5 +73,5 @@ def _summary(
         model=model,
         model_shown=repr(name)[:300],
         facts=parsed,
-        prefix_text=facts.render(request)[: max_blocks * facts.BLOCK_CHARS],
+        prefix_text=facts.render(request)[: settings.max_prefix_blocks * facts.BLOCK_CHARS],
     )

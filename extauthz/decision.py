@@ -71,8 +71,7 @@ class Decider:
 
     def read(self, body: bytes) -> Body:
         """The body as the decision needs it (picklable: large ones are read in a pool)."""
-        s = self.settings
-        return read_body(body, s.chars_per_token, s.default_output_tokens, s.max_prefix_blocks)
+        return read_body(body, self.settings)
 
     def decide(
         self,
@@ -122,7 +121,8 @@ class Decider:
                 "The request body nests JSON too deeply to be parsed.",
                 tenant=tenant.id,
             )
-        if headers.get(":path", "").partition("?")[0] in wire.GENERATION_PATHS:
+        path = headers.get(":path", "").partition("?")[0]
+        if path in wire.GENERATION_PATHS:
             # Decided here, before any pod or quota sees the request, so that what the gateway
             # counts and routes is what the pod will do, and bad input is never charged.
             refused = _refuse_body(headers, read, tenant.id)
@@ -138,7 +138,13 @@ class Decider:
                     param="model",
                     tenant=tenant.id,
                 )
-            request_facts = read.for_group(tenant.cache_group, self.settings.max_prefix_blocks)
+            # The output cap per sequence the pod gets (appended to the body below): the
+            # reservation holds what the pod may generate, whatever the client named.
+            limit = self.settings.output_cap(tenant, read.facts)
+            cap = 0 if path == wire.EMBEDDINGS_PATH else limit
+            request_facts = read.for_tenant(
+                tenant.cache_group, self.settings.max_prefix_blocks, cap
+            )
         model = request_facts.model
 
         now_ms = int(now * 1000)
@@ -187,10 +193,14 @@ class Decider:
             # Fields the pod must get from the gateway, whatever the client sent: appended to
             # the JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON
             # parser, like this one, keeps the last of duplicate keys).
-            own = {"cache_salt": self.cache_salt(tenant.cache_group)}
+            own: dict[str, str | int] = {"cache_salt": self.cache_salt(tenant.cache_group)}
+            if path != wire.EMBEDDINGS_PATH:
+                own["max_tokens"] = request_facts.max_output
+                if path == wire.CHAT_PATH:  # vLLM's chat reads this one first
+                    own["max_completion_tokens"] = request_facts.max_output
             suffix = json.dumps(own)[1:-1]
             metadata[wire.META_BODY_SUFFIX] = suffix if read.empty else f",{suffix}"
-        elif tenant.models is not None and headers.get(":path", "").startswith(wire.MODELS_PATH):
+        elif tenant.models is not None and path.startswith(wire.MODELS_PATH):
             # The model list the client sees is its allow-list's part (envoy/rewrite.lua).
             metadata[wire.META_ALLOWED_MODELS] = " ".join(sorted(tenant.models))
         return Allow(

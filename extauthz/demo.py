@@ -39,5 +39,5 @@ def seed_demo(path: Path) -> list[dict[str, str]]:
                 )
             )
             seeded.append({"id": tenant_id, "tier": tier, "api_key": api_key})
-        tenants.write(path, TenantsFile(tiers=data.tiers, tenants=tuple(kept)))
+        tenants.write(path, TenantsFile(tenants=tuple(kept)))
     return seeded

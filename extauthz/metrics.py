@@ -17,11 +17,6 @@ DECISION_SECONDS = Histogram(
     buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
 )
 decisions = Children(DECISIONS)  # (result, tenant), looked up once per pair
-RELOADS = Counter(
-    "llmgw_extauthz_reloads_total",
-    "Tenants file reloads by result (ok, failed).",
-    ["result"],
-)
 TENANTS = Gauge("llmgw_extauthz_tenants", "Tenants in the live snapshot.")
 POOLED_BODIES = Counter(
     "llmgw_extauthz_pooled_bodies_total",

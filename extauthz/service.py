@@ -92,14 +92,8 @@ class BodyPool:
         return await self._run(body)
 
     async def _run(self, body: bytes) -> Body:
-        s = self.decider.settings
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool,
-            read_body,
-            body,
-            s.chars_per_token,
-            s.default_output_tokens,
-            s.max_prefix_blocks,
+            self._pool, read_body, body, self.decider.settings
         )
 
     def close(self) -> None:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, SecretStr
 
+from extauthz.types import TenantView
+from llmgw import facts
 from llmgw.config import Strict
+from llmgw.facts import RequestFacts
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import TracingSettings
 
 ENV_PREFIX = "LLMGW_EXTAUTHZ"
+Tokens = Annotated[int, Field(ge=1, le=facts.MAX_OUTPUT_TOKENS)]
 
 
 class SessionSettings(Strict):
@@ -23,8 +28,23 @@ class SessionSettings(Strict):
 class DecisionSettings(Strict):
     # Keep Envoy's with_request_body.max_request_bytes equal to this (allow_partial_message: true).
     max_body_bytes: int = Field(default=2 * 1024 * 1024, gt=0)
-    default_output_tokens: int = Field(default=256, ge=0)  # when the body names no max_tokens
+    # The output cap per sequence of a chat or completion, unless the tenant's tier sets its own
+    # (llmgw/tiers.py max_output_tokens): what the pod receives when the client names none, and
+    # the most it may name (a larger cap is lowered: the answer ends with
+    # finish_reason "length", as at the client's own cap). The reservation holds this cap, and
+    # the unused part is refunded at settlement, so a larger one costs admissions in flight,
+    # not quota. 4096: longer than nearly every chat answer, within every current model's
+    # context, and still ~10 SDK-default requests in flight under a 40,000 TPM limit.
+    max_output_tokens: Tokens = 4096
+    # Each model's context (vLLM's max_model_len, in /v1/models) bounds the cap: vLLM refuses a
+    # max_tokens above it, and itself lowers one that fits only beside a shorter prompt. For a
+    # model not named here the context is unknown and the cap unbounded by it: keep the caps
+    # within the smallest context served.
+    max_model_len: dict[str, Tokens] = Field(default_factory=dict)
     chars_per_token: float = Field(default=4.0, gt=0)
+    # A content part that is not text (an image; audio and video count alike): LLaVA-1.5 uses
+    # 576 tokens an image, GPT-4o 765 for 1024×1024, Qwen2-VL ~1,300; set it for the models served.
+    image_tokens: int = Field(default=1024, ge=0)
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
     # Bodies from this size on are read in a worker process (extauthz/service.py BodyPool).
     pool_body_bytes: int = Field(default=256 * 1024, ge=1)
@@ -33,12 +53,26 @@ class DecisionSettings(Strict):
     # never reaches the scheduler.
     engine_priority: bool = True
 
+    def output_cap(self, tenant: TenantView, request: RequestFacts) -> int:
+        """The most output per sequence a request of this tenant gets: the tier's cap, within
+        the model's context and within what the tenant's smallest token limit leaves beside the
+        prompt for its `n` sequences (a larger cap would make every request that names none too
+        large to ever be admitted)."""
+        bounds = [tenant.max_output or self.max_output_tokens]
+        if request.model is not None and request.model in self.max_model_len:
+            bounds.append(self.max_model_len[request.model])
+        if tenant.token_ceiling is not None:
+            room = (tenant.token_ceiling - request.prompt_tokens) // max(request.n, 1)
+            bounds.append(max(1, room))
+        return min(bounds)
+
 
 class Settings(Strict):
     serve: ServeSettings = ServeSettings()
     tracing: TracingSettings = TracingSettings()
     log_level: str = "info"
     tenants_file: Path = Path("tenants.yaml")
+    tiers_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
     reload_interval_seconds: float = Field(default=0.25, gt=0, le=0.5)
     decision: DecisionSettings = DecisionSettings()
     sessions: SessionSettings

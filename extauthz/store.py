@@ -1,66 +1,22 @@
-"""The live tenants snapshot and its hot reload.
-
-A poller compares the file's (mtime, size, inode) every `interval` seconds; on a change it parses
-and validates the file off the event loop and swaps the snapshot in one assignment. Requests in
-flight keep the snapshot they started with. A broken file is refused, the last good one stays.
-"""
+"""The live tenants snapshot: the tenants file checked against the tier table, both reloaded
+while running (llmgw/reload.py: parse → validate → swap, the last good snapshot kept)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 from pathlib import Path
 
 from extauthz import metrics, tenants
 from extauthz.types import Snapshot
-from llmgw.config import ConfigError
+from llmgw.reload import Reloading
+from llmgw.tiers import load_tiers
 
-log = logging.getLogger(__name__)
-
-FileStamp = tuple[int, int, int] | None
-
-
-def _stamp(path: Path) -> FileStamp:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+TenantsStore = Reloading[Snapshot]
 
 
-class TenantsStore:
-    def __init__(self, path: Path) -> None:
-        """Load the file now; a broken file at start-up is an error, not a silent empty config."""
-        self.path = path
-        self._stamp = _stamp(path)
-        self.current: Snapshot = tenants.load(path)
-        metrics.TENANTS.set(len(self.current.tenants))
+def tenants_store(tenants_file: Path, tiers_file: Path | None = None) -> TenantsStore:
+    def load() -> Snapshot:
+        snapshot = tenants.load(tenants_file, load_tiers(tiers_file))
+        metrics.TENANTS.set(len(snapshot.tenants))
+        return snapshot
 
-    async def reload_if_changed(self) -> bool:
-        """One poll; True when a new snapshot was installed."""
-        stamp = await asyncio.to_thread(_stamp, self.path)
-        if stamp == self._stamp:
-            return False
-        self._stamp = stamp
-        try:
-            if stamp is None:
-                raise ConfigError(f"{self.path}: file missing")
-            fresh = await asyncio.to_thread(tenants.load, self.path)
-        except ConfigError as exc:
-            metrics.RELOADS.labels(result="failed").inc()
-            log.error(
-                "tenants reload refused; keeping the last good config", extra={"error": str(exc)}
-            )
-            return False
-        self.current = fresh
-        metrics.RELOADS.labels(result="ok").inc()
-        metrics.TENANTS.set(len(fresh.tenants))
-        log.info("tenants reloaded", extra={"tenants": len(fresh.tenants), "keys": len(fresh.keys)})
-        return True
-
-    async def watch(self, interval: float) -> None:
-        """Poll until cancelled."""
-        while True:
-            await asyncio.sleep(interval)
-            await self.reload_if_changed()
+    return Reloading("tenants", [tenants_file, *([tiers_file] if tiers_file else [])], load)

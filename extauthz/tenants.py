@@ -24,8 +24,9 @@ from extauthz.types import (
     TenantView,
 )
 from llmgw import wire
-from llmgw.config import read_yaml, validate
+from llmgw.config import ConfigError, read_yaml, validate
 from llmgw.facts import MetaValue
+from llmgw.tiers import TierTable
 
 
 def digest(api_key: str) -> bytes:
@@ -54,18 +55,22 @@ def _limit(per_minute: int) -> dict[str, MetaValue]:
     return {"requests_per_unit": float(per_minute), "unit": "MINUTE"}
 
 
-def snapshot(data: TenantsFile) -> Snapshot:
+def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") -> Snapshot:
+    """The lookup tables of a validated file; a tier the tier table lacks is a ConfigError."""
     tenants: dict[str, TenantView] = {}
     keys: dict[bytes, KeyEntry] = {}
-    for tenant in data.tenants:
-        custom = data.tiers.get(tenant.tier)
-        rpm = tenant.limits.rpm or (custom.rpm if custom else None)
-        tpm = tenant.limits.tpm or (custom.tpm if custom else None)
+    known = table.all_tiers
+    for i, tenant in enumerate(data.tenants):
+        if tenant.tier not in known:
+            raise ConfigError(
+                f"{source}: tenants.{i}.tier: unknown tier {tenant.tier!r} "
+                f"(the tier table has {', '.join(sorted(known))})"
+            )
         limits: dict[str, MetaValue] = {}
-        if rpm is not None:
-            limits[wire.META_LIMIT_REQUESTS] = _limit(rpm)
-        if tpm is not None:
-            limits[wire.META_LIMIT_TOKENS] = _limit(tpm)
+        if tenant.limits.rpm is not None:
+            limits[wire.META_LIMIT_REQUESTS] = _limit(tenant.limits.rpm)
+        if tenant.limits.tpm is not None:
+            limits[wire.META_LIMIT_TOKENS] = _limit(tenant.limits.tpm)
         view = TenantView(
             id=tenant.id,
             tier=tenant.tier,
@@ -80,6 +85,8 @@ def snapshot(data: TenantsFile) -> Snapshot:
             cache_group=f"group/{tenant.cache_group}"
             if tenant.cache_group
             else f"tenant/{tenant.id}",
+            max_output=known[tenant.tier].max_output_tokens,
+            token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.tpm),
         )
         tenants[tenant.id] = view
         for key in tenant.keys:
@@ -94,8 +101,8 @@ def snapshot(data: TenantsFile) -> Snapshot:
     return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants))
 
 
-def load(path: Path) -> Snapshot:
-    return snapshot(read(path))
+def load(path: Path, table: TierTable) -> Snapshot:
+    return snapshot(read(path), table, str(path))
 
 
 def write(path: Path, data: TenantsFile) -> None:

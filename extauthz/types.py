@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -14,7 +13,6 @@ from llmgw import wire
 from llmgw.config import Strict
 from llmgw.facts import MetaValue
 
-BUILTIN_TIERS = ("free", "standard", "platinum")
 KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
@@ -24,13 +22,6 @@ class Limits(Strict):
 
     rpm: int | None = Field(default=None, gt=0)
     tpm: int | None = Field(default=None, gt=0)
-
-
-class TierDef(Strict):
-    """A custom tier: its own per-minute limits (built-in tiers take theirs from ratelimit)."""
-
-    rpm: int = Field(gt=0)
-    tpm: int = Field(gt=0)
 
 
 class ApiKey(Strict):
@@ -52,7 +43,7 @@ class ApiKey(Strict):
 class Tenant(Strict):
     id: str = Field(pattern=_NAME)
     name: str = Field(min_length=1)
-    tier: str
+    tier: str  # a tier of the tier table (llmgw/tiers.py): checked when the snapshot is built
     priority: int = Field(ge=1, le=10)
     models: Literal["*"] | tuple[str, ...]
     limits: Limits = Limits()
@@ -64,18 +55,24 @@ class Tenant(Strict):
 
 
 class TenantsFile(Strict):
-    """The whole tenants file. Custom tiers are declared here; built-in names are reserved."""
+    """The whole tenants file."""
 
-    tiers: dict[str, TierDef] = Field(default_factory=dict)
     tenants: tuple[Tenant, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tiers(cls, data: object) -> object:
+        if not (isinstance(data, dict) and "tiers" in data):
+            return data
+        if not data["tiers"]:  # files written before the tier table moved out: nothing in it
+            return {k: v for k, v in data.items() if k != "tiers"}
+        raise ValueError(
+            "tiers: tiers are defined once, in the tier table (extauthz tiers_file, "
+            "ratelimit limits_file; llmgw/tiers.py), not in the tenants file"
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> TenantsFile:
-        for name in self.tiers:
-            if name in BUILTIN_TIERS:
-                raise ValueError(f"tiers.{name}: built-in tier names cannot be redefined")
-            if not re.match(_NAME, name):
-                raise ValueError(f"tiers.{name}: invalid tier name")
         tenant_ids: set[str] = set()
         key_ids: set[str] = set()
         digests: set[str] = set()
@@ -84,8 +81,6 @@ class TenantsFile(Strict):
             if tenant.id in tenant_ids:
                 raise ValueError(f"{where}.id: duplicate tenant {tenant.id!r}")
             tenant_ids.add(tenant.id)
-            if tenant.tier not in BUILTIN_TIERS and tenant.tier not in self.tiers:
-                raise ValueError(f"{where}.tier: unknown tier {tenant.tier!r}")
             for j, key in enumerate(tenant.keys):
                 if key.id in key_ids:
                     raise ValueError(f"{where}.keys.{j}.id: duplicate key id {key.id!r}")
@@ -107,6 +102,8 @@ class TenantView:
     headers: tuple[tuple[str, str], ...]  # tenant, tier, priority
     limits: Mapping[str, MetaValue]  # metadata limit overrides, possibly empty
     cache_group: str  # "tenant/<id>" unless the tenant joined a group: "group/<name>"
+    max_output: int | None = None  # the tier's output cap (tier table); None: the default
+    token_ceiling: int | None = None  # the tenant's smallest token limit (llmgw.tiers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 from ledger.db import Ledger
-from ledger.recorder import Recorder, RedisLink
+from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
 from ledger.settings import ENV_PREFIX, Settings
 from llmgw import telemetry
 from llmgw.config import load, reveal
+from llmgw.link import RedisLink
 from llmgw.serve import command, serve
 
 NAME = "ledger"
@@ -35,6 +36,7 @@ async def main(settings: Settings) -> None:
             settings.redis.port,
             settings.redis.connect_timeout_s,
             reveal(settings.redis.password),
+            cluster=settings.redis.cluster,
         ),
         db,
         batch_max=s.batch_max,

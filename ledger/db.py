@@ -42,7 +42,8 @@ log = logging.getLogger("ledger.db")
 
 MIGRATIONS_LOCK = 0x6C6C6D67772D6C67  # pg_advisory_lock key: b"llmgw-lg"
 
-# Outcome field → PostgreSQL array element type, in table column order.
+# Outcome field → PostgreSQL array element type, in field order (the INSERT names its columns:
+# those a later migration added follow written_at in the table).
 COLUMN_TYPES: dict[str, str] = {
     "request_id": "text",
     "ts": "timestamptz",
@@ -63,6 +64,8 @@ COLUMN_TYPES: dict[str, str] = {
     "cached_tokens": "int8",
     "reserved_tokens": "int8",
     "charged_tokens": "int8",
+    "borrowed_requests": "int4",
+    "borrowed_tokens": "int8",
     "ttft_ms": "float8",
     "duration_ms": "float8",
     "bytes_in": "int8",

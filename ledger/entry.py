@@ -2,7 +2,8 @@
 
 The entry carries every filter's dynamic metadata: extauthz's tenant context and request facts
 (llmgw/facts.py), the pod's usage and the streamed-event count (`llmgw.usage`, envoy/usage.lua),
-and the router's pick (`envoy.lb`).
+what the admission borrowed (`envoy.filters.http.ratelimit`, absent on base quota) and the
+router's pick (`envoy.lb`).
 
 Outcome kinds, from what the client finally got (after Envoy's retries):
 - `refused`: the request was refused as it stood: by the gateway without asking a pod
@@ -107,6 +108,7 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     filter_meta = common.metadata.filter_metadata
     authz = _namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE)
     usage = _namespace(filter_meta, wire.USAGE_NAMESPACE)
+    admission = _namespace(filter_meta, wire.RATELIMIT_NAMESPACE)
     request_id = str(authz.get(wire.META_REQUEST_ID) or entry.request.request_id)
     if not request_id:
         return None
@@ -161,6 +163,8 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
         completion_tokens=completion_tokens,
         cached_tokens=_int(usage, wire.META_CACHED_TOKENS) or 0,
         reserved_tokens=reserved,
+        borrowed_requests=_int(admission, wire.META_BORROWED_REQUESTS) or 0,
+        borrowed_tokens=_int(admission, wire.META_BORROWED_TOKENS) or 0,
         ttft_ms=ttft,
         duration_ms=duration,
         bytes_in=entry.request.request_headers_bytes + entry.request.request_body_bytes,

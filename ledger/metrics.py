@@ -39,6 +39,13 @@ SETTLEMENTS = Counter(
     "Settlements by result: settled (a reservation), unreserved (none found), duplicate.",
     ["result"],
 )
+UNRESERVED = Counter(
+    "llmgw_ledger_unreserved_admissions_total",
+    "Requests that reached a pod with no reservation in Redis: the rate-limit service failed "
+    "open (down, or too slow for Envoy's timeout), decided from local counters (Redis down), or "
+    "the reservation expired before settlement.",
+    ["tenant"],
+)
 SETTLE_SECONDS = Histogram(
     "llmgw_ledger_settle_seconds",
     "One batch's settlement round trip to Redis.",

@@ -13,13 +13,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from ledger import metrics
 from ledger.settlement import Charge, Settled, settle
+from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
-from llmgw.resp import Resp, RespError
+from llmgw.resp import RespError
 from llmgw.serve import finish
 
 log = logging.getLogger("ledger.recorder")
@@ -30,28 +31,6 @@ _RESULTS = {0: "unreserved", 1: "settled", 2: "duplicate"}
 
 class Sink(Protocol):
     def submit(self, records: Sequence[Outcome]) -> None: ...
-
-
-class RedisLink:
-    """One pipelined connection, made again after it breaks."""
-
-    def __init__(
-        self, host: str, port: int, connect_timeout_s: float, password: str | None = None
-    ) -> None:
-        self.host, self.port, self.connect_timeout_s = host, port, connect_timeout_s
-        self._password = password
-        self._client: Resp | None = None
-
-    async def get(self) -> Resp:
-        if self._client is None or self._client.closed:
-            self._client = await Resp.connect(
-                self.host, self.port, self.connect_timeout_s, self._password
-            )
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
 
 
 class Recorder:
@@ -65,7 +44,6 @@ class Recorder:
         done_ttl_s: float,
         timeout_s: float,
         retry_max_s: float,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = redis
         self.sink = sink
@@ -74,7 +52,6 @@ class Recorder:
         self.done_ttl_ms = int(done_ttl_s * 1000)
         self.timeout_s = timeout_s
         self.retry_max_s = retry_max_s
-        self.clock = clock
         self._pending: collections.deque[Outcome] = collections.deque()
         self._wake = asyncio.Event()
         self._closing = False
@@ -155,9 +132,7 @@ class Recorder:
         started = time.perf_counter()
         async with asyncio.timeout(self.timeout_s):
             client = await self.redis.get()
-            settled = await settle(
-                client, list(charges.values()), int(self.clock() * 1000), self.done_ttl_ms
-            )
+            settled = await settle(client, list(charges.values()), self.done_ttl_ms)
         metrics.SETTLE_SECONDS.observe(time.perf_counter() - started)
         return dict(zip(charges, settled, strict=True))
 
@@ -169,6 +144,8 @@ class Recorder:
                 charged = o.reserved_tokens if o.tenant else 0
             else:
                 metrics.SETTLEMENTS.labels(_RESULTS.get(result.state, "unknown")).inc()
+                if result.state == 0 and o.pod and o.reserved_tokens:
+                    metrics.UNRESERVED.labels(o.tenant).inc()
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged

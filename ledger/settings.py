@@ -15,6 +15,10 @@ class RedisSettings(Strict):
     host: str = "127.0.0.1"
     port: int = 6379
     password: SecretStr | None = None  # Redis's requirepass; None: no AUTH
+    # host:port is one node of a Redis Cluster; the others are found from it (llmgw/cluster.py).
+    # Run the cluster with `cluster-require-full-coverage no`: else while one master is down
+    # (until its replica takes over; for good without one) every slot stalls, not just its own.
+    cluster: bool = False
     connect_timeout_s: float = Field(default=0.5, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)  # one batch's settlement round trip
 

@@ -1,19 +1,26 @@
--- Settle one request's tokens, atomically and at most once (idempotent by request ID).
--- KEYS[1]: the tenant's key prefix (llmgw.wire.tenant_prefix). ARGV: now_ms, request id, actual
--- tokens, done_ttl_ms.
+-- Settle one request's tokens, atomically and at most once (idempotent by request ID), at Redis's
+-- own time, under the window rule of ratelimit/windows.py.
+-- KEYS[1]: the tenant's key prefix (llmgw.wire.tenant_prefix). ARGV: request id, actual tokens,
+-- done_ttl_ms.
 -- The reservation `<prefix>:res:<id>` (ratelimit/admit.lua) holds n = tokens reserved and s = one
--- "name bucket_ms buckets bucket_index" quadruple per token window it was charged to. Per window:
---   * reserved bucket still inside the window: refund (n - actual) into it, or add the excess
---     (actual - n) to the current bucket;
---   * reserved bucket already left the window (a stream longer than it): charge the actual tokens
---     to the current bucket, so the stream counts in every window it ran in.
+-- "name bucket_ms buckets rolling bucket_index" per token window it was charged to. With c the
+-- current bucket and N the window's buckets, per window:
+--   * reserved bucket still counted whole (index > c − N): refund (n − actual) into it, or add
+--     the excess (actual − n) to the current bucket;
+--   * reserved bucket decaying (c − N) or gone (a stream about as long as its window, or longer):
+--     charge the actual tokens to the current bucket and leave the reservation where it is. The
+--     stream then counts in every window it ran in; the reservation counts on only while its
+--     bucket decays (at most one bucket, the strict side). Refunding into the decaying bucket
+--     instead would count the stream's tokens only at the decay's weight in the window it ended in.
 -- Without a reservation (admitted fail-open or degraded, or expired) the actual tokens are charged
 -- to the current buckets of the tenant's windows (`<prefix>:tspec`), when known.
+-- Buckets created here live as long as admit.lua's: N + 2 buckets (N + 1 fixed).
 -- Returns {1 reservation settled | 0 none | 2 already settled, tokens reserved, tokens charged}.
 local p = KEYS[1]
-local now = tonumber(ARGV[1])
-local rid = ARGV[2]
-local actual = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rid = ARGV[1]
+local actual = tonumber(ARGV[2])
 local done = p .. ':done:' .. rid
 if redis.call('EXISTS', done) == 1 then return {2, 0, 0} end
 local rkey = p .. ':res:' .. rid
@@ -25,10 +32,10 @@ if found == 0 then spec = redis.call('GET', p .. ':tspec') end
 if spec and (found == 1 or actual > 0) then
   local f = {}
   for w in string.gmatch(spec, '%S+') do f[#f + 1] = w end
-  for i = 1, #f - 3, 4 do
-    local name, bms, nb, idx = f[i], tonumber(f[i + 1]), tonumber(f[i + 2]), tonumber(f[i + 3])
+  for i = 1, #f - 4, 5 do
+    local name, bms, nb = f[i], tonumber(f[i + 1]), tonumber(f[i + 2])
+    local rolling, idx = tonumber(f[i + 3]), tonumber(f[i + 4])
     local cur = math.floor(now / bms)
-    local ckey = p .. ':' .. name .. ':' .. string.format('%d', cur)
     local add = actual
     if found == 1 and idx > cur - nb then
       add = actual - reserved
@@ -38,11 +45,12 @@ if spec and (found == 1 or actual > 0) then
       end
     end
     if add > 0 then
+      local ckey = p .. ':' .. name .. ':' .. string.format('%d', cur)
       redis.call('INCRBY', ckey, add)
-      redis.call('PEXPIRE', ckey, (nb + 1) * bms)
+      redis.call('PEXPIRE', ckey, (nb + rolling + 1) * bms)
     end
   end
 end
 if found == 1 then redis.call('DEL', rkey) end
-redis.call('SET', done, 1, 'PX', tonumber(ARGV[4]))
+redis.call('SET', done, 1, 'PX', tonumber(ARGV[3]))
 return {found, reserved, spec and actual or 0}

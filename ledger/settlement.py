@@ -2,9 +2,10 @@
 
 A batch is settled in one Redis round trip: every EVALSHA is written before any reply is awaited
 (llmgw/resp.py pipelines), and each script touches one tenant's keys only (one Cluster slot).
-Idempotent by request ID, so a batch delivered twice charges once. When Redis cannot be reached
-the batch is not lost: the caller keeps it and tries again; until then its reservations stay
-charged as reserved (never over-refunded).
+Each script settles at Redis's own time (TIME), the clock admission decides by, never the
+ledger's. Idempotent by request ID, so a batch delivered twice charges once. When Redis cannot be
+reached the batch is not lost: the caller keeps it and tries again; until then its reservations
+stay charged as reserved (never over-refunded).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-from llmgw.resp import Resp, RespError
+from llmgw.resp import Client, RespError
 from llmgw.wire import tenant_prefix
 
 SOURCE = resources.files("ledger").joinpath("settle.lua").read_text()
@@ -36,15 +37,13 @@ class Settled:
     charged: int
 
 
-async def settle(
-    client: Resp, charges: Sequence[Charge], now_ms: int, done_ttl_ms: int
-) -> list[Settled]:
+async def settle(client: Client, charges: Sequence[Charge], done_ttl_ms: int) -> list[Settled]:
     """Settle every charge; raises ConnectionError, TimeoutError or RespError when Redis fails."""
-    replies = await _run(client, charges, now_ms, done_ttl_ms)
+    replies = await _run(client, charges, done_ttl_ms)
     missing = [i for i, r in enumerate(replies) if _noscript(r)]
     if missing:  # Redis restarted or flushed its scripts: load, then run just those again
         await client.call("SCRIPT", "LOAD", SOURCE)
-        again = await _run(client, [charges[i] for i in missing], now_ms, done_ttl_ms)
+        again = await _run(client, [charges[i] for i in missing], done_ttl_ms)
         for i, reply in zip(missing, again, strict=True):
             replies[i] = reply
     out: list[Settled] = []
@@ -58,13 +57,9 @@ async def settle(
     return out
 
 
-async def _run(
-    client: Resp, charges: Sequence[Charge], now_ms: int, done_ttl_ms: int
-) -> list[object]:
+async def _run(client: Client, charges: Sequence[Charge], done_ttl_ms: int) -> list[object]:
     futures = [
-        client.call(
-            "EVALSHA", SHA, 1, tenant_prefix(c.tenant), now_ms, c.request_id, c.tokens, done_ttl_ms
-        )
+        client.call("EVALSHA", SHA, 1, tenant_prefix(c.tenant), c.request_id, c.tokens, done_ttl_ms)
         for c in charges
     ]
     return list(await asyncio.gather(*futures, return_exceptions=True))

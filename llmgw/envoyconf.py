@@ -79,8 +79,11 @@ class Services(Strict):
     ratelimit: Address | None = None
     router: Address | None = None
     ledger: Address | None = None  # the access-log service: outcomes, settlement, usage ledger
-    timeout: str = "0.5s"  # extauthz; fail closed
-    ratelimit_timeout: str = "0.05s"  # fail open (failure_mode_deny: false)
+    # Long enough to mean "down", not "busy": a burst of 1,000 requests queues ~0.5 s of decisions
+    # on one core (tests/test_burst.py). extauthz fails closed (503); the rate limiter fails open,
+    # so a timeout that fired while it was merely busy would admit unchecked.
+    timeout: str = "2s"
+    ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
     log_flush: str = "0.2s"  # access-log batches to the ledger and the router, at least this often
 

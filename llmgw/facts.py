@@ -4,6 +4,10 @@ extauthz publishes them as dynamic metadata in its namespace; Envoy's rate-limit
 router (ext_proc `forwarding_namespaces`) and the access log (hence the ledger) read them from
 there, so no other process parses the body and no two parse it differently.
 
+The reservation is an upper bound the pod respects: the prompt estimate plus the output cap of
+every sequence, and that cap is the one the pod receives (extauthz appends it to the body), so a
+client that names none is not reserved a guess.
+
 Prefix blocks: the prompt rendered the way a chat template lays it out (role markers around each
 message), cut into blocks of 16 "tokens" of ~4 characters; each block's hash covers every block
 before it, so equal hashes mean equal prefixes. They travel as one hex string (16 characters a
@@ -13,7 +17,9 @@ block): protobuf Struct numbers are doubles, which cannot hold a 64-bit hash.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +30,17 @@ BLOCK_TOKENS = 16
 CHARS_PER_TOKEN = 4
 BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
 _HASH_HEX = 16
-# No client number reaches Redis or a pod unclamped: beyond any model's context.
+# No client number reaches Redis or a pod unclamped. An output cap beyond any model's context:
 MAX_OUTPUT_TOKENS = 1 << 24
-MAX_CHOICES = 128
-MAX_SEQUENCES = 4096  # choices × prompts of one request
+# vLLM refuses an `n` above VLLM_MAX_N_SEQUENCES (16384 by default), so this clamp never reserves
+# less than a served request generates.
+MAX_CHOICES = 16384
+# The reservation: above every limit (a request this large is refused, never admitted), exact as
+# a double (metadata numbers are doubles) and far from overflowing Redis's 64-bit counters.
+MAX_RESERVATION = 10**15
+# What /v1/completions generates when the body has no `max_tokens` (vLLM's CompletionRequest
+# default, OpenAI's too); an explicit null leaves it open, like chat's absent cap.
+COMPLETIONS_DEFAULT_OUTPUT = 16
 
 MetaValue = str | float | bool | Mapping[str, "MetaValue"]
 
@@ -38,15 +51,15 @@ class RequestFacts:
     stream: bool = False
     include_usage: bool = False  # the client asked for the usage chunk (stream_options)
     n: int = 1  # sequences generated: max(n, best_of) for each prompt of the request
-    max_output: int = 0  # output cap per choice the reservation assumes
+    max_output: int = 0  # output cap per sequence: the one the pod receives
     prompt_tokens: int = 0  # estimate
     prefix_blocks: tuple[int, ...] = ()
     first_turn: bool = False  # a known body with no assistant message: no pod has its KV yet
 
     @property
     def token_estimate(self) -> int:
-        """The reservation: prompt plus every choice's output cap."""
-        return self.prompt_tokens + self.max_output * self.n
+        """The reservation: prompt plus every sequence's output cap."""
+        return min(self.prompt_tokens + self.max_output * self.n, MAX_RESERVATION)
 
     def to_metadata(self) -> dict[str, MetaValue]:
         meta: dict[str, MetaValue] = {
@@ -85,42 +98,69 @@ def from_body(
     request: Mapping[str, Any],
     *,
     chars_per_token: float,
-    default_output: int,
+    image_tokens: int,
+    max_output: int,
     max_blocks: int,
     model: str | None,
     cache_group: str = "",
 ) -> RequestFacts:
-    """Facts of a parsed JSON object body; `model` is the validated model name, if any.
+    """Facts of a parsed JSON object body; `model` is the validated model name, if any;
+    `max_output` the most output per sequence the gateway allows (`output_cap`).
 
     Values are read the way the pod reads them (vLLM validates with pydantic in lax mode:
-    `"stream": "true"` streams, `"max_tokens": 2500.0` is 2500), or a client could make the
-    gateway believe something other than what the pod does.
+    `"stream": "true"` streams, `"n": "3.0"` is 3), or a client could make the gateway believe
+    something other than what the pod does.
     """
     stream = _lax_bool(request.get("stream"))
     options = request.get("stream_options")
     include_usage = stream and isinstance(options, dict) and _lax_bool(options.get("include_usage"))
-    output = _max_output(request)
     choices = max(_count(request.get("n")), _count(request.get("best_of")))
     return RequestFacts(
         model=model,
         stream=stream,
         include_usage=include_usage,
-        n=min(choices * _prompts(request.get("prompt")), MAX_SEQUENCES),
-        max_output=default_output if output is None else output,
-        prompt_tokens=prompt_tokens(request, chars_per_token),
+        n=choices * _prompts(request.get("prompt")),
+        max_output=output_cap(request, max_output),
+        prompt_tokens=prompt_tokens(request, chars_per_token, image_tokens),
         prefix_blocks=block_hashes(render(request), max_blocks, cache_group),
         first_turn=is_first_turn(request),
     )
 
 
-def prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
-    """Estimated prompt tokens: characters of text / chars_per_token, token-ID prompts as given."""
+def output_cap(request: Mapping[str, Any], maximum: int) -> int:
+    """The output cap per sequence the pod gets: the client's, lowered to `maximum`, or
+    `maximum` when the client leaves it open. `min(output_cap(r, a), b)` is
+    `output_cap(r, min(a, b))`, so a bound known only later (the tenant's) lowers it alike.
+
+    The client's cap is the one vLLM reads: chat's `max_completion_tokens`, else `max_tokens`;
+    a body without `messages` is a completion, whose absent `max_tokens` means 16. A value the
+    pod would refuse (negative, fractional, not a number) counts as none: the gateway's cap
+    replaces it in the body.
+    """
+    if "messages" in request:
+        asked = _lax_int(request.get("max_completion_tokens"))
+        if asked is None or asked < 0:
+            asked = _lax_int(request.get("max_tokens"))
+    elif "max_tokens" in request:
+        asked = _lax_int(request["max_tokens"])
+    else:
+        asked = COMPLETIONS_DEFAULT_OUTPUT
+    return maximum if asked is None or asked < 0 else min(asked, maximum)
+
+
+def prompt_tokens(request: Mapping[str, Any], chars_per_token: float, image_tokens: int) -> int:
+    """Estimated prompt tokens: characters of text / chars_per_token; tool definitions and tool
+    calls by the size of their JSON (the chat template renders them into the prompt); each
+    content part without text (an image, audio, a file) as `image_tokens`; token-ID prompts by
+    their length."""
     chars = 0
     tokens = 0
     messages = request.get("messages")
     if isinstance(messages, list):
         for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
             if isinstance(content, str):
                 chars += len(content)
             elif isinstance(content, list):
@@ -128,6 +168,11 @@ def prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
                     text = part.get("text") if isinstance(part, dict) else None
                     if isinstance(text, str):
                         chars += len(text)
+                    else:
+                        tokens += image_tokens
+            chars += _json_chars(message.get("tool_calls"))
+    for name in ("tools", "functions"):
+        chars += _json_chars(request.get(name))
     for name in ("prompt", "input"):
         value = request.get(name)
         if isinstance(value, str):
@@ -143,25 +188,19 @@ def prompt_tokens(request: Mapping[str, Any], chars_per_token: float) -> int:
     return math.ceil(chars / chars_per_token) + tokens
 
 
+def _json_chars(value: object) -> int:
+    return len(json.dumps(value)) if isinstance(value, list | dict) and value else 0
+
+
 def render(request: Mapping[str, Any]) -> str:
     """Chat messages as a template would render them; a completions `prompt` as is."""
     messages = request.get("messages")
     if isinstance(messages, list):
-        parts = []
-        for msg in messages:
-            if not isinstance(msg, dict):
-                continue
-            content = msg.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(
-                    p["text"]
-                    for p in content
-                    if isinstance(p, dict) and isinstance(p.get("text"), str)
-                )
-            parts.append(
-                f"<|{msg.get('role', '')}|>\n{content if isinstance(content, str) else ''}<|end|>\n"
-            )
-        return "".join(parts)
+        return "".join(
+            f"<|{msg.get('role', '')}|>\n{_text(msg.get('content'))}<|end|>\n"
+            for msg in messages
+            if isinstance(msg, dict)
+        )
     prompt = request.get("prompt")
     return prompt if isinstance(prompt, str) else ""
 
@@ -198,6 +237,7 @@ def block_hashes(text: str, max_blocks: int, cache_group: str = "") -> tuple[int
 
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_INT_TEXT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*")
 
 
 def _lax_bool(value: object) -> bool:
@@ -210,26 +250,17 @@ def _lax_bool(value: object) -> bool:
 
 
 def _lax_int(value: object) -> int | None:
-    """An integer where pydantic's lax int accepts one (2500, 2500.0, "2500"), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
+    """An integer where pydantic's lax int reads one (2500, 2500.0, "2500", " 2_500.0 ", true),
+    else None."""
+    if isinstance(value, int):  # bool too: pydantic reads true as 1
+        return int(value)
     if isinstance(value, float):
         return int(value) if value.is_integer() else None
-    if isinstance(value, str):
+    if isinstance(value, str) and (found := _INT_TEXT.fullmatch(value)):
         try:
-            return int(value.strip())
-        except ValueError:
+            return int(found[1])
+        except ValueError:  # more than Python's 4,300 digits: beyond every clamp anyway
             return None
-    return None
-
-
-def _max_output(request: Mapping[str, Any]) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = _lax_int(request.get(name))
-        if value is not None and value >= 0:
-            return min(value, MAX_OUTPUT_TOKENS)
     return None
 
 

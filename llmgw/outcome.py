@@ -42,6 +42,11 @@ class Outcome(BaseModel):
     cached_tokens: int = 0
     reserved_tokens: int = 0  # the reservation made at admission (0: none)
     charged_tokens: int = 0  # what settlement left charged against the tenant's quota
+    # What the admission drew from the fleet's borrowing pool (ratelimit/pool.py); 0: it ran on
+    # base quota. The draw is made at admission and never refunded to the pool (settlement
+    # refunds the tenant's windows), so borrowed_tokens bounds the borrowed use from above.
+    borrowed_requests: int = 0
+    borrowed_tokens: int = 0
     ttft_ms: float | None = None  # first byte to the client; None when none was sent
     duration_ms: float = 0.0
     bytes_in: int = 0

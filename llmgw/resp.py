@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 Reply: TypeAlias = int | bytes | str | list["Reply"] | None
 Arg = bytes | str | int
@@ -35,6 +35,17 @@ def encode(args: tuple[Arg, ...]) -> bytes:
         raw = arg if isinstance(arg, bytes) else str(arg).encode()
         parts.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
     return b"".join(parts)
+
+
+class Client(Protocol):
+    """What the services use of Redis: one node (Resp) or a Redis Cluster (llmgw.cluster)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def call(self, *args: Arg) -> asyncio.Future[Reply]: ...
+
+    async def close(self) -> None: ...
 
 
 class Resp:

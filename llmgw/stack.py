@@ -53,7 +53,7 @@ class StackSettings(Strict):
     # (None: inside the run's state directory, gone with it).
     database_url: str | None = None
     postgres_dir: Path | None = None
-    ratelimit_limits: Path | None = None  # tiers and tenant limits (ratelimit/limits.py)
+    ratelimit_limits: Path | None = None  # the tier table (llmgw/tiers.py): ratelimit, extauthz
     # How long a token reservation waits for the ledger's settlement (then it stays charged).
     ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
     # extauthz hands each tenant's priority to the pods' scheduler (x-vllm-priority); off: all 0.
@@ -182,7 +182,9 @@ class Stack:
         if self.settings.ratelimit_limits is not None:
             # A copy in the state dir: the stack's whole configuration lives in one place.
             self.limits_file.write_bytes(self.settings.ratelimit_limits.read_bytes())
+            # The tier table: ratelimit's limits, and the tiers extauthz lets a tenant name.
             settings["ratelimit"]["LIMITS_FILE"] = str(self.limits_file)
+            settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
         self.services = Services.model_validate(
             {name: self._start_service(name, settings[name]) for name in self.settings.services}
         )

@@ -3,11 +3,12 @@
     llmgw usage [--database-url URL] [--tenant T] [--session S] [--since 1h]
                 [--by tenant|session|model|pod] [--json]
 
-Totals by a key (default tenant) as an aligned table; `--session S`: that session's requests in
-time order; `--json`: the matching requests, one JSON object per line, keys JSON_FIELDS first
-(with `--by`, the totals instead). The database: `--database-url`, else $LLMGW_DATABASE_URL, else
-the `database_url` of the newest `.llmgw/run-*/ready.json`, else the local stack's PostgreSQL if
-it runs (`.llmgw/postgres/`).
+Totals by a key (default tenant) as an aligned table, the charged tokens split into base and
+borrowed quota (the seed's bill); `--session S`: that session's requests in time order; `--json`:
+the matching requests, one JSON object per line, keys JSON_FIELDS first (with `--by`, the totals
+instead). The database: `--database-url`, else $LLMGW_DATABASE_URL, else the `database_url` of
+the newest `.llmgw/run-*/ready.json`, else the local stack's PostgreSQL if it runs
+(`.llmgw/postgres/`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ TOTAL_COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "charged_tokens",
+    "base_tokens",
+    "borrowed_tokens",
+    "borrowed_requests",
     "ttft_p50_ms",
     "ttft_p90_ms",
 )
@@ -69,6 +73,8 @@ RECORD_COLUMNS = (
             "stream",
             "cached_tokens",
             "reserved_tokens",
+            "borrowed_requests",
+            "borrowed_tokens",
             "bytes_in",
             "bytes_out",
         )
@@ -106,6 +112,12 @@ def totals_sql(by: By, filters: Filters) -> str:
         " sum(prompt_tokens)::bigint AS prompt_tokens,"
         " sum(completion_tokens)::bigint AS completion_tokens,"
         " sum(charged_tokens)::bigint AS charged_tokens,"
+        # The bill's split of the charged tokens. A record's borrowed_tokens is the draw at
+        # admission, an upper bound of its borrowed use: settlement refunds the tenant's windows,
+        # never the pool. So borrowed use is the draw capped at the charge, base use the rest.
+        " sum(greatest(charged_tokens - borrowed_tokens, 0))::bigint AS base_tokens,"
+        " sum(least(borrowed_tokens, charged_tokens))::bigint AS borrowed_tokens,"
+        " sum(borrowed_requests)::bigint AS borrowed_requests,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_ms) AS ttft_p50_ms,"
         " percentile_cont(0.9) WITHIN GROUP (ORDER BY ttft_ms) AS ttft_p90_ms"
         f" FROM outcomes {filters.where} GROUP BY {key} ORDER BY requests DESC, {key}"

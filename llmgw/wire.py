@@ -42,7 +42,8 @@ META_MAX_OUTPUT = "max_output"
 META_FIRST_TURN = "first_turn"
 META_PREFIX_BLOCKS = "prefix_blocks"
 # JSON members Envoy appends to the request body's object (envoy/rewrite.lua): the gateway's own
-# values for fields the pod reads (e.g. `"cache_salt": "…"`), after the client's.
+# values for fields the pod reads (`"cache_salt": "…"`, the output cap `"max_tokens": N`), after
+# the client's.
 META_BODY_SUFFIX = "body_suffix"
 # A tenant's allowed models, space-separated (model names have no spaces), on GET /v1/models:
 # Envoy drops the others from the pods' list (envoy/rewrite.lua). Absent: every model.
@@ -55,7 +56,9 @@ META_LIMIT_TOKENS = "limit_tokens"
 HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 
 # The OpenAI endpoints the pods serve: generation takes a JSON body (POST), models is read (GET).
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+CHAT_PATH = "/v1/chat/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"  # vectors: no output tokens, so no output cap
+GENERATION_PATHS = (CHAT_PATH, "/v1/completions", EMBEDDINGS_PATH)
 MODELS_PATH = "/v1/models"
 
 # Endpoint picking (Gateway API Inference Extension protocol): the router writes an ordered
@@ -81,6 +84,12 @@ TRUSTED_HEADERS = (
 
 # Rate limiting.
 RATELIMIT_DOMAIN = "llmgw"
+# What an admission drew from the fleet's borrowing pool (ratelimit/pool.py), as numbers in the
+# dynamic metadata of the RLS response, which Envoy keeps under its rate-limit filter's name (in
+# every access-log entry); absent on base quota.
+RATELIMIT_NAMESPACE = "envoy.filters.http.ratelimit"
+META_BORROWED_REQUESTS = "borrowed_requests"
+META_BORROWED_TOKENS = "borrowed_tokens"
 # A response's token usage, written by Envoy on the way out and read from the access log by the
 # ledger: the pod's usage object (sse_to_metadata, json_to_metadata) when it arrived, and the
 # count of content events that reached the client (envoy/usage.lua) for streams cut short.
@@ -101,3 +110,5 @@ def tenant_prefix(tenant: str) -> str:
 
 # Fleet load published by the router for quota borrowing (Redis).
 FLEET_LOAD_KEY = "llmgw:fleet:load"
+# The fleet's borrowing pool (ratelimit/pool.py): its own hash tag, one Redis Cluster slot.
+POOL_PREFIX = "llmgw:pool:{fleet}"

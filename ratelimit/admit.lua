@@ -1,52 +1,61 @@
--- One admission decision, atomically (rule: ratelimit/windows.py).
+-- One admission decision, atomically, at Redis's own time (rule: ratelimit/windows.py).
 -- KEYS[1]: the tenant's key prefix "llmgw:rl:{tenant}"; every key below shares its hash tag.
--- ARGV: now_ms, shadow (0/1), reservation id ("" for none), reservation ttl_ms, check count,
---       then per check: name, bucket_ms, buckets, limit, cost, reserve (0/1).
--- Returns one string of integers separated by spaces: admitted (0/1), then each check's buckets
--- before this decision, newest first. One bulk string, not an array of integers: the client
--- reads one reply instead of one per bucket (about 25 per decision).
+-- ARGV: shadow (0/1), reservation id ("" for none), reservation ttl_ms, check count,
+--       then per check: name, bucket_ms, buckets, rolling (0/1), limit, cost, reserve (0/1).
+-- Returns one string of integers separated by spaces: admitted (0/1), the time it decided at
+-- (ms), then each check's buckets before this decision, newest first (buckets + rolling of them).
+-- One bulk string, not an array of integers: the client reads one reply instead of one per bucket.
 local p = KEYS[1]
-local now = tonumber(ARGV[1])
-local shadow = ARGV[2] == '1'
-local rid = ARGV[3]
-local ttl = tonumber(ARGV[4])
-local n = tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local shadow = ARGV[1] == '1'
+local rid = ARGV[2]
+local ttl = tonumber(ARGV[3])
+local n = tonumber(ARGV[4])
 
-local out = {'0'}
+local out = {'0', string.format('%d', now)}
 local plan = {}
 local ok = true
 local longest = 0
-local a = 6
+local a = 5
 for i = 1, n do
-  local name, bms, nb = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  local limit, cost, reserve = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5] == '1'
-  a = a + 6
+  local name, bms, nb, rolling = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local limit, cost, reserve = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), ARGV[a + 6] == '1'
+  a = a + 7
   local cur = math.floor(now / bms)
+  local span = nb + rolling
   local keys = {}
-  for j = 0, nb - 1 do keys[j + 1] = p .. ':' .. name .. ':' .. string.format('%d', cur - j) end
+  for j = 0, span - 1 do keys[j + 1] = p .. ':' .. name .. ':' .. string.format('%d', cur - j) end
   local vals = redis.call('MGET', unpack(keys))
   local used = 0
-  for j = 1, nb do
+  for j = 1, span do
     local v = tonumber(vals[j]) or 0
-    used = used + v
+    if j <= nb then used = used + v end
     out[#out + 1] = string.format('%d', v)
   end
+  if rolling == 1 then
+    -- ⌈B·w/b⌉ as ⌊B/b⌋·w + ⌈(B mod b)·w/b⌉: each product stays exact in Lua's doubles.
+    local old, w = tonumber(vals[span]) or 0, bms - (now - cur * bms)
+    local q = math.floor(old / bms)
+    used = used + q * w + math.floor(((old - q * bms) * w + bms - 1) / bms)
+  end
   if used + cost > limit then ok = false end
-  if nb * bms > longest then longest = nb * bms end
-  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. string.format('%d', cur), cost, (nb + 1) * bms, reserve}
+  if span * bms > longest then longest = span * bms end
+  -- The cost as sent (an integer string): Lua would print a large number in exponent form.
+  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. rolling .. ' ' .. string.format('%d', cur), cost, ARGV[a - 2], (span + 1) * bms, reserve}
 end
 
 if ok or shadow then
   local taken = {}
   local amount = 0
   for i = 1, n do
-    local key, suffix, cost, life, reserve = unpack(plan[i])
+    local key, suffix, cost, sent, life, reserve = unpack(plan[i])
     if cost > 0 then
-      redis.call('INCRBY', key, cost)
+      redis.call('INCRBY', key, sent)
       redis.call('PEXPIRE', key, life)
       if reserve then
         taken[#taken + 1] = suffix
-        amount = cost
+        amount = sent
       end
     end
   end

@@ -1,20 +1,17 @@
-"""The fleet-load contract (router → ratelimit) and how much idle capacity may be borrowed.
+"""The fleet-load contract (router → ratelimit): the fleet's utilisation and measured capacity.
 
-The router writes Redis key `llmgw:fleet:load` (llmgw.wire.FLEET_LOAD_KEY) every second or so,
-either as a JSON string or as a hash with the same fields:
+The router (router/fleet.py) writes Redis key `llmgw:fleet:load` (llmgw.wire.FLEET_LOAD_KEY)
+every second or so as JSON (a hash with the same fields is read too):
 
     load            float 0-1   the fleet's utilisation (1 = saturated)
-    capacity_tpm    int ≥ 0     tokens per minute the whole fleet can serve (optional)
-    capacity_rpm    int ≥ 0     requests per minute the whole fleet can serve (optional)
+    capacity_tpm    int ≥ 0     tokens per minute the pickable pods can serve, measured from the
+                                pods' own counters (router/capacity.py); 0 = not known yet
+    capacity_rpm    int ≥ 0     requests per minute, measured the same way; 0 = not known yet
     ts              float       Unix seconds when it was measured
 
 e.g. `SET llmgw:fleet:load '{"load": 0.3, "capacity_tpm": 3000000, "capacity_rpm": 6000,
 "ts": 1767000000.5}'`. A missing, malformed or stale (older than `stale_after_s`, default 3 s)
-signal counts as load 1: nothing to borrow.
-
-Borrowable per window = capacity × (window / 1 min) × (0.7 − load) × 0.8 while load < 0.7,
-times the tier's borrow share (platinum 1.0, standard 0.5, free 0). It is added to the base limit of
-each request and token rate limit (never to a hard budget), and counted like any other use.
+signal counts as load 1, and an unknown capacity as 0: nothing to borrow (ratelimit/pool.py).
 Each replica caches the key for `cache_s` (default 0.5 s) and refreshes it in the background,
 so no decision waits for it.
 """
@@ -26,11 +23,6 @@ import json
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-from ratelimit.types import UNIT_MS, Kind, Unit
-
-BORROW_BELOW = 0.7
-BORROW_FACTOR = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +46,7 @@ def parse(raw: bytes | dict[str, bytes] | None) -> FleetLoad:
         ts = float(fields["ts"])
         tpm = int(float(fields.get("capacity_tpm", 0)))
         rpm = int(float(fields.get("capacity_rpm", 0)))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return IDLE_UNKNOWN
     if not (math.isfinite(load) and math.isfinite(ts)) or tpm < 0 or rpm < 0:
         return IDLE_UNKNOWN
@@ -63,17 +55,6 @@ def parse(raw: bytes | dict[str, bytes] | None) -> FleetLoad:
 
 def effective_load(fleet: FleetLoad, now_s: float, stale_after_s: float) -> float:
     return fleet.load if now_s - fleet.ts <= stale_after_s else 1.0
-
-
-def borrowable(
-    fleet: FleetLoad, kind: Kind, unit: Unit, share: float, now_s: float, stale_after_s: float
-) -> int:
-    load = effective_load(fleet, now_s, stale_after_s)
-    if load >= BORROW_BELOW or share <= 0:
-        return 0
-    per_minute = fleet.capacity_tpm if kind == "tokens" else fleet.capacity_rpm
-    idle = per_minute * (UNIT_MS[unit] / 60_000) * (BORROW_BELOW - load) * BORROW_FACTOR
-    return int(idle * share)
 
 
 class FleetView:

@@ -12,9 +12,11 @@ from dataclasses import replace
 
 from llmgw.wire import tenant_prefix
 from ratelimit import metrics
-from ratelimit.fleet import FleetLoad, borrowable, effective_load
+from ratelimit.fleet import FleetLoad, effective_load
+from ratelimit.pool import Draw, Pool, size
 from ratelimit.store import Store
 from ratelimit.types import (
+    MAX_COUNT,
     UNIT_MS,
     Admission,
     Check,
@@ -22,10 +24,12 @@ from ratelimit.types import (
     Kind,
     KindState,
     Limit,
+    Outcome,
     Policy,
     Refusal,
     Unit,
     Verdict,
+    share,
 )
 from ratelimit.windows import SLIDING, fixed, state
 
@@ -70,140 +74,178 @@ class Limiter:
         stale_after_s: float = 3.0,
         near_limit_ratio: float = 0.1,
         rng: random.Random | None = None,
+        pool: Pool | None = None,
     ) -> None:
         self.limits = limits
         self.store = store
         self.fleet = fleet
+        self.pool = pool  # None: nobody borrows
         self.clock = clock
         self.reservation_ttl_ms = int(reservation_ttl_s * 1000)
         self.stale_after_s = stale_after_s
         self.near_limit_ratio = near_limit_ratio
         self.rng = rng or random.Random()
 
-    def checks(
-        self,
-        policy: Policy,
-        estimate: int | None,
-        fleet: FleetLoad,
-        now_s: float,
-        count_request: bool = True,
-    ) -> tuple[list[Check], list[tuple[Kind, int]]]:
-        """The checks of one admission, and each one's kind and base limit (before borrowing)."""
+    @staticmethod
+    def checks(policy: Policy, estimate: int | None, count_request: bool = True) -> list[Check]:
+        """The checks of one admission, at the base limits."""
         checks: list[Check] = []
-        bases: list[tuple[Kind, int]] = []
         kinds: list[tuple[Kind, int, bool]] = [("requests", 1, False)] if count_request else []
         if estimate is not None:
             kinds.append(("tokens", estimate, True))
         for kind, cost, reserve in kinds:
             for lim in policy.requests if kind == "requests" else policy.tokens:
-                extra = borrowable(
-                    fleet, kind, lim.unit, policy.borrow_share, now_s, self.stale_after_s
-                )
                 checks.append(
-                    Check(
-                        f"{kind}:{lim.unit}", SLIDING[lim.unit], lim.amount + extra, cost, reserve
-                    )
+                    Check(f"{kind}:{lim.unit}", SLIDING[lim.unit], lim.amount, cost, reserve)
                 )
-                bases.append((kind, lim.amount))
         if estimate is not None and policy.budget is not None:
             unit = policy.budget.unit
             checks.append(
                 Check(f"budget:{unit}", fixed(unit), policy.budget.amount, estimate, True)
             )
-            bases.append(("tokens", policy.budget.amount))
-        return checks, bases
+        return checks
 
     async def admit(self, req: Admission) -> Verdict:
         policy = overridden(self.limits(req.tenant, req.tier), req.requests_limit, req.tokens_limit)
         now_s = self.clock()
         now_ms = int(now_s * 1000)
         fleet = self.fleet()
-        checks, bases = self.checks(policy, req.token_estimate, fleet, now_s, req.count_request)
+        load = effective_load(fleet, now_s, self.stale_after_s)
+        checks = self.checks(policy, req.token_estimate, req.count_request)
         states: list[CheckState] = []
+        draws: tuple[Draw, ...] = ()
         if checks:
+            prefix = tenant_prefix(req.tenant)
             reservation = (req.request_id or "") if req.token_estimate is not None else ""
             outcome = await self.store.admit(
-                tenant_prefix(req.tenant),
+                prefix,
                 checks,
                 now_ms,
                 shadow=policy.shadow,
                 reservation=reservation,
                 ttl_ms=self.reservation_ttl_ms,
             )
-            added = outcome.admitted or policy.shadow
-            share = outcome.share
-            for check, counts in zip(checks, outcome.counts, strict=True):
-                enforced = check if share == 1 else replace(check, limit=int(check.limit * share))
-                states.append(state(enforced, counts, added, now_ms))
+            states = _states(checks, outcome, policy.shadow)
             if outcome.local:
                 metrics.degraded_decisions(req.tenant, policy.tier).inc()
-        refusal, refused = self._refusal(states)
+            elif not outcome.admitted and self._may_borrow(policy, states):
+                borrowed = await self._borrow(
+                    prefix, reservation, policy, fleet, load, states, now_ms
+                )
+                if borrowed is not None:
+                    states, draws = borrowed
+        refusal, refused = self._refusal(states, self._ceilings(checks, policy, fleet))
         retry_ms = 0
-        if refused is not None and refusal != "insufficient_quota":
+        if refused is not None and refusal in ("requests", "tokens"):
             free_ms = max(s.free_ms for s in states if not s.passed)
-            load = effective_load(fleet, now_s, self.stale_after_s)
             retry_ms = retry_after_ms(
                 policy.retry_base_s, load, free_ms, self.rng.uniform(0.8, 1.2)
             )
-        self._count(req, policy, states, bases, refusal)
+        borrowed_requests = max((d.amount for d in draws if d.kind == "requests"), default=0)
+        borrowed_tokens = max((d.amount for d in draws if d.kind == "tokens"), default=0)
+        self._count(req, policy, states, refusal, borrowed_requests, borrowed_tokens)
         return Verdict(
             tenant=req.tenant,
             tier=policy.tier,
             refusal=None if policy.shadow else refusal,
             refused=refused,
-            requests=self._binding("requests", states),
-            tokens=self._binding("tokens", states),
+            requests=_headline("requests", checks, states),
+            tokens=_headline("tokens", checks, states),
             retry_after_ms=retry_ms,
             shadow=policy.shadow,
+            borrowed_requests=borrowed_requests,
+            borrowed_tokens=borrowed_tokens,
         )
 
+    def _may_borrow(self, policy: Policy, states: list[CheckState]) -> bool:
+        """A refusal on rate limits only (hard budgets never borrow), of a tier that borrows."""
+        if self.pool is None or policy.borrow_share <= 0 or policy.shadow:
+            return False
+        return all(s.passed or not s.check.name.startswith("budget:") for s in states)
+
+    async def _borrow(
+        self,
+        prefix: str,
+        reservation: str,
+        policy: Policy,
+        fleet: FleetLoad,
+        load: float,
+        refused: list[CheckState],
+        now_ms: int,
+    ) -> tuple[list[CheckState], tuple[Draw, ...]] | None:
+        """The refused admission again on borrowed quota (steps 2 and 3 of ratelimit/pool.py);
+        None when the pool or the second admission says no."""
+        assert self.pool is not None
+        wants = []
+        for s in refused:
+            if not s.passed:
+                kind, unit = _NAMES[s.check.name]
+                excess = s.used + s.check.cost - max(s.check.limit, s.used)
+                wants.append(Draw(kind, unit, excess))
+        draws = await self.pool.draw(fleet, load, policy.borrow_share, wants)
+        if draws is None:
+            return None
+        raised = [s.check if s.passed else _raised(s) for s in refused]
+        outcome = await self.store.admit(
+            prefix, raised, now_ms, reservation=reservation, ttl_ms=self.reservation_ttl_ms
+        )
+        if not outcome.admitted or outcome.local:
+            await self.pool.give_back(draws)
+            return None
+        return _states(raised, outcome, False), draws
+
+    def _ceilings(self, checks: list[Check], policy: Policy, fleet: FleetLoad) -> list[int]:
+        """The highest limit each check could ever have: its base plus, for a tier that borrows,
+        its share of the whole pool the fleet's measured capacity makes (at load 0)."""
+        if self.pool is None or policy.borrow_share <= 0:
+            return [c.limit for c in checks]
+        out = []
+        for c in checks:
+            kind, unit = _NAMES[c.name]
+            extra = 0 if c.name.startswith("budget:") else size(fleet, 0.0, kind, unit)
+            out.append(c.limit + int(extra * policy.borrow_share))
+        return out
+
     @staticmethod
-    def _refusal(states: list[CheckState]) -> tuple[Refusal | None, KindState | None]:
+    def _refusal(
+        states: list[CheckState], ceilings: list[int]
+    ) -> tuple[Refusal | None, KindState | None]:
         failed = [s for s in states if not s.passed]
         if not failed:
             return None, None
         budget = [s for s in failed if s.check.name.startswith("budget:")]
+        if budget:
+            return "insufficient_quota", _kind_state(budget[0])
+        # A cost above every limit the window could ever have: waiting cannot help.
+        for s, ceiling in zip(states, ceilings, strict=True):
+            if not s.passed and s.check.cost > ceiling:
+                return "too_large", replace(_kind_state(s), limit=ceiling)
         requests = [s for s in failed if s.check.name.startswith("requests:")]
-        first = (budget or requests or failed)[0]
-        refusal: Refusal = "insufficient_quota" if budget else "requests" if requests else "tokens"
-        return refusal, _kind_state(first)
-
-    @staticmethod
-    def _binding(kind: Kind, states: list[CheckState]) -> KindState | None:
-        """The limit of a kind that is closest to exhaustion (a refusing one first)."""
-        best: CheckState | None = None
-        best_key = (True, 0.0)
-        prefix = kind + ":"
-        for s in states:
-            if not s.check.name.startswith(prefix):
-                continue
-            limit = s.check.limit
-            key = (s.passed, (limit - s.used) / max(limit, 1))
-            if best is None or key < best_key:  # the first of equals, as min() picks
-                best, best_key = s, key
-        return None if best is None else _kind_state(best)
+        first = (requests or failed)[0]
+        return ("requests" if requests else "tokens"), _kind_state(first)
 
     def _count(
         self,
         req: Admission,
         policy: Policy,
         states: list[CheckState],
-        bases: list[tuple[Kind, int]],
         refusal: Refusal | None,
+        borrowed_requests: int,
+        borrowed_tokens: int,
     ) -> None:
         tenant, tier = req.tenant, policy.tier
         shadow = "true" if policy.shadow else "false"
         metrics.decisions(tenant, tier, refusal or "ok", shadow).inc()
         added = refusal is None or policy.shadow
-        for s, (kind, base) in zip(states, bases, strict=True):
+        for s in states:
+            kind = _NAMES[s.check.name][0]
             if not s.passed:
                 metrics.over_limit(tenant, tier, kind).inc()
-            elif added:
-                if s.check.limit - s.used < self.near_limit_ratio * s.check.limit:
-                    metrics.near_limit(tenant, tier, kind).inc()
-                borrowed = min(s.check.cost, s.used - base)
-                if borrowed > 0:
-                    metrics.borrowed(tenant, tier, kind).inc(borrowed)
+            elif added and s.check.limit - s.used < self.near_limit_ratio * s.check.limit:
+                metrics.near_limit(tenant, tier, kind).inc()
+        for kind, amount in (("requests", borrowed_requests), ("tokens", borrowed_tokens)):
+            if amount:
+                metrics.borrowed(tenant, tier, kind).inc(amount)
 
 
 # Check name → its kind and unit ("budget:day" is a token limit), without parsing per decision.
@@ -212,6 +254,47 @@ _NAMES: dict[str, tuple[Kind, Unit]] = {
     for role in ("requests", "tokens", "budget")
     for unit in Unit
 }
+
+
+def _raised(s: CheckState) -> Check:
+    """A refused check's limit for the admission on borrowed quota: the base limit plus the draw
+    when part of the cost fits under it; no bound when all of it was drawn (ratelimit/pool.py)."""
+    if s.used < s.check.limit:
+        return replace(s.check, limit=s.used + s.check.cost)
+    return replace(s.check, limit=MAX_COUNT)
+
+
+def _states(checks: list[Check], outcome: Outcome, shadow: bool) -> list[CheckState]:
+    """Each check's standing after the store's decision, at the limit the store enforced (one
+    replica's share when degraded) and the time it decided at."""
+    added = outcome.admitted or shadow
+    r = outcome.replicas
+    return [
+        state(
+            check if r == 1 else replace(check, limit=share(check.limit, r)),
+            c,
+            added,
+            outcome.now_ms,
+        )
+        for check, c in zip(checks, outcome.counts, strict=True)
+    ]
+
+
+def _headline(kind: Kind, base: list[Check], states: list[CheckState]) -> KindState | None:
+    """What the x-ratelimit-*-{kind} headers report: the per-minute limit (OpenAI's RPM and TPM)
+    at its base amount, without what was borrowed; else the kind's limit closest to exhaustion."""
+    pairs = [(c, s) for c, s in zip(base, states, strict=True) if _NAMES[c.name][0] == kind]
+    pairs = [p for p in pairs if not p[0].name.startswith("budget:")] or pairs
+    if not pairs:
+        return None
+    minute = [p for p in pairs if _NAMES[p[0].name][1] is Unit.MINUTE]
+    check, s = (minute or sorted(pairs, key=lambda p: (p[1].passed, _room(p[0], p[1]))))[0]
+    limit = min(check.limit, s.check.limit)  # a degraded replica enforces only its share
+    return replace(_kind_state(s), limit=limit, remaining=max(0, limit - s.used))
+
+
+def _room(check: Check, s: CheckState) -> float:
+    return (check.limit - s.used) / max(check.limit, 1)
 
 
 def _kind_state(s: CheckState) -> KindState:

@@ -1,10 +1,12 @@
-"""Counters in Redis: one EVALSHA per decision (admit.lua).
+"""Counters in Redis: one EVALSHA per decision (admit.lua), at Redis's own time.
 
 Keys (prefix `llmgw.wire.tenant_prefix`): `llmgw:rl:{<tenant>}:<check>:<bucket>` for buckets,
 `…:res:<request id>` for token reservations (settled by the ledger, ledger/settle.lua) and
 `…:tspec` for the tenant's token windows. The `{tenant}` hash tag keeps one tenant's keys
-in one Redis Cluster slot, so each script touches a single slot. A NOSCRIPT reply (Redis restarted
-or flushed its script cache) is answered by EVAL of the source, which caches it again.
+in one Redis Cluster slot, so each script touches a single slot; a replay (replay.lua) is one
+script per tenant, all sent at once. `llmgw:rl:replicas` is the replicas' heartbeat set
+(replicas.lua). A NOSCRIPT reply (Redis restarted or flushed its script cache) is answered by
+EVAL of the source, which caches it again.
 """
 
 from __future__ import annotations
@@ -14,20 +16,25 @@ import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
-from llmgw.resp import Arg, Reply, Resp, RespError
+from llmgw.resp import Arg, Client, Reply, RespError
+from ratelimit.store import Made
 from ratelimit.types import Check, Outcome
 
 
-def _script(name: str) -> tuple[str, str]:
+def script(name: str) -> tuple[str, str]:
+    """A Lua script of this package: its source and SHA1 (for EVALSHA)."""
     source = resources.files("ratelimit").joinpath(name).read_text()
     return source, hashlib.sha1(source.encode()).hexdigest()
 
 
-ADMIT = _script("admit.lua")
+ADMIT = script("admit.lua")
+REPLAY = script("replay.lua")
+REPLICAS = script("replicas.lua")
+REPLICAS_KEY = "llmgw:rl:replicas"
 
 
 class RedisStore:
-    def __init__(self, client: Resp) -> None:
+    def __init__(self, client: Client) -> None:
         self.client = client
 
     async def admit(
@@ -40,7 +47,7 @@ class RedisStore:
         reservation: str = "",
         ttl_ms: int = 0,
     ) -> Outcome:
-        args = admit_args(prefix, checks, now_ms, shadow, reservation, ttl_ms)
+        args = admit_args(prefix, checks, shadow, reservation, ttl_ms)
         try:
             reply = await self.send_admit(args)
         except RespError as exc:
@@ -57,6 +64,31 @@ class RedisStore:
         """EVAL of admit.lua's source, after a NOSCRIPT (it caches the script again)."""
         return await self.client.call("EVAL", ADMIT[0], *args)
 
+    async def replay(self, made: Made) -> None:
+        """Add counts made in process memory to Redis: one replay.lua per tenant, all at once."""
+        per_prefix: dict[str, list[Arg]] = {}
+        for (prefix, name), (w, buckets) in made.items():
+            args = per_prefix.setdefault(prefix, [])
+            for index, count in buckets.items():
+                args += [name, w.bucket_ms, w.buckets, int(w.rolling), index, count]
+        sent = [self._run(REPLAY, 1, prefix, *args) for prefix, args in per_prefix.items()]
+        await asyncio.gather(*sent)
+
+    async def heartbeat(self, replica: str, seen_ms: int) -> int:
+        """Refresh this replica in the heartbeat set; how many replicas were seen in seen_ms."""
+        count = await self._run(REPLICAS, 1, REPLICAS_KEY, replica, seen_ms)
+        if not isinstance(count, int):
+            raise RespError(f"replicas.lua returned {count!r}")
+        return count
+
+    async def _run(self, lua: tuple[str, str], *args: Arg) -> Reply:
+        try:
+            return await self.client.call("EVALSHA", lua[1], *args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await self.client.call("EVAL", lua[0], *args)
+
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key as a string (JSON) or a hash; None when absent."""
         try:
@@ -70,28 +102,25 @@ class RedisStore:
         return value if isinstance(value, bytes) else None
 
     async def load_scripts(self) -> None:
-        for source, _ in (ADMIT,):
+        for source, _ in (ADMIT, REPLAY, REPLICAS):
             await self.client.call("SCRIPT", "LOAD", source)
 
 
 def admit_args(
-    prefix: str,
-    checks: Sequence[Check],
-    now_ms: int,
-    shadow: bool,
-    reservation: str,
-    ttl_ms: int,
+    prefix: str, checks: Sequence[Check], shadow: bool, reservation: str, ttl_ms: int
 ) -> list[Arg]:
-    """admit.lua's keys and arguments after the script (numkeys 1, the prefix, ARGV)."""
-    args: list[Arg] = [1, prefix, now_ms, int(shadow), reservation, ttl_ms, len(checks)]
+    """admit.lua's keys and arguments after the script (numkeys 1, the prefix, ARGV). Every
+    number is an int in range (Check clamps its limit and cost)."""
+    args: list[Arg] = [1, prefix, int(shadow), reservation, int(ttl_ms), len(checks)]
     for c in checks:
         w = c.window
-        args += [c.name, w.bucket_ms, w.window_ms // w.bucket_ms, c.limit, c.cost, int(c.reserve)]
+        args += [c.name, w.bucket_ms, w.buckets, int(w.rolling), c.limit, c.cost, int(c.reserve)]
     return args
 
 
 def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
-    """admit.lua's reply folded: admitted, and each check's buckets (newest first)."""
+    """admit.lua's reply folded: admitted, Redis's time, and each check's buckets (newest
+    first)."""
     if not isinstance(reply, bytes):
         raise RespError(f"admit.lua returned {reply!r}")
     try:
@@ -99,9 +128,11 @@ def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
     except ValueError:
         raise RespError(f"admit.lua returned {reply!r}") from None
     counts: list[tuple[int, ...]] = []
-    at = 1
+    at = 2
     for c in checks:
-        n = c.window.window_ms // c.window.bucket_ms
+        n = c.window.span
         counts.append(tuple(flat[at : at + n]))
         at += n
-    return Outcome(flat[0] == 1, tuple(counts))
+    if at != len(flat):
+        raise RespError(f"admit.lua returned {reply!r}")
+    return Outcome(flat[0] == 1, tuple(counts), flat[1])

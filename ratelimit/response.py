@@ -46,11 +46,23 @@ def _per(state: KindState) -> str:
 
 
 def refusal(verdict: Verdict) -> tuple[Headers, bytes]:
-    """Headers and the OpenAI error body of a 429 (rate_limit_exceeded or insufficient_quota)."""
+    """Headers and the OpenAI error body of a 429: a rate limit (retry after the wait), a request
+    too large for any window it could get, or the hard budget spent (both never retried)."""
     state = verdict.refused
     assert verdict.refusal is not None and state is not None
     headers: Headers = [("content-type", "application/json")]
-    if verdict.refusal == "insufficient_quota":
+    if verdict.refusal == "too_large":
+        # OpenAI's answer to a request above a limit it could ever fit: retrying cannot help.
+        error = {
+            "message": f"Request too large for tenant {verdict.tenant} on {_per(state)}: "
+            f"Limit {state.limit}, Requested {state.requested}. The input or output tokens "
+            "must be reduced in order to run successfully.",
+            "type": state.kind,
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+        headers.append(("x-should-retry", "false"))
+    elif verdict.refusal == "insufficient_quota":
         error = {
             "message": f"You exceeded your current quota: tenant {verdict.tenant} has used "
             f"{state.used} of its budget of {state.limit} tokens per {state.unit.value} "

@@ -11,9 +11,10 @@ import time
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, struct_pb2
 from opentelemetry import trace
 
+from llmgw import wire
 from llmgw.telemetry import parent_context, recording
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
@@ -27,6 +28,8 @@ _RateLimit = rls_pb2.RateLimitResponse.RateLimit
 _Response = rls_pb2.RateLimitResponse
 _Header = base_pb2.HeaderValue
 _Duration = duration_pb2.Duration
+_Struct = struct_pb2.Struct
+_Value = struct_pb2.Value
 _OK = Code.OK
 _OVER = Code.OVER_LIMIT
 # requests_per_unit and limit_remaining are uint32 on the wire; a larger limit (a token budget
@@ -58,12 +61,13 @@ def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitRes
     if verdict is None:
         return _Response(overall_code=_OK, statuses=[_Status(code=_OK) for _ in parsed.roles])
     refused = verdict.refusal is not None
+    over = verdict.refused.kind if refused and verdict.refused is not None else None
     statuses = []
     for role in parsed.roles:
         if role == "requests":
-            statuses.append(_status(verdict.requests, refused and verdict.refusal == "requests"))
+            statuses.append(_status(verdict.requests, over == "requests"))
         elif role == "tokens":
-            statuses.append(_status(verdict.tokens, refused and verdict.refusal != "requests"))
+            statuses.append(_status(verdict.tokens, over == "tokens"))
         else:
             statuses.append(_Status(code=_OK))
     headers = rate_headers(verdict)
@@ -76,6 +80,19 @@ def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitRes
         statuses=statuses,
         response_headers_to_add=[_Header(key=k, value=v) for k, v in headers],
         raw_body=body,
+        dynamic_metadata=_borrowed(verdict),
+    )
+
+
+def _borrowed(verdict: Verdict) -> struct_pb2.Struct | None:
+    """What the admission drew from the borrowing pool; None (no metadata) on base quota."""
+    if not (verdict.borrowed_requests or verdict.borrowed_tokens):
+        return None
+    return _Struct(
+        fields={
+            wire.META_BORROWED_REQUESTS: _Value(number_value=verdict.borrowed_requests),
+            wire.META_BORROWED_TOKENS: _Value(number_value=verdict.borrowed_tokens),
+        }
     )
 
 

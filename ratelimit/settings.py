@@ -15,7 +15,13 @@ class RedisSettings(Strict):
     host: str = "127.0.0.1"
     port: int = 6379
     password: SecretStr | None = None  # Redis's requirepass; None: no AUTH
-    deadline_ms: float = Field(default=20.0, gt=0)  # longest a decision waits on Redis
+    # host:port is one node of a Redis Cluster; the others are found from it (llmgw/cluster.py).
+    # Run the cluster with `cluster-require-full-coverage no`: else while one master is down
+    # (until its replica takes over; for good without one) every slot stalls, not just its own.
+    cluster: bool = False
+    # Longest a decision waits on Redis before it counts as down (ratelimit/failover.py): far
+    # above a reply late only because of a burst, below Envoy's ratelimit timeout.
+    deadline_ms: float = Field(default=500.0, gt=0)
     probe_interval_s: float = Field(default=0.5, gt=0)  # reconnect attempts while degraded
     connect_timeout_s: float = Field(default=0.5, gt=0)
 
@@ -29,10 +35,13 @@ class Settings(Strict):
     serve: ServeSettings = ServeSettings(port=8082)
     tracing: TracingSettings = TracingSettings()
     log_level: str = "info"
-    limits_file: Path | None = None  # ratelimit/limits.py; None: the built-in tiers
+    limits_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
+    reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     redis: RedisSettings = RedisSettings()
     fleet: FleetSettings = FleetSettings()
-    replicas: int = Field(default=1, ge=1)  # degraded mode holds limit / replicas locally
+    # The least number of replicas degraded mode assumes (limit / replicas each); the count
+    # itself comes from the replicas' heartbeat in Redis (ratelimit/failover.py).
+    replicas: int = Field(default=1, ge=1)
     # A reservation waits this long for the ledger to settle it; past it the request is settled
     # as if it had none (its reservation stays charged): keep it above the longest stream.
     reservation_ttl_s: float = Field(default=3600.0, gt=0)

@@ -1,7 +1,10 @@
 """Where counters live: the contract, and the in-process store used when Redis is out of reach.
 
-Both stores follow windows.py exactly; the Redis one (redis_store.py) is shared by every replica,
-this one holds only this replica's share of each limit (limit × share, rounded down).
+Both stores follow windows.py exactly. The Redis one (redis_store.py) is shared by every replica;
+this one holds only this replica's share of each limit (types.share: ⌊limit / replicas⌋, at
+least 1) and starts from what Redis last said: each bucket of a check's last Redis answer counts
+⌈count / replicas⌉, so the replicas together start where Redis stood. What it admits itself is
+kept apart (`take`), to be added to Redis when Redis is back (failover.py).
 """
 
 from __future__ import annotations
@@ -9,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ratelimit.types import Check, Outcome
+from ratelimit.types import Check, Outcome, Window, share
+from ratelimit.windows import used
+
+Key = tuple[str, str]  # (tenant prefix, check name)
+# Made here and not yet in Redis: per key, the check's window and bucket index → count.
+Made = dict[Key, tuple[Window, dict[int, int]]]
 
 
 class Store(Protocol):
@@ -24,7 +32,9 @@ class Store(Protocol):
         ttl_ms: int = 0,
     ) -> Outcome:
         """Test every check; if all pass (or shadow), add each cost; record the token costs as
-        reservation `reservation` for the ledger to settle (Redis only)."""
+        reservation `reservation` for the ledger to settle (Redis only). `now_ms` is the
+        caller's clock, for a store without one of its own: Redis decides at its TIME, and
+        either way Outcome.now_ms says which time was used."""
         ...
 
 
@@ -32,9 +42,29 @@ class LocalStore:
     """In-process counters with the same rule as the Redis script. Reservations made here are
     never settled (the ledger settles in Redis): they stay charged, the strict side."""
 
-    def __init__(self, share: float = 1.0) -> None:
-        self.share = share
-        self._buckets: dict[tuple[str, str], dict[int, int]] = {}
+    def __init__(self, replicas: int = 1) -> None:
+        self.replicas = replicas  # of the fleet: each limit's share is 1 / replicas
+        # Each check's last Redis answer: its current bucket index and buckets after it.
+        self._seen: dict[Key, tuple[int, tuple[int, ...], int]] = {}
+        self._made: Made = {}
+
+    def remember(self, prefix: str, checks: Sequence[Check], outcome: Outcome, added: bool) -> None:
+        """Keep a Redis answer to start from (cheap: it runs on every Redis decision)."""
+        for check, counts in zip(checks, outcome.counts, strict=True):
+            current = outcome.now_ms // check.window.bucket_ms
+            self._seen[(prefix, check.name)] = (current, counts, check.cost if added else 0)
+
+    def take(self) -> Made:
+        """The counts made here since the last take, now in the caller's hands."""
+        made, self._made = self._made, {}
+        return made
+
+    def give_back(self, made: Made) -> None:
+        """Counts taken but not delivered, counted here again."""
+        for key, (window, buckets) in made.items():
+            mine = self._made.setdefault(key, (window, {}))[1]
+            for index, count in buckets.items():
+                mine[index] = mine.get(index, 0) + count
 
     async def admit(
         self,
@@ -46,27 +76,36 @@ class LocalStore:
         reservation: str = "",
         ttl_ms: int = 0,
     ) -> Outcome:
-        counts: list[tuple[int, ...]] = []
-        ok = True
-        for check in checks:
-            buckets = self._series(prefix, check, now_ms)
-            current = now_ms // check.window.bucket_ms
-            seen = tuple(buckets.get(current - age, 0) for age in range(check.window.buckets))
-            counts.append(seen)
-            if sum(seen) + check.cost > int(check.limit * self.share):
-                ok = False
+        counts = tuple(self._buckets(prefix, check, now_ms) for check in checks)
+        ok = all(
+            used(check.window, seen, now_ms) + check.cost <= share(check.limit, self.replicas)
+            for check, seen in zip(checks, counts, strict=True)
+        )
         if ok or shadow:
             for check in checks:
                 if check.cost > 0:
                     current = now_ms // check.window.bucket_ms
-                    buckets = self._buckets[(prefix, check.name)]
-                    buckets[current] = buckets.get(current, 0) + check.cost
-        return Outcome(ok, tuple(counts), self.share, local=True)
+                    made = self._made.setdefault((prefix, check.name), (check.window, {}))[1]
+                    made[current] = made.get(current, 0) + check.cost
+        return Outcome(ok, counts, now_ms, self.replicas, local=True)
 
-    def _series(self, prefix: str, check: Check, now_ms: int) -> dict[int, int]:
-        """The check's buckets, with those that left the window dropped."""
-        buckets = self._buckets.setdefault((prefix, check.name), {})
-        oldest = now_ms // check.window.bucket_ms - check.window.buckets + 1
-        for index in [i for i in buckets if i < oldest]:
-            del buckets[index]
-        return buckets
+    def _buckets(self, prefix: str, check: Check, now_ms: int) -> tuple[int, ...]:
+        """The check's buckets, newest first: this replica's share of Redis's last answer plus
+        what was made here. Buckets that left the window are dropped."""
+        w = check.window
+        current = now_ms // w.bucket_ms
+        key = (prefix, check.name)
+        made = self._made.get(key, (w, {}))[1]
+        for index in [i for i in made if i <= current - w.span]:
+            del made[index]
+        seen_at, seen, extra = self._seen.get(key, (current, (), 0))
+        n = self.replicas
+        out = []
+        for age in range(w.span):
+            index = current - age
+            count = made.get(index, 0)
+            back = seen_at - index
+            if 0 <= back < len(seen):
+                count += -(-(seen[back] + (extra if back == 0 else 0)) // n)
+            out.append(count)
+        return tuple(out)

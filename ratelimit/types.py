@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Literal
 
-
-class Unit(StrEnum):
-    SECOND = "second"
-    MINUTE = "minute"
-    HOUR = "hour"
-    DAY = "day"
-
+from llmgw.tiers import Unit as Unit  # one definition, shared with the tier table
 
 UNIT_MS: dict[Unit, int] = {
     Unit.SECOND: 1_000,
@@ -21,8 +14,12 @@ UNIT_MS: dict[Unit, int] = {
     Unit.DAY: 86_400_000,
 }
 
+# The largest limit or count: 26 buckets of it (a day window and its cost) stay below 2^53.
+MAX_COUNT = 2**48
+
 Kind = Literal["requests", "tokens"]
-Refusal = Literal["requests", "tokens", "insufficient_quota"]
+# too_large: a cost above the highest limit the request could ever get (never retried).
+Refusal = Literal["requests", "tokens", "too_large", "insufficient_quota"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +28,16 @@ class Window:
 
     window_ms: int
     bucket_ms: int
+    rolling: bool = True  # the bucket before the window counts, decaying; False: a fixed window
 
     @property
     def buckets(self) -> int:
         return self.window_ms // self.bucket_ms
+
+    @property
+    def span(self) -> int:
+        """How many buckets a decision reads: the window's, and the decaying one before them."""
+        return self.window_ms // self.bucket_ms + self.rolling
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +69,28 @@ class Check:
     cost: int
     reserve: bool = False  # part of the token reservation (settled by the ledger)
 
+    def __post_init__(self) -> None:
+        # Every number that reaches Redis is an int that INCRBY and Lua's doubles hold exactly;
+        # a cost above MAX_COUNT stays above every limit, so it is refused as it would have been.
+        object.__setattr__(self, "limit", min(max(int(self.limit), 0), MAX_COUNT))
+        object.__setattr__(self, "cost", min(max(int(self.cost), 0), MAX_COUNT + 1))
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What a store saw: admitted or not, and each check's buckets before adding (newest first)."""
+    """What a store saw: admitted or not, and each check's buckets before adding (newest first,
+    `window.span` of them) at `now_ms`, the time it decided at (Redis's own clock)."""
 
     admitted: bool
     counts: tuple[tuple[int, ...], ...]
-    share: float = 1.0  # the fraction of each limit the store enforced
-    local: bool = False  # decided from in-process counters (Redis slow or down)
+    now_ms: int
+    replicas: int = 1  # the store enforced each limit's share for this many replicas
+    local: bool = False  # decided from in-process counters (Redis slow, down or in error)
+
+
+def share(limit: int, replicas: int) -> int:
+    """One replica's share of a limit: ⌊limit / replicas⌋, never rounded down to 0."""
+    return limit if limit == 0 else max(1, limit // replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +143,10 @@ class Verdict:
     tokens: KindState | None
     retry_after_ms: int
     shadow: bool
+    # Admitted beyond the base limits, from the fleet's borrowing pool (ratelimit/pool.py): the
+    # largest draw over each kind's windows; 0 and 0 when the admission ran on base quota.
+    borrowed_requests: int = 0
+    borrowed_tokens: int = 0
 
     @property
     def allowed(self) -> bool:

@@ -1,22 +1,35 @@
-"""The sliding-window rule, shared by the Redis script and the in-process counters.
+"""The window rule, followed identically by admit.lua, store.LocalStore and `state` below.
 
-A limit of L per unit U is counted in aligned buckets:
+Time is Redis's (admit.lua reads TIME and returns the time it used), never a replica's clock. A
+limit of L per unit is counted in aligned buckets of b ms; bucket i holds what was admitted in
+[i·b, (i+1)·b):
 
-    unit     window   bucket
-    second   1 s      100 ms   (10 buckets)
-    minute   60 s     10 s     (6 buckets)
-    hour     1 h      10 min   (6 buckets)
-    day      24 h     1 h      (24 buckets)
+    unit     window W   bucket b   N = W/b
+    second   1 s        100 ms     10
+    minute   60 s       10 s       6
+    hour     1 h        10 min     6
+    day      24 h       1 h        24
 
-Bucket i covers [i·b, (i+1)·b) of Unix time in ms. At time t the current bucket is c = ⌊t/b⌋ and
-the window is the N buckets c−N+1 … c. A decision with cost k passes when the sum of those buckets
-plus k is at most L; if every check of the decision passes, k is added to bucket c of each check,
-all in one atomic step. So within any N consecutive buckets, the admitted total never exceeds L.
-Hard budgets use one bucket as long as the unit (a fixed window: the UTC day for `day`).
+Rolling windows (the rate limits). At time t let c = ⌊t/b⌋ and f = t − c·b. The window (t − W, t]
+covers buckets c−N+1 … c and the last b − f ms of bucket c−N; that bucket counts in proportion
+(linear decay), rounded up (the strict side):
 
-Reset time (x-ratelimit-reset-*): until the newest non-empty bucket leaves the window.
-Free time (the floor of Retry-After): until enough of the oldest buckets leave the window for the
-refused cost to fit.
+    used(t) = B[c] + B[c−1] + … + B[c−N+1] + ⌈B[c−N] · (b − f) / b⌉
+
+A decision of cost k passes a check when used(t) + k ≤ L; when every check passes, k is added to
+B[c] of each, in one atomic step. Fixed windows (hard budgets): one bucket as long as the unit (the
+UTC day for `day`) and no decay, used(t) = B[c]. Bucket keys live N + 2 buckets (N + 1 fixed).
+
+Guarantee. At every instant the N buckets plus the weighted one hold at most L. A rolling window
+(s, s + W] with s = a·b + g also holds the part of B[a] admitted after s, which the rule counted
+as B[a]·(b − f)/b at some f ≤ g; so it holds at most L + ⌊B[a]·g/b⌋. When admissions inside a
+bucket are spread evenly (the decay's assumption) that is L; in the worst case (a bucket's
+admissions all in its last moments, and again just under W later) it approaches L + B[a] ≤ 2L,
+where aligned buckets alone allowed 2L within W − b.
+
+Reset time (x-ratelimit-reset-*): until used(t) is 0, i.e. the newest non-empty bucket i has left
+entirely, at (i + N + 1)·b ((i + 1)·b fixed). Free time (the floor of Retry-After): the first
+instant at which used + k ≤ L if nothing else is admitted meanwhile; a whole window when k > L.
 """
 
 from __future__ import annotations
@@ -34,31 +47,53 @@ SLIDING: dict[Unit, Window] = {
 
 
 def fixed(unit: Unit) -> Window:
-    return Window(UNIT_MS[unit], UNIT_MS[unit])
+    return Window(UNIT_MS[unit], UNIT_MS[unit], rolling=False)
+
+
+def used(window: Window, counts: Sequence[int], now_ms: int) -> int:
+    """used(t) of the rule, from the `window.span` buckets newest first."""
+    n = window.buckets
+    total = sum(counts[:n])
+    if window.rolling:
+        b = window.bucket_ms
+        total += (counts[n] * (b - now_ms % b) + b - 1) // b
+    return total
 
 
 def state(check: Check, counts: Sequence[int], added: bool, now_ms: int) -> CheckState:
     """A check's standing after a decision, from its buckets before it (newest first)."""
     w = check.window
-    current = now_ms // w.bucket_ms
-    before = sum(counts)
-    passed = before + check.cost <= check.limit
+    b = w.bucket_ms
+    current = now_ms // b
+    passed = used(w, counts, now_ms) + check.cost <= check.limit
     after = list(counts)
     if added and check.cost:
         after[0] += check.cost
     reset_ms = 0
     for age, count in enumerate(after):
         if count > 0:
-            reset_ms = (current - age + w.buckets) * w.bucket_ms - now_ms
+            reset_ms = (current - age + w.span) * b - now_ms
             break
-    free_ms = 0
-    if not passed:
-        need = before + check.cost - check.limit
-        free_ms = w.window_ms  # never fits (cost above the limit): a whole window
-        freed = 0
-        for age in range(len(counts) - 1, -1, -1):
-            freed += counts[age]
-            if freed >= need:
-                free_ms = (current - age + w.buckets) * w.bucket_ms - now_ms
-                break
-    return CheckState(check, sum(after), passed, reset_ms, free_ms)
+    free_ms = 0 if passed else _free_ms(check, counts, now_ms)
+    return CheckState(check, used(w, after, now_ms), passed, reset_ms, free_ms)
+
+
+def _free_ms(check: Check, counts: Sequence[int], now_ms: int) -> int:
+    """Until the refused cost fits, if nothing else is admitted: m buckets ahead, the buckets of
+    age ≤ N−1−m still count whole and the one of age N−m decays (rolling windows)."""
+    w = check.window
+    b, n = w.bucket_ms, w.buckets
+    start = now_ms // b * b
+    if check.cost > check.limit:
+        return w.window_ms  # never fits: a whole window
+    for m in range(w.span + 1):
+        room = check.limit - check.cost - sum(counts[: max(0, n - m)])
+        if room < 0:
+            continue
+        decaying = counts[n - m] if w.rolling and m <= n else 0
+        # The least f with ⌈decaying·(b − f)/b⌉ ≤ room; 0: it fits as this bucket begins.
+        at = max(0, b - room * b // decaying) if decaying else 0
+        free_at = start + m * b + at
+        if free_at > now_ms:
+            return free_at - now_ms
+    return w.window_ms

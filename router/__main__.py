@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from pathlib import Path
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from redis.asyncio import Redis
 
 from llmgw import telemetry
-from llmgw.config import reveal
+from llmgw.link import RedisLink
 from llmgw.serve import command, serve
 from router.engine import Engine
 from router.fleet import Fleet
 from router.picker import HEALTH_SERVICES, InferencePoolService
 from router.registry import default_registry
 from router.service import OutcomeService, RouterService
-from router.settings import Settings, check
+from router.settings import Settings, check, redis_address
 
 NAME = "router"
 
@@ -37,8 +35,12 @@ async def main(settings: Settings) -> None:
         if pool.enabled
         else RouterService(fleet, engine, tracer)
     )
-    redis_url = reveal(settings.redis_url)
-    redis = Redis.from_url(redis_url) if redis_url else None
+    redis = None
+    if settings.redis_url is not None:
+        host, port, password = redis_address(settings.redis_url)
+        redis = RedisLink(
+            host, port, settings.fleet.publish_interval, password, cluster=settings.redis_cluster
+        )
     tasks = [
         asyncio.create_task(fleet.run_resolver()),
         asyncio.create_task(fleet.run_scrapes()),
@@ -55,8 +57,7 @@ async def main(settings: Settings) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if redis is not None:
-            with contextlib.suppress(Exception):
-                await redis.aclose()
+            await redis.close()
 
     health = HEALTH_SERVICES if pool.enabled else ()
     await serve("router", settings.serve, register, on_stop, health)

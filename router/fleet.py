@@ -20,11 +20,12 @@ Fleet load contract (Redis key `llmgw.wire.FLEET_LOAD_KEY` = "llmgw:fleet:load",
                   "max_num_seqs": 96,  # sum of configured capacities (concurrent seqs), pickable
                   "kv_tokens": 1048576,  # sum of block_size * num_gpu_blocks, pickable pods
                   "running": 40, "waiting": 2},  # sums over pickable pods
-     "capacity_tpm": 3000000,  # pickable pods x `pod_tpm` (config; 0 when not configured)
-     "capacity_rpm": 6000,     # pickable pods x `pod_rpm` (config; 0 when not configured)
+     "capacity_tpm": 3000000,  # tokens per minute the pickable pods serve at full use, and
+     "capacity_rpm": 6000,     # requests per minute: measured (router/capacity.py), 0 = unknown
      "ts": 1767225600.123}  # unix seconds when computed
 
-`capacity_tpm` / `capacity_rpm` are what ratelimit/fleet.py reads for borrowing.
+`load`, `capacity_tpm` and `capacity_rpm` are what ratelimit/fleet.py reads to size the fleet's
+borrowing pool (ratelimit/pool.py).
 
 Readers treat a missing key or a `ts` older than a few seconds as load 1 (no borrowing).
 """
@@ -42,12 +43,13 @@ from typing import Any
 
 import aiohttp
 from pydantic import Field
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from llmgw import wire
 from llmgw.config import Strict
+from llmgw.link import RedisLink
+from llmgw.resp import RespError
 from router import metrics
+from router.capacity import Capacity, utilisation
 from router.scrape import fetch_models, scrape_metrics
 from router.types import Candidate, PodId, PodMetrics
 
@@ -72,8 +74,6 @@ class FleetSettings(Strict):
         default=32.0, gt=0
     )  # concurrent sequences a pod runs well (max_num_seqs)
     capacities: dict[str, float] = Field(default_factory=dict)  # per pod ID override
-    pod_tpm: int = Field(default=0, ge=0)  # tokens per minute one pod serves (for borrowing)
-    pod_rpm: int = Field(default=0, ge=0)  # requests per minute one pod serves (for borrowing)
     error_threshold: int = Field(default=3, ge=1)
     error_cooldown: float = Field(default=2.0, gt=0)
     publish_interval: float = Field(default=1.0, gt=0)
@@ -104,6 +104,7 @@ class Fleet:
         self._models_at: dict[PodId, float] = {}
         self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
         self._probed_at: dict[PodId, float] = {}  # last pick of a pod on probation
+        self.capacity = Capacity()
 
     # Membership.
 
@@ -121,6 +122,7 @@ class Fleet:
             )
             for table in tables:
                 table.pop(pod, None)
+            self.capacity.forget(pod)
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
@@ -252,6 +254,7 @@ class Fleet:
             return
         if snap.ok:
             self.snapshots[pod] = snap
+            self.capacity.observe(snap, s.capacities.get(pod, s.capacity))
         else:
             metrics.SCRAPE_ERRORS.labels(pod).inc()
             self.snapshots[pod] = PodMetrics(pod, started, ok=False, models=models)
@@ -277,48 +280,51 @@ class Fleet:
     def load(self) -> dict[str, Any]:
         now = self.clock()
         utils: list[float] = []
-        pickable = 0
+        pickable: list[PodId] = []
         seqs = kv_tokens = 0.0
         running = waiting = 0.0
         for c in self.candidates():
             if c.healthy and c.fresh:
-                pickable += 1
+                pickable.append(c.pod)
                 seqs += c.capacity
                 kv_tokens += c.metrics.kv_tokens or 0
                 running += c.metrics.running
                 waiting += c.metrics.waiting
-                utils.append(max(c.kv, min(1.0, (c.metrics.running + c.queue) / c.capacity)))
+                utils.append(utilisation(c.metrics, c.capacity))
             else:
                 utils.append(1.0)
             age = now - c.metrics.at
             metrics.SCRAPE_AGE.labels(c.pod).set(age if age != float("inf") else -1.0)
         load = sum(utils) / len(utils) if utils else 1.0
         metrics.FLEET_LOAD.set(load)
+        tpm, rpm = self.capacity.per_minute(pickable)
         return {
             "load": round(load, 4),
             "capacity": {
                 "pods": len(utils),
-                "pickable_pods": pickable,
+                "pickable_pods": len(pickable),
                 "max_num_seqs": seqs,
                 "kv_tokens": int(kv_tokens),
                 "running": running,
                 "waiting": waiting,
             },
-            "capacity_tpm": pickable * self.settings.pod_tpm,
-            "capacity_rpm": pickable * self.settings.pod_rpm,
+            "capacity_tpm": tpm,
+            "capacity_rpm": rpm,
             "ts": round(time.time(), 3),
         }
 
-    async def run_publisher(self, redis: Redis) -> None:
-        """Write `load()` to Redis every `publish_interval`; Redis errors are logged, not fatal."""
+    async def run_publisher(self, redis: RedisLink) -> None:
+        """Write `load()` to Redis every `publish_interval`; Redis errors are logged, not fatal
+        (the next round connects again)."""
         s = self.settings
         while True:
             payload = json.dumps(self.load())
             try:
-                await asyncio.wait_for(
-                    redis.set(wire.FLEET_LOAD_KEY, payload, px=int(s.publish_ttl * 1000)),
-                    timeout=s.publish_interval,
-                )
-            except (TimeoutError, RedisError, OSError) as exc:
+                async with asyncio.timeout(s.publish_interval):  # connecting included
+                    client = await redis.get()
+                    await client.call(
+                        "SET", wire.FLEET_LOAD_KEY, payload, "PX", int(s.publish_ttl * 1000)
+                    )
+            except (TimeoutError, ConnectionError, OSError, RespError) as exc:
                 log.warning("fleet load publish failed", extra={"error": repr(exc)})
             await asyncio.sleep(s.publish_interval)

@@ -93,7 +93,8 @@ def from_body(body: bytes, settings: InferencePoolSettings, session: str | None)
     found = facts.from_body(
         request,
         chars_per_token=facts.CHARS_PER_TOKEN,
-        default_output=0,
+        image_tokens=0,
+        max_output=0,
         max_blocks=settings.max_prefix_blocks,
         model=model if isinstance(model, str) and model else None,
     )

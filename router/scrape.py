@@ -3,7 +3,9 @@
 The parser looks only at lines starting with `vllm:` and splits them by hand: about 10x cheaper
 than prometheus_client's parser on a full vLLM page (bench/router_pick.py measures both).
 Values of the same name are summed over label sets (several engines), KV usage is averaged;
-V1's `vllm:kv_cache_usage_perc` wins over the older `vllm:gpu_cache_usage_perc`.
+V1's `vllm:kv_cache_usage_perc` wins over the older `vllm:gpu_cache_usage_perc`. The served
+counters (prompt + generation tokens, finished requests of every `finished_reason`) feed the
+capacity estimate (router/capacity.py); a pod that exports none of them has none (None).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ _WANTED = {
     "vllm:kv_cache_usage_perc",
     "vllm:gpu_cache_usage_perc",
     "vllm:cache_config_info",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
 }
 
 
@@ -32,6 +37,8 @@ class Parsed:
     kv_usage: float
     block_size: int | None
     num_gpu_blocks: int | None
+    tokens_served: float | None
+    requests_served: float | None
 
 
 def parse_metrics(text: str) -> Parsed:
@@ -68,12 +75,17 @@ def parse_metrics(text: str) -> Parsed:
         else ("vllm:gpu_cache_usage_perc")
     )
     kv = sums.get(kv_name, 0.0) / counts.get(kv_name, 1)
+    tokens = [
+        sums[n] for n in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total") if n in sums
+    ]
     return Parsed(
         running=sums.get("vllm:num_requests_running", 0.0),
         waiting=sums.get("vllm:num_requests_waiting", 0.0),
         kv_usage=min(1.0, max(0.0, kv)),
         block_size=_int(labels.get("block_size")),
         num_gpu_blocks=_int(labels.get("num_gpu_blocks")),
+        tokens_served=sum(tokens) if tokens else None,
+        requests_served=sums.get("vllm:request_success_total"),
     )
 
 
@@ -111,6 +123,8 @@ async def scrape_metrics(
         kv_usage=p.kv_usage,
         block_size=p.block_size,
         num_gpu_blocks=p.num_gpu_blocks,
+        tokens_served=p.tokens_served,
+        requests_served=p.requests_served,
         models=models,
     )
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from llmgw.config import ConfigError, Strict, load
 from llmgw.serve import ServeSettings
@@ -26,8 +28,47 @@ class Settings(Strict):
     profile: ProfileSpec = DEFAULT_PROFILE
     # Where the fleet load is published (redis://:PASSWORD@host:port/0); None: not published.
     redis_url: SecretStr | None = None
+    # redis_url's host:port is one node of a Redis Cluster; the others are found from it
+    # (llmgw/cluster.py). Run the cluster with `cluster-require-full-coverage no`: else while
+    # one master is down (until its replica takes over; for good without one) every slot
+    # stalls, the fleet key's too.
+    redis_cluster: bool = False
     # The endpoint picker protocol of the Gateway API Inference Extension (router/picker.py).
     inference_pool: InferencePoolSettings = InferencePoolSettings()
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: SecretStr | None) -> SecretStr | None:
+        if url is not None:
+            redis_address(url)
+        return url
+
+
+class RedisAddress(NamedTuple):
+    host: str
+    port: int
+    password: str | None
+
+
+def redis_address(url: SecretStr) -> RedisAddress:
+    """host, port and password of a redis:// URL. Only what llmgw's client speaks: no TLS, no
+    ACL user (AUTH with a password is the default user), database 0 (the only one a cluster
+    has). Errors never quote the URL: it holds the password."""
+    parts = urlsplit(url.get_secret_value())
+    if parts.scheme != "redis":
+        raise ValueError(f"redis_url: scheme {parts.scheme!r}, only redis:// is supported")
+    if parts.username not in (None, "", "default"):
+        raise ValueError("redis_url: only the default user (redis://:PASSWORD@host:port)")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError("redis_url: only database 0")
+    try:
+        port = parts.port or 6379
+    except ValueError as exc:  # the port is not a number
+        raise ValueError("redis_url: the port is not a number") from exc
+    if not parts.hostname:
+        raise ValueError("redis_url: no host")
+    password = unquote(parts.password) if parts.password else None
+    return RedisAddress(parts.hostname, port, password)
 
 
 def check(path: Path | None, registry: Registry) -> Settings:

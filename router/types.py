@@ -20,6 +20,9 @@ class PodMetrics:
     kv_usage: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    # Cumulative counters: prompt + generation tokens, finished requests (None: not exported).
+    tokens_served: float | None = None
+    requests_served: float | None = None
     models: frozenset[str] = frozenset()
 
     def fresh(self, threshold: float, now: float) -> bool:

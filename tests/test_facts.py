@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter, ValidationError
 
 from llmgw import facts
 
@@ -33,8 +35,10 @@ def through_envoy(meta: dict[str, Any]) -> dict[str, Any]:
     return MessageToDict(struct_pb2.Struct.FromString(s.SerializeToString()))
 
 
-def parse(body: dict[str, Any]) -> facts.RequestFacts:
-    return facts.from_body(body, chars_per_token=4, default_output=256, max_blocks=64, model="m")
+def parse(body: dict[str, Any], max_output: int = 256) -> facts.RequestFacts:
+    return facts.from_body(
+        body, chars_per_token=4, image_tokens=1000, max_output=max_output, max_blocks=64, model="m"
+    )
 
 
 def test_facts_survive_the_trip_through_envoy() -> None:
@@ -45,16 +49,72 @@ def test_facts_survive_the_trip_through_envoy() -> None:
         3,
         100,
     )
+    assert written.prompt_tokens == 150 + 1 + 1000  # text / 4, and one image
     assert written.token_estimate == written.prompt_tokens + 300  # every choice's cap
     assert len(written.prefix_blocks) >= 9  # 64-bit hashes, which doubles could not carry
     assert facts.RequestFacts.from_metadata(through_envoy(written.to_metadata())) == written
 
 
-def test_no_max_tokens_reserves_the_default_cap_and_absurd_numbers_are_clamped() -> None:
-    assert parse({"messages": []}).max_output == 256
-    huge = parse({"messages": [], "max_tokens": 10**20, "n": 10**9, "best_of": -1})
-    assert (huge.max_output, huge.n) == (facts.MAX_OUTPUT_TOKENS, facts.MAX_CHOICES)
-    assert parse({"messages": [], "max_tokens": True, "n": []}) == parse({"messages": []})
+@pytest.mark.parametrize(
+    ("body", "cap"),
+    [
+        ({"messages": []}, 256),  # the OpenAI SDK's default: the gateway's cap
+        ({"messages": [], "max_tokens": None, "max_completion_tokens": None}, 256),
+        ({"messages": [], "max_tokens": 10**20}, 256),  # lowered to the gateway's cap
+        ({"messages": [], "max_tokens": 10}, 10),
+        # chat: vLLM reads max_completion_tokens first; a value it would refuse counts as none
+        ({"messages": [], "max_completion_tokens": 5, "max_tokens": 99}, 5),
+        ({"messages": [], "max_completion_tokens": -1, "max_tokens": 99}, 99),
+        ({"messages": [], "max_tokens": "nan"}, 256),
+        ({"messages": [], "max_tokens": -1}, 256),
+        ({"messages": [], "max_tokens": 2.5}, 256),
+        ({"messages": [], "max_tokens": 0}, 0),  # the pod refuses it, as it would without us
+        # completions: no max_tokens is vLLM's (and OpenAI's) 16, null leaves it open
+        ({"prompt": "hi"}, facts.COMPLETIONS_DEFAULT_OUTPUT),
+        ({"prompt": "hi", "max_tokens": None}, 256),
+        ({"prompt": "hi", "max_completion_tokens": 5}, facts.COMPLETIONS_DEFAULT_OUTPUT),
+    ],
+)
+def test_the_output_cap_is_the_clients_within_the_gateways(body: dict[str, Any], cap: int) -> None:
+    assert parse(body).max_output == cap
+    # A bound known later (the tenant's) lowers it exactly as if it had been known at first.
+    assert min(parse(body, facts.MAX_OUTPUT_TOKENS).max_output, 256) == cap
+
+
+def test_hostile_numbers_reach_redis_clamped() -> None:
+    huge = parse(
+        {"prompt": [[1]] * 10_000, "max_tokens": 1e20, "n": 10**30, "best_of": "-1"},
+        max_output=facts.MAX_OUTPUT_TOKENS,
+    )
+    assert (huge.max_output, huge.n) == (facts.MAX_OUTPUT_TOKENS, facts.MAX_CHOICES * 10_000)
+    assert huge.token_estimate == facts.MAX_RESERVATION  # above any limit, still a plain integer
+    assert huge.to_metadata()["token_estimate"] == str(10**15)
+    assert parse({"messages": [], "n": "nan", "best_of": float("inf")}).n == 1
+    assert parse({"messages": [], "n": []}) == parse({"messages": []})
+
+
+pydantic_int = TypeAdapter(int)
+numbers = st.one_of(
+    st.integers(-(10**6), 10**30),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.text(alphabet="0123456789_.+- e", max_size=8),
+    st.none(),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(numbers)
+def test_numbers_are_read_as_the_pod_reads_them(value: object) -> None:
+    """vLLM reads `n` and the caps with pydantic's lax int: whatever it accepts, the gateway
+    reads alike (so a choice count like "12.0" cannot hide from the reservation)."""
+    try:
+        pod = pydantic_int.validate_python(value)
+    except ValidationError:
+        return  # the pod refuses the request: nothing is generated
+    assert parse({"prompt": "p", "n": value}).n == min(max(pod, 1), facts.MAX_CHOICES)
+    if pod >= 0:
+        assert parse({"messages": [], "max_tokens": value}).max_output == min(pod, 256)
 
 
 def test_values_are_read_the_way_the_pod_reads_them() -> None:
@@ -62,12 +122,12 @@ def test_values_are_read_the_way_the_pod_reads_them() -> None:
     several choices) that the gateway does not know about."""
     lax = parse(
         {"messages": [], "stream": "true", "stream_options": {"include_usage": 1},
-         "max_tokens": 2500.0, "n": "3"}
+         "max_tokens": 250.0, "n": "3.0"}
     )  # fmt: skip
-    assert (lax.stream, lax.include_usage, lax.max_output, lax.n) == (True, True, 2500, 3)
+    assert (lax.stream, lax.include_usage, lax.max_output, lax.n) == (True, True, 250, 3)
     assert not parse({"messages": [], "stream": "no"}).stream
     assert parse({"messages": [], "max_tokens": "12"}).max_output == 12
-    assert parse({"messages": [], "max_tokens": 2.5}).max_output == 256  # the pod refuses it
+    assert parse({"messages": [], "max_tokens": " 1_2.0 "}).max_output == 12
 
 
 def test_a_batch_of_prompts_reserves_for_every_prompt() -> None:
@@ -75,6 +135,32 @@ def test_a_batch_of_prompts_reserves_for_every_prompt() -> None:
     assert (batch.n, batch.prompt_tokens, batch.token_estimate) == (10, 500, 600)
     ids = parse({"prompt": [[7] * 600, [8] * 400], "max_tokens": 1})
     assert (ids.prompt_tokens, ids.n) == (1000, 2)
+    assert parse({"prompt": [7] * 300}).prompt_tokens == 300  # one token-ID prompt
+    best = parse({"messages": [], "n": 2, "best_of": "5"})
+    assert best.n == 5 and best.token_estimate == 5 * 256
+
+
+def test_images_tools_and_tool_calls_count_in_the_prompt() -> None:
+    """The chat template renders tool definitions and calls into the prompt; images take
+    tokens too. Left out, an agent's request with 40 tools reserved a few tokens."""
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object",
+         "properties": {"city": {"type": "string", "description": "x" * 200}}}}}
+        for i in range(40)
+    ]  # fmt: skip
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "y" * 400}}
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4000}}
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse(base).prompt_tokens == 1
+    with_tools = parse({**base, "tools": tools}).prompt_tokens
+    assert with_tools >= 1 + len(json.dumps(tools)) // 4
+    legacy = parse({**base, "functions": [t["function"] for t in tools]}).prompt_tokens
+    assert legacy > 40 * 200 // 4
+    called = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    assert parse(called).prompt_tokens > 100
+    images = {"messages": [{"role": "user", "content": [picture, picture, {"type": "text",
+              "text": "what differs?"}]}]}  # fmt: skip
+    assert parse(images).prompt_tokens == 2 * 1000 + 4  # per image, not its URL's length
 
 
 def test_missing_or_mistyped_metadata_reads_as_defaults() -> None:
@@ -93,7 +179,7 @@ json_values = st.recursive(
 bodies = st.dictionaries(
     st.sampled_from(
         ["model", "messages", "prompt", "input", "stream", "stream_options", "n", "best_of",
-         "max_tokens", "max_completion_tokens"]
+         "max_tokens", "max_completion_tokens", "tools", "functions"]
     ),
     json_values,
 )  # fmt: skip

@@ -38,9 +38,7 @@ def add_tenants(stack: Stack, specs: list[tuple[str, str | None]]) -> dict[str, 
                 Tenant(id=tenant_id, name=tenant_id, tier="standard", priority=5, models="*",
                        keys=(record,), cache_group=group)
             )  # fmt: skip
-        tenants.write(
-            stack.tenants_file, TenantsFile(tiers=data.tiers, tenants=(*data.tenants, *added))
-        )
+        tenants.write(stack.tenants_file, TenantsFile(tenants=(*data.tenants, *added)))
     deadline = time.monotonic() + 10
     for key in keys.values():
         while call("GET", f"{stack.base_url}/models", headers=auth(key)).status == 401:
@@ -135,9 +133,7 @@ def test_the_model_list_is_the_tenants_allow_list(one_pod: Stack) -> None:
                 Tenant(id=tenant_id, name=tenant_id, tier="standard", priority=5, models=models,
                        keys=(record,))
             )  # fmt: skip
-        tenants.write(
-            one_pod.tenants_file, TenantsFile(tiers=data.tiers, tenants=(*data.tenants, *added))
-        )
+        tenants.write(one_pod.tenants_file, TenantsFile(tenants=(*data.tenants, *added)))
     deadline = time.monotonic() + 10
     while call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-none"])).status == 401:
         assert time.monotonic() < deadline

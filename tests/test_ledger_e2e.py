@@ -31,6 +31,10 @@ tiers:
   standard: {requests: {second: 1000}, tokens: {minute: 1000000}}
   free: {requests: {minute: 3}, tokens: {minute: 1000000}}
 """
+BORROWING_LIMITS = """
+tiers:
+  platinum: {requests: {minute: 3}, tokens: {minute: 1000000}, borrow_share: 1.0}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -268,11 +272,53 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
                     assert r.exists(f"{prefix}:res:{rid}"), rid
                     lost += 1
                     expected += facts.from_body(
-                        bodies[rid], chars_per_token=4, default_output=256, max_blocks=0, model=None
+                        bodies[rid],
+                        chars_per_token=4,
+                        image_tokens=0,
+                        max_output=4096,  # extauthz's default cap; these bodies name a smaller one
+                        max_blocks=0,
+                        model=None,
                     ).token_estimate
         assert counter(stack, "lg-kill") == expected
         # Both kinds happened: outcomes lost while the ledger was down, and settled ones.
         assert 0 < lost < len(replies) - len(after), lost
+
+
+def test_a_borrowed_admission_is_recorded_as_borrowed(tmp_path: Any) -> None:
+    """Requests on base quota until it is used up (nothing to borrow: no fleet signal yet); then,
+    the fleet idle, the next runs on its borrowing pool, and the ledger says which was which.
+    No router: it would overwrite the fleet signal every second."""
+    (tmp_path / "limits.yaml").write_text(BORROWING_LIMITS)
+    settings = stack_settings().model_copy(
+        update={
+            "ratelimit_limits": tmp_path / "limits.yaml",
+            "services": ("extauthz", "ratelimit", "ledger"),
+        }
+    )
+    with Stack(settings, tmp_path / "stack") as stack:
+        key = add_tenant(stack, "lg-borrow", "platinum")
+        replies = [chat(stack, key)]
+        while replies[-1].status == 200 and len(replies) < 5:
+            replies.append(chat(stack, key))
+        base = [r.headers["x-request-id"] for r in replies if r.status == 200]
+        assert replies[-1].status == 429 and base, [r.status for r in replies]
+        idle = {"load": 0.1, "capacity_tpm": 10_000_000, "capacity_rpm": 100_000}
+        deadline = time.monotonic() + 10
+        while True:  # until ratelimit's cached fleet signal (0.5 s) shows the idle fleet
+            with stack.redis_client() as r:
+                r.set(wire.FLEET_LOAD_KEY, json.dumps({**idle, "ts": time.time()}))
+            borrowed = chat(stack, key)
+            if borrowed.status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert borrowed.status == 200, "never admitted on borrowed quota"
+        ids = [*base, borrowed.headers["x-request-id"]]
+        rows = recorded(stack, set(ids))
+        assert [rows[rid]["borrowed_requests"] for rid in ids] == [0] * len(base) + [1]
+        assert {rows[rid]["borrowed_tokens"] for rid in ids} == {0}  # tokens ran on base
+        (totals,) = records(stack, "--by", "tenant", "--tenant", "lg-borrow")
+        assert totals["borrowed_requests"] == 1
+        assert totals["base_tokens"] == totals["charged_tokens"] > 0
 
 
 def stack_ledger_idle(stack: Stack) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from extauthz import tenants
-from extauthz.types import Limits, Tenant, TenantsFile, TierDef
+from extauthz.types import Limits, Tenant, TenantsFile
 from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import Reply, call
@@ -60,10 +61,7 @@ def add_tenant(stack: Stack, tenant_id: str, tier: str, limits: Limits | None = 
             id=tenant_id, name=tenant_id, tier=tier, priority=5, models="*", limits=limits,
             keys=(record,),
         )  # fmt: skip
-        tiers = data.tiers
-        if tier == "capped":
-            tiers = {**tiers, "capped": TierDef(rpm=1000, tpm=1_000_000)}
-        tenants.write(stack.tenants_file, TenantsFile(tiers=tiers, tenants=(*data.tenants, tenant)))
+        tenants.write(stack.tenants_file, TenantsFile(tenants=(*data.tenants, tenant)))
     deadline = time.monotonic() + 10
     while call("GET", f"{stack.base_url}/models", headers=auth(key)).status == 401:
         assert time.monotonic() < deadline, "extauthz did not load the new tenant"
@@ -75,7 +73,7 @@ def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def chat(stack: Stack, key: str, max_tokens: int = 8, **extra: object) -> Reply:
+def chat(stack: Stack, key: str, max_tokens: int | None = 8, **extra: object) -> Reply:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
     return call(
         "POST", f"{stack.base_url}/chat/completions", {**body, "max_tokens": max_tokens}, auth(key)
@@ -113,6 +111,14 @@ def _tokens(line: dict[str, str]) -> int | None:
     if line["prompt_tokens"] is None or line["completion_tokens"] is None:
         return None
     return int(line["prompt_tokens"]) + int(line["completion_tokens"])
+
+
+def reloads(stack: Stack, result: str) -> float:
+    """ratelimit's count of tier-table reloads with this result."""
+    with urllib.request.urlopen(stack.metrics["ratelimit"], timeout=5) as r:
+        text = r.read().decode()
+    line = f'llmgw_config_reloads_total{{config="tiers",result="{result}"}} '
+    return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
 
 def wait_for(condition: object, what: str, timeout: float = 10.0) -> None:
@@ -196,8 +202,35 @@ def test_sdk_gets_rate_limit_error_then_retries_after_retry_after(rl_stack: Stac
     assert time.monotonic() - started >= 0.9  # it waited what retry-after-ms said
 
 
+def test_a_request_that_can_never_fit_is_too_large_and_the_sdk_does_not_retry(
+    rl_stack: Stack,
+) -> None:
+    key = add_tenant(rl_stack, "rl-large", "standard", Limits(tpm=1000))
+    client = openai.OpenAI(base_url=rl_stack.base_url, api_key=key)  # the SDK's 2 retries
+    long = [{"role": "user", "content": "word " * 1000}]  # ~1,250 tokens: above 1,000 a minute
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=long)  # type: ignore[arg-type]
+    client.close()
+    response = refused.value.response
+    assert response.headers["x-should-retry"] == "false"
+    error = response.json()["error"]
+    assert error["message"].startswith("Request too large") and "Limit 1000" in error["message"]
+    logged_tokens(rl_stack, "rl-large", 1)
+    time.sleep(1.5)  # Envoy's file log flushes at least every second: any retry would be there
+    assert logged_tokens(rl_stack, "rl-large", 1) == [None]  # one attempt, never retried
+    # An SDK-default request (no max_tokens) still fits: the gateway's cap stays within 1,000.
+    short = chat(rl_stack, key, max_tokens=None)
+    assert short.status == 200, short.body
+
+
 def test_exhausted_budget_is_insufficient_quota_and_not_retried(rl_stack: Stack) -> None:
     key = add_tenant(rl_stack, "rl-capped", "capped")  # a budget of 10 tokens a day
+    # The cap the pod gets fits the budget (estimated prompt + output ≤ 10), so the first
+    # request is served, cut at that cap; settling its real usage spends the budget.
+    first = chat(rl_stack, key, max_tokens=50)
+    assert first.status == 200, first.body
+    assert first.json()["usage"]["completion_tokens"] < 10
+    assert first.json()["choices"][0]["finish_reason"] == "length"
     reply = chat(rl_stack, key, max_tokens=50)
     assert reply.status == 429
     assert reply.headers["content-type"] == "application/json"
@@ -214,6 +247,27 @@ def test_tenant_limits_from_the_tenants_file_reach_the_limiter(rl_stack: Stack) 
     assert replies[0].headers["x-ratelimit-limit-requests"] == "4"
     assert replies[0].headers["x-ratelimit-limit-tokens"] == "5000"
     assert replies[3].json()["error"]["type"] == "requests"
+
+
+def test_the_tier_table_reloads_in_every_service_and_a_broken_one_is_refused(
+    rl_stack: Stack,
+) -> None:
+    table = rl_stack.limits_file
+    original = table.read_text()
+    try:
+        # extauthz refuses a tenants file naming a tier the table lacks: add the tier first.
+        ok, failed = reloads(rl_stack, "ok"), reloads(rl_stack, "failed")
+        table.write_text(original + "  late: {requests: {minute: 3}, tokens: {minute: 100000}}\n")
+        wait_for(lambda: reloads(rl_stack, "ok") > ok, "ratelimit did not reload the tiers")
+        key = add_tenant(rl_stack, "rl-late", "late")  # waits for extauthz to take it
+        assert [chat(rl_stack, key).status for _ in range(3)] == [200, 200, 429]  # probe + 2
+        table.write_text("tiers: {late: {requests: {minute: nope}}}")  # refused by both
+        wait_for(lambda: reloads(rl_stack, "failed") > failed, "the broken table went unseen")
+        assert chat(rl_stack, key).status == 429  # the last good table is still in force
+        table.write_text(original + "  late: {requests: {minute: 5}, tokens: {minute: 100000}}\n")
+        wait_for(lambda: chat(rl_stack, key).status == 200, "ratelimit kept the old limit")
+    finally:  # rl-late stays in the tenants file, so its tier stays in the table
+        table.write_text(original + "  late: {requests: {minute: 5}, tokens: {minute: 100000}}\n")
 
 
 def test_every_response_carries_the_rate_limit_headers(rl_stack: Stack) -> None:

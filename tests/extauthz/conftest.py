@@ -12,11 +12,17 @@ from extauthz import tenants
 from extauthz.decision import Decider
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
-from extauthz.types import Limits, Tenant, TenantsFile, TierDef
+from extauthz.types import Limits, Tenant, TenantsFile
+from llmgw.tiers import PerUnit, TierSpec, TierTable
 
 SECRET = b"s" * 32
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 NOW_S = NOW.timestamp()
+# The tier table beside the tenants file: the built-in tiers and a custom one.
+TIERS = TierTable(
+    tiers={"gold": TierSpec(requests=PerUnit(minute=600), tokens=PerUnit(minute=900_000))}
+)
+TIERS_YAML = "tiers:\n  gold: {requests: {minute: 600}, tokens: {minute: 900000}}\n"
 
 
 @dataclass
@@ -34,7 +40,6 @@ def write_tenants(path: Path) -> Keys:
     expired, expired_rec = tenants.new_key(NOW - timedelta(days=2), NOW - timedelta(seconds=1))
     revoked, revoked_rec = tenants.new_key(NOW - timedelta(days=1))
     data = TenantsFile(
-        tiers={"gold": TierDef(rpm=600, tpm=900_000)},
         tenants=(
             Tenant(
                 id="acme",
@@ -57,6 +62,13 @@ def write_tenants(path: Path) -> Keys:
 @pytest.fixture
 def tenants_file(tmp_path: Path) -> Path:
     return tmp_path / "tenants.yaml"
+
+
+@pytest.fixture
+def tiers_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(TIERS_YAML)
+    return path
 
 
 @pytest.fixture

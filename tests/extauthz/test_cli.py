@@ -10,7 +10,7 @@ from extauthz import cli, tenants
 from extauthz.decision import Decider
 from extauthz.demo import seed_demo
 from extauthz.types import Allow, Deny
-from tests.extauthz.conftest import Keys
+from tests.extauthz.conftest import TIERS, Keys
 
 
 def run(*argv: str) -> int:
@@ -26,7 +26,7 @@ def test_create_list_revoke(
     f = str(tenants_file)
     assert run("keys", "create", "--tenant", "acme", "--expires", "30d", "--tenants-file", f) == 0
     api_key = capsys.readouterr().out.strip()
-    snap = tenants.load(tenants_file)
+    snap = tenants.load(tenants_file, TIERS)
     entry = snap.keys[tenants.digest(api_key)]
     assert entry.tenant.id == "acme"
     assert entry.expires is not None
@@ -41,7 +41,7 @@ def test_create_list_revoke(
     assert "revoked" in listing and "expired" in listing
 
     assert run("keys", "revoke", entry.key_id, "--tenants-file", f) == 0
-    snap = tenants.load(tenants_file)
+    snap = tenants.load(tenants_file, TIERS)
     assert isinstance(decider.decide(snap, {"api-key": api_key}, b"", entry.expires - 1), Deny)
     assert not snap.keys[tenants.digest(keys.acme)].revoked  # other keys untouched
 
@@ -75,13 +75,13 @@ def test_seed_demo_one_tenant_per_tier(tenants_file: Path, keys: Keys, decider: 
         ("demo-standard", "standard"),
         ("demo-platinum", "platinum"),
     ]
-    snap = tenants.load(tenants_file)
+    snap = tenants.load(tenants_file, TIERS)
     for s in seeded:
         d = decider.decide(snap, {"authorization": f"Bearer {s['api_key']}"}, b"", 0)
         assert isinstance(d, Allow) and d.tenant == s["id"]
     assert tenants.digest(keys.acme) in snap.keys  # existing tenants kept
     again = seed_demo(tenants_file)  # re-seeding replaces the demo keys
-    snap = tenants.load(tenants_file)
+    snap = tenants.load(tenants_file, TIERS)
     assert tenants.digest(seeded[0]["api_key"]) not in snap.keys
     assert tenants.digest(again[0]["api_key"]) in snap.keys
 

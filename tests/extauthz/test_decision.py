@@ -9,12 +9,13 @@ from extauthz import tenants
 from extauthz.decision import Decider
 from extauthz.types import Allow, Deny, Snapshot
 from llmgw import wire
-from tests.extauthz.conftest import NOW_S, SECRET, Keys, make_decider
+from llmgw.tiers import Budget, TenantSpec
+from tests.extauthz.conftest import NOW_S, SECRET, TIERS, Keys, make_decider
 
 
 @pytest.fixture
 def snap(tenants_file: Path, keys: Keys) -> Snapshot:
-    return tenants.load(tenants_file)
+    return tenants.load(tenants_file, TIERS)
 
 
 def chat(model: str = "llama-3-8b", content: object = "x" * 400, **extra: object) -> bytes:
@@ -82,14 +83,15 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
     assert len(str(d.metadata[wire.META_PREFIX_BLOCKS])) == 16 * 6  # 6 full blocks of 64 chars
 
 
-def test_custom_tier_limits_reach_the_metadata(
+def test_a_custom_tier_reaches_the_metadata_by_name_only(
     decider: Decider, snap: Snapshot, keys: Keys
 ) -> None:
+    """Its limits are the tier table's (read by ratelimit), not a second copy sent along."""
     d = allowed(decider.decide(snap, {"api-key": keys.globex}, chat("any-model"), NOW_S))
     assert d.tenant == "globex"
     assert d.metadata[wire.META_TIER] == "gold"
-    assert d.metadata[wire.META_LIMIT_REQUESTS] == {"requests_per_unit": 600.0, "unit": "MINUTE"}
-    assert d.metadata[wire.META_LIMIT_TOKENS] == {"requests_per_unit": 900_000.0, "unit": "MINUTE"}
+    assert wire.META_LIMIT_REQUESTS not in d.metadata
+    assert wire.META_LIMIT_TOKENS not in d.metadata
     assert d.headers_to_remove == ("api-key",)
     assert len(dict(d.headers)[wire.HEADER_REQUEST_ID]) == 36  # minted when Envoy sent none
 
@@ -194,12 +196,12 @@ def test_non_json_body_passes_for_the_pod_to_answer(
     ("body", "estimate"),
     [
         (chat(content="x" * 401, max_completion_tokens=10, max_tokens=99), 101 + 10),
-        (chat(content="x" * 8), 2 + 256),  # default output when absent
+        (chat(content="x" * 8), 2 + 4096),  # the gateway's cap when the client names none
         (chat(content=[{"type": "text", "text": "y" * 40}], max_tokens=0), 10),
-        # two prompts: each gets its own completion
+        # two prompts: each gets its own completion, of vLLM's default 16 tokens
         (
             json.dumps({"model": "llama-3-8b", "prompt": ["ab" * 10, "c" * 20]}).encode(),
-            10 + 2 * 256,
+            10 + 2 * 16,
         ),
         (json.dumps({"model": "llama-3-8b", "prompt": [1, 2, 3], "max_tokens": 7}).encode(), 10),
     ],
@@ -209,6 +211,118 @@ def test_token_estimate(
 ) -> None:
     d = allowed(decider.decide(snap, bearer(keys.acme), body, NOW_S))
     assert d.metadata[wire.META_TOKEN_ESTIMATE] == str(estimate)
+
+
+def as_the_pod_reads_it(body: bytes, decision: Allow) -> dict[str, object]:
+    """The body after Envoy appended the suffix (envoy/rewrite.lua: before the last "}"),
+    parsed as the pod parses JSON: the last of duplicate keys wins."""
+    at = body.rindex(b"}")
+    suffix = str(decision.metadata[wire.META_BODY_SUFFIX]).encode()
+    parsed = json.loads(body[:at] + suffix + body[at:])
+    assert isinstance(parsed, dict)
+    return parsed
+
+
+def pod_cap(request: dict[str, object], path: str) -> object:
+    """The output cap vLLM uses: chat reads max_completion_tokens first."""
+    if path == wire.CHAT_PATH and request.get("max_completion_tokens") is not None:
+        return request["max_completion_tokens"]
+    return request.get("max_tokens")
+
+
+CAPPED = {"max_output_tokens": 1000, "max_model_len": {"llama-3-8b": 800}}
+# gold's own output cap, in the tier table beside its limits.
+CAPPED_TIERS = TIERS.model_copy(
+    update={"tiers": {"gold": TIERS.tiers["gold"].model_copy(update={"max_output_tokens": 50})}}
+)
+
+
+@pytest.fixture
+def capped(tenants_file: Path, keys: Keys) -> Snapshot:
+    return tenants.load(tenants_file, CAPPED_TIERS)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # the OpenAI SDK's default: no cap at all
+        {"max_tokens": None, "max_completion_tokens": None},
+        {"max_tokens": 10**20},
+        {"max_tokens": 1e20, "n": 3},
+        {"max_tokens": -1},
+        {"max_tokens": "nan", "n": "2.0"},
+        {"max_tokens": True},
+        {"max_tokens": 20, "max_completion_tokens": 5000},  # the one chat reads is too large
+        {"max_completion_tokens": 7, "max_tokens": 5000},
+        {"max_tokens": 30, "n": 4, "best_of": 6},
+    ],
+)
+@pytest.mark.parametrize("path", [wire.CHAT_PATH, "/v1/completions"])
+@pytest.mark.parametrize("tenant", ["acme", "globex"])
+def test_the_pod_gets_the_cap_the_reservation_holds(
+    capped: Snapshot, keys: Keys, extra: dict[str, object], path: str, tenant: str
+) -> None:
+    """Whatever the client names (or not), the pod's cap is the one reserved, within the
+    tier's cap and the model's context: acme is standard (1000) on a model of context 800,
+    globex is gold (50)."""
+    decider = make_decider(**CAPPED)
+    shape: dict[str, object] = {"messages": [{"role": "user", "content": "x" * 40}]}
+    if path != wire.CHAT_PATH:
+        shape = {"prompt": "x" * 40}
+    body = json.dumps({"model": "llama-3-8b", **shape, **extra}).encode()
+    headers = {**bearer(getattr(keys, tenant)), ":path": path, ":method": "POST"}
+    d = allowed(decider.decide(capped, headers, body, NOW_S))
+    cap = pod_cap(as_the_pod_reads_it(body, d), path)
+    assert isinstance(cap, int) and not isinstance(cap, bool)
+    assert cap == d.metadata[wire.META_MAX_OUTPUT]
+    assert cap <= (800 if tenant == "acme" else 50)
+    n = d.metadata[wire.META_CHOICES]
+    assert isinstance(n, float)
+    assert d.metadata[wire.META_TOKEN_ESTIMATE] == str(10 + cap * int(n))
+    if not extra:  # no cap named: the whole bound (completions: vLLM's default of 16)
+        assert cap == (16 if path != wire.CHAT_PATH else 800 if tenant == "acme" else 50)
+
+
+def test_the_cap_follows_the_tier_and_the_model(capped: Snapshot, keys: Keys) -> None:
+    decider = make_decider(**CAPPED)
+    caps = {
+        (key, model): allowed(
+            decider.decide(capped, bearer(key, **GENERATION), chat(model), NOW_S)
+        ).metadata[wire.META_MAX_OUTPUT]
+        for key in (keys.acme, keys.globex)
+        for model in ("llama-3-8b", "mistral-7b")
+    }
+    assert caps == {
+        (keys.acme, "llama-3-8b"): 800,  # the model's context
+        (keys.acme, "mistral-7b"): 1000,  # context unknown: the tier's cap
+        (keys.globex, "llama-3-8b"): 50,
+        (keys.globex, "mistral-7b"): 50,
+    }
+
+
+def test_the_default_cap_fits_the_tenants_smallest_token_limit(
+    tenants_file: Path, keys: Keys
+) -> None:
+    """A cap above every token limit the tenant has would make each SDK-default request too
+    large to ever be admitted: prompt + cap stay within the smallest (a 300-token budget)."""
+    table = TIERS.model_copy(update={"tenants": {"globex": TenantSpec(budget=Budget(tokens=300))}})
+    d = allowed(
+        make_decider().decide(
+            tenants.load(tenants_file, table), bearer(keys.globex, **GENERATION), chat(), NOW_S
+        )
+    )
+    assert d.metadata[wire.META_TOKEN_ESTIMATE] == "300"
+    assert 0 < float(d.metadata[wire.META_MAX_OUTPUT]) < 300  # type: ignore[arg-type]
+
+
+def test_embeddings_reserve_no_output_and_get_no_cap(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    body = json.dumps({"model": "llama-3-8b", "input": "x" * 400, "max_tokens": 9}).encode()
+    headers = bearer(keys.acme, **{":path": wire.EMBEDDINGS_PATH, ":method": "POST"})
+    d = allowed(decider.decide(snap, headers, body, NOW_S))
+    assert d.metadata[wire.META_TOKEN_ESTIMATE] == "100"
+    assert "max_tokens" not in str(d.metadata[wire.META_BODY_SUFFIX])  # vLLM would warn of it
 
 
 def test_session_minted_then_continued(decider: Decider, snap: Snapshot, keys: Keys) -> None:

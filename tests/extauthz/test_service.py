@@ -25,10 +25,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from extauthz import cli, metrics
 from extauthz.__main__ import cli as service_cli
 from extauthz.service import AuthorizationService, register
-from extauthz.store import TenantsStore
+from extauthz.store import TenantsStore, tenants_store
 from llmgw import wire
 from llmgw.procs import Process, free_port, grpc_serving
-from tests.extauthz.conftest import SECRET, Keys, make_decider
+from llmgw.reload import RELOADS
+from tests.extauthz.conftest import SECRET, TIERS_YAML, Keys, make_decider
 
 Stub: Any = external_auth_pb2_grpc.AuthorizationStub
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -69,8 +70,8 @@ class Running:
 
 
 @pytest.fixture
-async def running(tenants_file: Path, keys: Keys) -> AsyncIterator[Running]:
-    store = TenantsStore(tenants_file)
+async def running(tenants_file: Path, tiers_file: Path, keys: Keys) -> AsyncIterator[Running]:
+    store = tenants_store(tenants_file, tiers_file)
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -195,7 +196,7 @@ async def test_revocation_and_new_keys_apply_within_two_seconds(
         new_ok = new.status.code == code_pb2.OK
         await asyncio.sleep(0.05)
 
-    failed = metrics.RELOADS.labels(result="failed")
+    failed = RELOADS.labels("tenants", "failed")
     refusals = failed._value.get()
     # A broken file is refused and the last good config stays.
     await asyncio.to_thread(tenants_file.write_text, "tenants: [")
@@ -207,6 +208,12 @@ async def test_revocation_and_new_keys_apply_within_two_seconds(
     assert reply.status.code == code_pb2.OK
 
 
+def _tiers(tmp_path: Path) -> Path:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(TIERS_YAML)
+    return path
+
+
 def _settings_file(tmp_path: Path, tenants_file: Path, port: int) -> Path:
     config = tmp_path / "extauthz.yaml"
     config.write_text(
@@ -214,6 +221,7 @@ def _settings_file(tmp_path: Path, tenants_file: Path, port: int) -> Path:
             {
                 "serve": {"port": port},
                 "tenants_file": str(tenants_file),
+                "tiers_file": str(_tiers(tmp_path)),
                 "sessions": {"secret": SECRET.decode(), "worker_id": 3},
             }
         )
@@ -227,6 +235,9 @@ def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"tenants_file": str(tenants_file), "sessions": {"secret": "x"}}))
     assert service_cli(["--check-config", str(bad)]) == 1
+    _tiers(tmp_path).write_text("tiers: {}")  # the tier table lacks the tier a tenant names
+    assert service_cli(["--check-config", str(good)]) == 1
+    _settings_file(tmp_path, tenants_file, 0)
     tenants_file.write_text("tenants: [{id: 1}]")  # the tenants file it names is checked too
     assert service_cli(["--check-config", str(good)]) == 1
 

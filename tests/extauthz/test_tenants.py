@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extauthz import metrics, tenants
-from extauthz.store import TenantsStore
+from extauthz import tenants
+from extauthz.store import tenants_store
 from extauthz.types import KEY_PREFIX
 from llmgw.config import ConfigError
-from tests.extauthz.conftest import NOW, Keys
+from llmgw.reload import RELOADS
+from tests.extauthz.conftest import NOW, TIERS, TIERS_YAML, Keys
 
 
 def test_keys_have_enough_entropy_and_only_the_hash_is_stored(
@@ -26,7 +27,7 @@ def test_keys_have_enough_entropy_and_only_the_hash_is_stored(
 
 
 def test_snapshot_looks_up_by_digest(tenants_file: Path, keys: Keys) -> None:
-    snap = tenants.load(tenants_file)
+    snap = tenants.load(tenants_file, TIERS)
     entry = snap.keys[tenants.digest(keys.acme)]
     assert entry.tenant.id == "acme"
     assert entry.key_id == keys.acme_key_id
@@ -44,7 +45,6 @@ def _edit(path: Path, change: object) -> None:
 @pytest.mark.parametrize(
     ("change", "where"),
     [
-        (lambda d: d["tenants"][0].update(tier="diamond"), "tenants.0.tier"),
         (lambda d: d["tenants"][0].update(priority=11), "tenants.0.priority"),
         (lambda d: d["tenants"][0].update(colour="red"), "tenants.0.colour"),
         (lambda d: d["tenants"][1].update(id="acme"), "tenants.1.id"),
@@ -54,7 +54,7 @@ def _edit(path: Path, change: object) -> None:
         ),
         (lambda d: d["tenants"][0]["keys"][0].update(sha256="zz"), "tenants.0.keys.0.sha256"),
         (lambda d: d["tenants"][0]["keys"][0].update(created="2025-01-01T00:00:00"), "created"),
-        (lambda d: d["tiers"].update(free={"rpm": 1, "tpm": 1}), "tiers.free"),
+        (lambda d: d.update(tiers={"free": {"rpm": 1, "tpm": 1}}), "tier table"),
         (lambda d: d["tenants"][0].update(models="llama"), "tenants.0.models"),
     ],
 )
@@ -68,12 +68,41 @@ def test_schema_errors_name_the_file_and_key(
     assert where in str(err.value)
 
 
+def test_an_empty_tiers_key_of_an_older_file_is_accepted(tenants_file: Path, keys: Keys) -> None:
+    _edit(tenants_file, lambda d: d.update(tiers={}))
+    assert len(tenants.read(tenants_file).tenants) == 2
+
+
+def test_a_tier_the_tier_table_lacks_is_refused(tenants_file: Path, keys: Keys) -> None:
+    _edit(tenants_file, lambda d: d["tenants"][0].update(tier="diamond"))
+    with pytest.raises(ConfigError) as err:
+        tenants.load(tenants_file, TIERS)
+    assert str(tenants_file) in str(err.value)
+    assert "tenants.0.tier" in str(err.value) and "diamond" in str(err.value)
+
+
+async def test_the_tier_table_reloads_with_the_tenants(
+    tenants_file: Path, tiers_file: Path, keys: Keys
+) -> None:
+    """A tier removed from the tier table while a tenant names it is refused, not silent."""
+    store = tenants_store(tenants_file, tiers_file)
+    good = store.current
+    await asyncio.to_thread(tiers_file.write_text, "tiers: {}\n")  # gold gone, globex names it
+    assert not await store.reload_if_changed()
+    assert store.current is good
+    await asyncio.to_thread(tiers_file.write_text, TIERS_YAML + "  extra: {}\n")
+    assert await store.reload_if_changed()
+    assert store.current is not good
+
+
 def _count(result: str) -> float:
-    return float(metrics.RELOADS.labels(result=result)._value.get())
+    return float(RELOADS.labels("tenants", result)._value.get())
 
 
-async def test_reload_swaps_and_refuses_a_broken_file(tenants_file: Path, keys: Keys) -> None:
-    store = TenantsStore(tenants_file)
+async def test_reload_swaps_and_refuses_a_broken_file(
+    tenants_file: Path, tiers_file: Path, keys: Keys
+) -> None:
+    store = tenants_store(tenants_file, tiers_file)
     before = store.current
     assert not await store.reload_if_changed()  # nothing changed
 
@@ -98,8 +127,10 @@ async def test_reload_swaps_and_refuses_a_broken_file(tenants_file: Path, keys: 
     assert _count("failed") == failed + 2
 
 
-async def test_watcher_applies_an_edit_within_two_seconds(tenants_file: Path, keys: Keys) -> None:
-    store = TenantsStore(tenants_file)
+async def test_watcher_applies_an_edit_within_two_seconds(
+    tenants_file: Path, tiers_file: Path, keys: Keys
+) -> None:
+    store = tenants_store(tenants_file, tiers_file)
     watcher = asyncio.create_task(store.watch(0.25))
     try:
         data = tenants.read(tenants_file)
@@ -120,4 +151,4 @@ async def test_watcher_applies_an_edit_within_two_seconds(tenants_file: Path, ke
 def test_a_broken_file_at_start_is_an_error(tenants_file: Path) -> None:
     tenants_file.write_text("tenants: 3")
     with pytest.raises(ConfigError):
-        TenantsStore(tenants_file)
+        tenants_store(tenants_file)

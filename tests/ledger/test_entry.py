@@ -19,6 +19,7 @@ def entry(
     *,
     pod: str | None = POD,
     usage: dict[str, Any] | None = None,
+    admission: dict[str, Any] | None = None,
     stream: bool = False,
     flags: tuple[str, ...] = (),
     request_id: str = "r1",
@@ -45,6 +46,8 @@ def entry(
         e.request.request_id = request_id
     if usage:
         common.metadata.filter_metadata[wire.USAGE_NAMESPACE].update(usage)
+    if admission is not None:
+        common.metadata.filter_metadata[wire.RATELIMIT_NAMESPACE].update(admission)
     if pod:
         host, port = pod.split(":")
         common.upstream_remote_address.CopyFrom(
@@ -162,3 +165,25 @@ def test_an_aborted_stream_charges_the_larger_prompt_count() -> None:
         entry(200, stream=True, usage=small, flags=("downstream_connection_termination",))
     )
     assert o is not None and (o.prompt_tokens, o.completion_tokens) == (20, 2)
+
+
+def test_a_borrowed_admission_is_recorded_and_base_quota_is_zero() -> None:
+    drawn = {wire.META_BORROWED_REQUESTS: 1, wire.META_BORROWED_TOKENS: 120}
+    borrowed = to_outcome(entry(200, usage=USED, admission=drawn))
+    assert borrowed is not None
+    assert (borrowed.borrowed_requests, borrowed.borrowed_tokens) == (1, 120)
+    base = to_outcome(entry(200, usage=USED))  # the rate-limit service adds no metadata
+    assert base is not None and (base.borrowed_requests, base.borrowed_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "drawn",
+    [
+        {},
+        {wire.META_BORROWED_REQUESTS: "1", wire.META_BORROWED_TOKENS: True},
+        {wire.META_BORROWED_REQUESTS: -1, wire.META_BORROWED_TOKENS: {"n": 5}},
+    ],
+)
+def test_mistyped_borrowing_metadata_counts_as_base_quota(drawn: dict[str, Any]) -> None:
+    o = to_outcome(entry(200, usage=USED, admission=drawn))
+    assert o is not None and (o.borrowed_requests, o.borrowed_tokens) == (0, 0)

@@ -29,9 +29,11 @@ def rec(n: int, **fields: object) -> Outcome:
 
 DATASET = [
     rec(1, ts=BASE + timedelta(seconds=3), tenant="acme", session="s1", model="m1", pod="p1",
-        prompt_tokens=10, completion_tokens=20, charged_tokens=30, ttft_ms=100.0),
+        prompt_tokens=10, completion_tokens=20, charged_tokens=30, ttft_ms=100.0,
+        borrowed_requests=1, borrowed_tokens=12),
     rec(2, ts=BASE + timedelta(seconds=1), tenant="acme", session="s1", model="m1", pod="p2",
-        status=503, outcome="upstream_error", prompt_tokens=10),
+        status=503, outcome="upstream_error", prompt_tokens=10, borrowed_requests=1,
+        borrowed_tokens=40),  # drawn at admission, then refunded: no borrowed use
     rec(3, ts=BASE + timedelta(seconds=2), tenant="acme", session="s1", model="m2", pod="p1",
         status=0, outcome="aborted", prompt_tokens=10, completion_tokens=5, charged_tokens=15,
         ttft_ms=300.0),
@@ -72,6 +74,7 @@ async def test_totals_by_tenant(ledger_db: str) -> None:
     assert rows["acme"] == {
         "tenant": "acme", "requests": "4", "errors": "1", "refused": "0", "aborted": "1",
         "prompt_tokens": "130", "completion_tokens": "125", "charged_tokens": "245",
+        "base_tokens": "233", "borrowed_tokens": "12", "borrowed_requests": "2",
         "ttft_p50_ms": "300.0", "ttft_p90_ms": "460.0",
     }  # fmt: skip
     assert rows["beta"]["refused"] == "1" and rows["beta"]["ttft_p50_ms"] == "200.0"
@@ -118,6 +121,7 @@ async def test_json_records_keep_the_field_order(ledger_db: str) -> None:
     first = records[-1]
     assert datetime.fromisoformat(first["ts"]) == BASE + timedelta(seconds=3)
     assert (first["ttft_ms"], first["charged_tokens"], first["stream"]) == (100.0, 30, False)
+    assert (first["borrowed_requests"], first["borrowed_tokens"]) == (1, 12)  # the record's draw
     assert records[1]["ttft_ms"] is None
 
 
@@ -125,6 +129,8 @@ async def test_json_totals_with_by(ledger_db: str) -> None:
     lines = (await run(ledger_db, "--json", "--by", "model", "--since", "1d")).splitlines()
     totals = {r["model"]: r for r in map(json.loads, lines)}
     assert totals["m1"]["requests"] == 3 and totals["m2"]["charged_tokens"] == 15
+    m1 = totals["m1"]
+    assert (m1["base_tokens"], m1["borrowed_tokens"], m1["borrowed_requests"]) == (33, 12, 2)
 
 
 async def test_the_cli_command_reads_the_url_from_the_environment(ledger_db: str) -> None:

@@ -11,7 +11,6 @@ from rl_redis import flushall, redis_port, start_redis
 from llmgw.procs import Process
 from llmgw.resp import Resp
 from ratelimit.failover import Failover
-from ratelimit.store import LocalStore
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +45,8 @@ async def resp(redis: int) -> AsyncIterator[Resp]:
 
 @pytest.fixture
 async def make_failover() -> AsyncIterator[Callable[..., Awaitable[Failover]]]:
-    """Failover stores (closed at the end): make(port, deadline_s=2.0, replicas=1, password)."""
+    """Failover stores (closed at the end): make(port, deadline_s=2.0, replicas=1, password),
+    beating every 0.05 s."""
     made: list[Failover] = []
 
     async def make(
@@ -55,10 +55,11 @@ async def make_failover() -> AsyncIterator[Callable[..., Awaitable[Failover]]]:
         store = Failover(
             "127.0.0.1",
             port,
-            LocalStore(1 / replicas),
+            replicas,
             deadline_s=deadline_s,
             probe_interval_s=0.05,
             password=password,
+            heartbeat_s=0.05,
         )
         await store.start()
         made.append(store)

@@ -12,10 +12,11 @@ from rl_redis import redis_port, start_redis
 
 from llmgw.procs import Process, redis_ping
 from llmgw.resp import AuthError, Resp, RespError
+from llmgw.tiers import PerUnit, TierSpec, TierTable
 from ratelimit.failover import Failover
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
-from ratelimit.limits import Limits, LimitsConfig, PerUnit, TierSpec
+from ratelimit.limits import Limits
 from ratelimit.types import Admission
 
 MakeFailover = Callable[..., Awaitable[Failover]]
@@ -65,7 +66,7 @@ def test_the_readiness_probe_needs_the_password(locked: int) -> None:
 
 
 def limiter(store: Failover) -> Limiter:
-    config = LimitsConfig(tiers={"free": TierSpec(requests=PerUnit(minute=100_000))})
+    config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=100_000))})
     return Limiter(Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time)
 
 

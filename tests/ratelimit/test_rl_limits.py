@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.config import ConfigError
-from ratelimit.limits import Limits, load_limits
+from llmgw.tiers import load_tiers
+from ratelimit.limits import Limits
 from ratelimit.types import Limit, Unit
 
 GOOD = """
@@ -28,7 +29,7 @@ tenants:
 def test_good_file(tmp_path: Path) -> None:
     path = tmp_path / "limits.yaml"
     path.write_text(GOOD)
-    limits = Limits(load_limits(path))
+    limits = Limits(load_tiers(path))
     gold = limits.policy("someone", "gold")
     assert gold.requests == (Limit(Unit.SECOND, 200), Limit(Unit.MINUTE, 6000))
     assert gold.tokens == (Limit(Unit.MINUTE, 1_000_000),)
@@ -55,7 +56,7 @@ def test_bad_files_name_file_and_key(tmp_path: Path, text: str, key: str) -> Non
     path = tmp_path / "limits.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
-        load_limits(path)
+        load_tiers(path)
     assert str(path) in str(err.value)
     assert key.split(".")[-1] in str(err.value)
 

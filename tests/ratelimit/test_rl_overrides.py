@@ -5,8 +5,8 @@ from __future__ import annotations
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from llmgw.tiers import PerUnit
 from ratelimit.descriptors import parse
-from ratelimit.limits import PerUnit
 from ratelimit.types import Admission, Limit, Unit
 from tests.ratelimit.test_rl_limiter import NOW, Env, tier
 
@@ -66,5 +66,7 @@ async def test_a_tenants_own_limit_replaces_the_tiers_limit_of_that_unit() -> No
     assert verdict.requests is not None and verdict.requests.limit == 3
     # The per-second limit of the tier still applies beside it.
     env.now = NOW + 120
-    verdict = await env.limiter.admit(Admission("other", "t"))
-    assert verdict.requests is not None and verdict.requests.limit == 100
+    verdicts = [await env.limiter.admit(Admission("other", "t")) for _ in range(101)]
+    assert sum(v.allowed for v in verdicts) == 100
+    # The headers report the per-minute limit (OpenAI's RPM), not the per-second one.
+    assert verdicts[0].requests is not None and verdicts[0].requests.limit == 1000

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from llmgw.resp import Resp, RespError, encode
+from llmgw.tiers import PerUnit, TierSpec, TierTable
 from llmgw.wire import tenant_prefix
 from ratelimit.failover import Failover
+from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
-from ratelimit.limits import Limits, LimitsConfig, PerUnit, TierSpec
+from ratelimit.limits import Limits
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import LocalStore, Store
-from ratelimit.types import Admission, Check, Unit
+from ratelimit.types import MAX_COUNT, Admission, Check, Unit, Window
 from ratelimit.windows import SLIDING
 
 MakeFailover = Callable[..., Awaitable[Failover]]
@@ -55,40 +58,70 @@ def test_tenant_prefix_keeps_one_hash_tag() -> None:
 
 
 async def test_redis_and_local_stores_decide_alike(resp: Resp) -> None:
-    """A random sequence of admissions, on a simulated clock, in both stores."""
+    """A random sequence of admissions in real time: Redis decides at its own clock, the local
+    store at the time Redis reported. Small windows, so buckets decay and leave often."""
     rng = random.Random(3)
-    stores: list[Store] = [RedisStore(resp), LocalStore()]
+    redis, local = RedisStore(resp), LocalStore()
     checks = [
-        Check("requests:second", SLIDING[Unit.SECOND], 4, 1),
-        Check("requests:minute", SLIDING[Unit.MINUTE], 30, 1),
+        Check("requests:a", Window(500, 50), 4, 1),
+        Check("requests:b", Window(2_000, 250), 30, 1),
+        Check("budget:c", Window(300, 300, rolling=False), 2_000, 1),
     ]
-    now = 1_800_000_000_000
-    for step in range(300):
-        now += rng.choice([0, 7, 50, 130, 900, 4000])
+    decided = set()
+    for step in range(200):
+        await asyncio.sleep(rng.choice([0, 0, 0.002, 0.01, 0.03, 0.12]))
         estimate = rng.randrange(0, 250)
-        these = [*checks, Check("tokens:minute", SLIDING[Unit.MINUTE], 1000, estimate, True)]
-        rid = f"r{step}"
-        outcomes = [
-            await s.admit("p:{t}", these, now, reservation=rid, ttl_ms=20_000) for s in stores
-        ]
-        assert outcomes[0].admitted == outcomes[1].admitted, step
-        assert outcomes[0].counts == outcomes[1].counts, step
+        these = [*checks, Check("tokens:d", Window(2_000, 250), 1000, estimate, True)]
+        there = await redis.admit("p:{t}", these, 0, reservation=f"r{step}", ttl_ms=20_000)
+        here = await local.admit("p:{t}", these, there.now_ms)
+        assert (there.admitted, there.counts) == (here.admitted, here.counts), step
+        decided.add(there.admitted)
+    assert decided == {True, False}
 
 
 async def test_noscript_after_script_flush_is_handled(resp: Resp) -> None:
     store = RedisStore(resp)
     check = [Check("requests:minute", SLIDING[Unit.MINUTE], 10, 1)]
-    assert (await store.admit("p:{t}", check, 1_800_000_000_000)).admitted
+    assert (await store.admit("p:{t}", check, 0)).admitted
     assert await resp.call("SCRIPT", "FLUSH") == "OK"
-    outcome = await store.admit("p:{t}", check, 1_800_000_000_000)
-    assert outcome.admitted and outcome.counts == ((1, 0, 0, 0, 0, 0),)
+    outcome = await store.admit("p:{t}", check, 0)
+    assert outcome.admitted and outcome.counts == ((1, 0, 0, 0, 0, 0, 0),)
 
 
-def _limiter(store: Store, config: LimitsConfig, ttl_s: float = 300.0) -> Limiter:
-    import time
+async def test_numbers_far_out_of_range_are_clamped_before_redis(resp: Resp) -> None:
+    """A limit or cost of 1e20 (a client's max_tokens) is decided in Redis, not an error."""
+    store = RedisStore(resp)
+    minute = SLIDING[Unit.MINUTE]
+    huge = [Check("tokens:minute", minute, 10**20, 10**20, True)]
+    assert not (await store.admit("p:{t}", huge, 0, reservation="r1", ttl_ms=1000)).admitted
+    fits = [Check("tokens:minute", minute, 10**20, MAX_COUNT, True)]
+    first = await store.admit("p:{t}", fits, 0, reservation="r2", ttl_ms=1000)
+    assert first.admitted and first.counts[0][0] == 0
+    again = await store.admit("p:{t}", fits, 0)
+    assert not again.admitted and again.counts[0][0] == MAX_COUNT
+    assert await resp.call("HGET", "p:{t}:res:r2", "n") == str(MAX_COUNT).encode()
+    assert Check("x", minute, -5, -1).limit == 0  # and never negative
 
-    from ratelimit.fleet import IDLE_UNKNOWN
 
+async def test_skewed_replica_clocks_share_one_window(
+    redis: int, make_failover: MakeFailover
+) -> None:
+    """Two replicas whose clocks are 3 s apart, 50 requests per second, a burst of 200 across
+    both: exactly 50, and both report the reset from Redis's time."""
+    config = TierTable(tiers={"free": TierSpec(requests=PerUnit(second=50))})
+    now = time.time()
+    engines = [
+        Limiter(Limits(config).policy, await make_failover(redis), lambda: IDLE_UNKNOWN, clock)
+        for clock in (lambda: now + 3.0, lambda: now - 3.0)
+    ]
+    verdicts = await asyncio.gather(
+        *(engines[i % 2].admit(Admission("acme", "free")) for i in range(200))
+    )
+    assert sum(v.allowed for v in verdicts) == 50
+    assert all(v.requests is not None and 0 < v.requests.reset_ms <= 1_100 for v in verdicts)
+
+
+def _limiter(store: Store, config: TierTable, ttl_s: float = 300.0) -> Limiter:
     return Limiter(
         Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time, reservation_ttl_s=ttl_s
     )
@@ -96,7 +129,7 @@ def _limiter(store: Store, config: LimitsConfig, ttl_s: float = 300.0) -> Limite
 
 async def test_exact_across_four_replicas(redis: int, make_failover: MakeFailover) -> None:
     """400 concurrent requests through 4 engines sharing one Redis, limit 100 → exactly 100."""
-    config = LimitsConfig(tiers={"free": TierSpec(requests=PerUnit(minute=100))})
+    config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=100))})
     engines = [_limiter(await make_failover(redis), config) for _ in range(4)]
     verdicts = await asyncio.gather(
         *(engines[i % 4].admit(Admission("acme", "free")) for i in range(400))
@@ -108,7 +141,7 @@ async def test_tokens_with_mixed_reservations_never_exceed(
     redis: int, make_failover: MakeFailover
 ) -> None:
     limit = 10_000
-    config = LimitsConfig(tiers={"free": TierSpec(tokens=PerUnit(minute=limit))})
+    config = TierTable(tiers={"free": TierSpec(tokens=PerUnit(minute=limit))})
     engines = [_limiter(await make_failover(redis), config) for _ in range(4)]
     rng = random.Random(5)
     sizes = [rng.choice([1, 17, 250, 999, 3000]) for _ in range(400)]

@@ -1,101 +1,169 @@
 """Settlement (ledger/settle.lua) against the reservations admission makes (ratelimit/admit.lua),
-on a real redis-server with an explicit clock."""
+on a real redis-server in real time: both scripts read Redis's TIME, so windows are small where
+a test needs buckets to pass."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 from rl_redis import redis_port, start_redis
 
-from ledger.recorder import Recorder, RedisLink
+from ledger.recorder import Recorder
 from ledger.settlement import Charge, Settled, settle
+from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.procs import Process
 from llmgw.resp import Resp
 from llmgw.wire import tenant_prefix
 from ratelimit.redis_store import RedisStore
-from ratelimit.types import Check, Unit
-from ratelimit.windows import SLIDING, fixed
+from ratelimit.types import Check, Unit, Window
+from ratelimit.windows import SLIDING, fixed, used
 
-T0 = 1_800_000_000_000  # ms, a multiple of every bucket size
 PREFIX = tenant_prefix("acme")
 DONE_TTL = 60_000
+MINUTE = [Check("tokens:minute", SLIDING[Unit.MINUTE], 10**9, 0, True)]
 
 
-def tokens(limit: int, cost: int) -> list[Check]:
-    return [Check("tokens:minute", SLIDING[Unit.MINUTE], limit, cost, True)]
+def costing(cost: int, checks: Sequence[Check] = MINUTE) -> list[Check]:
+    return [Check(c.name, c.window, c.limit, cost, True) for c in checks]
 
 
-async def used(store: RedisStore, now_ms: int, checks: list[Check] | None = None) -> list[int]:
-    """Tokens inside each check's window at `now_ms` (a zero-cost admission reads them)."""
-    probe = [Check(c.name, c.window, c.limit, 0, False) for c in checks or tokens(10**9, 0)]
-    outcome = await store.admit(PREFIX, probe, now_ms)
-    return [sum(c) for c in outcome.counts]
-
-
-async def admit(store: RedisStore, rid: str, cost: int, now_ms: int, **kw: object) -> None:
-    checks = kw.pop("checks", None) or tokens(10**9, cost)
-    outcome = await store.admit(PREFIX, checks, now_ms, reservation=rid, ttl_ms=600_000)  # type: ignore[arg-type]
+async def admit(
+    store: RedisStore,
+    rid: str,
+    cost: int,
+    checks: Sequence[Check] = MINUTE,
+    tenant: str = "acme",
+    ttl_ms: int = 600_000,
+) -> int:
+    """A reservation of `cost` in every check; Redis's time of the admission (ms)."""
+    outcome = await store.admit(
+        tenant_prefix(tenant), costing(cost, checks), 0, reservation=rid, ttl_ms=ttl_ms
+    )
     assert outcome.admitted
+    return outcome.now_ms
 
 
-async def one(resp: Resp, rid: str, actual: int, now_ms: int) -> Settled:
-    (result,) = await settle(resp, [Charge("acme", rid, actual)], now_ms, DONE_TTL)
+async def in_window(
+    store: RedisStore, checks: Sequence[Check] = MINUTE, tenant: str = "acme"
+) -> list[int]:
+    """Each window's use now, by the rule (a zero-cost admission reads the buckets)."""
+    probe = [Check(c.name, c.window, c.limit, 0) for c in checks]
+    outcome = await store.admit(tenant_prefix(tenant), probe, 0)
+    return [used(c.window, n, outcome.now_ms) for c, n in zip(probe, outcome.counts, strict=True)]
+
+
+async def buckets(resp: Resp, name: str) -> dict[int, int]:
+    """A window's bucket keys: index → count."""
+    keys = await resp.call("KEYS", f"{PREFIX}:{name}:*")
+    assert isinstance(keys, list)
+    held: dict[int, int] = {}
+    for key in keys:
+        assert isinstance(key, bytes)
+        value = await resp.call("GET", key)
+        assert isinstance(value, bytes)
+        held[int(key.rsplit(b":", 1)[1])] = int(value)
+    return held
+
+
+async def redis_ms(resp: Resp) -> int:
+    reply = await resp.call("TIME")
+    assert isinstance(reply, list)
+    seconds, micros = (int(v) for v in reply if isinstance(v, bytes))
+    return seconds * 1000 + micros // 1000
+
+
+async def one(resp: Resp, rid: str, actual: int) -> Settled:
+    (result,) = await settle(resp, [Charge("acme", rid, actual)], DONE_TTL)
     return result
 
 
 async def test_refund_to_the_reserved_bucket_and_excess_to_the_current(resp: Resp) -> None:
     store = RedisStore(resp)
-    await admit(store, "a", 600, T0)
-    assert await one(resp, "a", 100, T0 + 25_000) == Settled(1, 600, 100)
-    assert await used(store, T0 + 25_000) == [100]
-    await admit(store, "b", 300, T0 + 30_000)
-    assert await one(resp, "b", 350, T0 + 45_000) == Settled(1, 300, 350)
-    # The first bucket (100) leaves the window at T0+60 s; "b" counts 300 at T0+30 s and its 50
-    # extra at T0+45 s, where it was used.
-    assert await used(store, T0 + 60_000) == [350]
-    assert await used(store, T0 + 90_000) == [50]
+    window = [Check("tokens:w", Window(3_000, 500), 10**9, 0, True)]
+    a = await admit(store, "a", 600, window) // 500
+    await asyncio.sleep(0.55)  # a later bucket, the reserved one still inside the window
+    assert await one(resp, "a", 100) == Settled(1, 600, 100)
+    b = await admit(store, "b", 300, window) // 500
+    await asyncio.sleep(0.55)
+    assert await one(resp, "b", 350) == Settled(1, 300, 350)
+    # The refund went into "a"'s bucket; "b"'s 50 extra into the bucket it was settled in.
+    held = await buckets(resp, "tokens:w")
+    assert a < b < max(held) and held == {a: 100, b: 300, max(held): 50}
+    assert await in_window(store, window) == [450]
 
 
-async def test_a_stream_longer_than_the_window_counts_in_both(resp: Resp) -> None:
+async def test_a_stream_outliving_its_window_counts_in_every_window_it_ran_in(
+    resp: Resp,
+) -> None:
+    """Settled while its reserved bucket decays (window a) or after it left (window b): the
+    reservation stays where it was charged, no refund, and the tokens used count in the
+    current bucket as well."""
     store = RedisStore(resp)
-    await admit(store, "long", 2_000, T0)
-    # Ten minutes later it ends having used 1500: the reservation's bucket left the minute long
-    # ago, so the stream counts in the window it ended in too.
-    assert await one(resp, "long", 1_500, T0 + 600_000) == Settled(1, 2_000, 1_500)
-    assert await used(store, T0 + 600_000) == [1_500]
+    windows = [
+        Check("tokens:a", Window(2_000, 500), 10**9, 0, True),
+        Check("tokens:b", Window(1_000, 100), 10**9, 0, True),
+    ]
+    at = await admit(store, "long", 2_000, windows)
+    decaying = at // 500 + 4  # the first bucket in which "a"'s reserved bucket is c − N
+    await asyncio.sleep((decaying * 500 + 100 - await redis_ms(resp)) / 1000)
+    assert await one(resp, "long", 1_500) == Settled(1, 2_000, 1_500)
+    assert await buckets(resp, "tokens:a") == {at // 500: 2_000, decaying: 1_500}
+    assert list((await buckets(resp, "tokens:b")).values()) == [1_500]  # the reserved expired
+    use_a, use_b = await in_window(store, windows)
+    assert 1_500 < use_a <= 3_500 and use_b == 1_500
+
+
+async def test_the_buckets_settlement_creates_live_as_long_as_admissions(resp: Resp) -> None:
+    """N + 2 buckets for a rolling window, N + 1 for a fixed one (as admit.lua)."""
+    store = RedisStore(resp)
+    windows = [
+        Check("tokens:r", Window(1_000, 100), 10**9, 0, True),
+        Check("budget:f", Window(300, 300, rolling=False), 10**9, 0, True),
+    ]
+    await admit(store, "x", 10, windows)
+    await asyncio.sleep(0.35)  # later buckets of both: settlement makes the keys it adds to
+    before = await redis_ms(resp)
+    assert await one(resp, "x", 40) == Settled(1, 10, 40)
+    for name, life in (("tokens:r", 1_200), ("budget:f", 600)):
+        current = max(await buckets(resp, name))
+        ttl = await resp.call("PTTL", f"{PREFIX}:{name}:{current}")
+        elapsed = await redis_ms(resp) - before
+        assert isinstance(ttl, int) and life - elapsed <= ttl <= life, name
 
 
 async def test_a_batch_delivered_twice_charges_once(resp: Resp) -> None:
     store = RedisStore(resp)
-    await admit(store, "r", 500, T0)
+    await admit(store, "r", 500)
     batch = [Charge("acme", "r", 120), Charge("acme", "unreserved", 30)]
-    first = await settle(resp, batch, T0 + 1_000, DONE_TTL)
-    again = await settle(resp, batch, T0 + 2_000, DONE_TTL)
+    first = await settle(resp, batch, DONE_TTL)
+    again = await settle(resp, batch, DONE_TTL)
     assert [s.state for s in first] == [1, 0] and [s.state for s in again] == [2, 2]
-    assert await used(store, T0 + 2_000) == [150]
+    assert await in_window(store) == [150]
 
 
 async def test_usage_without_a_reservation_is_charged_to_the_tenants_windows(resp: Resp) -> None:
     store = RedisStore(resp)
     # Nothing known about the tenant yet: no windows to charge.
-    assert await one(resp, "early", 40, T0) == Settled(0, 0, 0)
-    await admit(store, "x", 10, T0 + 1_000)  # admission records the tenant's token windows
-    assert await one(resp, "fail-open", 70, T0 + 2_000) == Settled(0, 0, 70)
-    assert await used(store, T0 + 2_000) == [80]
+    assert await one(resp, "early", 40) == Settled(0, 0, 0)
+    await admit(store, "x", 10)  # admission records the tenant's token windows
+    assert await one(resp, "fail-open", 70) == Settled(0, 0, 70)
+    assert await in_window(store) == [80]
 
 
 async def test_an_unsettled_reservation_is_never_refunded(resp: Resp) -> None:
+    """Expired before its outcome arrived: what was reserved stays charged, and the late
+    settlement charges what was used on top (the strict side)."""
     store = RedisStore(resp)
-    hour = [Check("tokens:hour", SLIDING[Unit.HOUR], 10**9, 900, True)]
-    await admit(store, "lost", 900, T0, checks=hour)
-    await store.admit(PREFIX, tokens(10**9, 0), T0 + 1_200_000)  # admissions much later
-    assert await used(store, T0 + 1_200_000, hour) == [900]
+    await admit(store, "lost", 900, ttl_ms=50)
+    await asyncio.sleep(0.1)
+    assert await resp.call("EXISTS", f"{PREFIX}:res:lost") == 0
+    assert await one(resp, "lost", 100) == Settled(0, 0, 100)
+    assert await in_window(store) == [1_000]
 
 
 async def test_every_reserved_window_is_settled_budget_included(resp: Resp) -> None:
@@ -103,33 +171,34 @@ async def test_every_reserved_window_is_settled_budget_included(resp: Resp) -> N
     needs no copy of anyone's limits."""
     store = RedisStore(resp)
     checks = [
-        Check("tokens:minute", SLIDING[Unit.MINUTE], 100, 60, True),
-        Check("budget:day", fixed(Unit.DAY), 1_000, 60, True),
+        Check("tokens:minute", SLIDING[Unit.MINUTE], 100, 0, True),
+        Check("budget:day", fixed(Unit.DAY), 1_000, 0, True),
     ]
-    await admit(store, "r", 60, T0, checks=checks)
-    assert await one(resp, "r", 20, T0 + 5_000) == Settled(1, 60, 20)
-    assert await used(store, T0 + 5_000, checks) == [20, 20]
+    await admit(store, "r", 60, checks)
+    assert await one(resp, "r", 20) == Settled(1, 60, 20)
+    assert await in_window(store, checks) == [20, 20]
 
 
-async def test_concurrent_settlements_sum_to_actual_usage(resp: Resp) -> None:
+async def test_pipelined_batches_of_many_tenants_sum_to_actual_usage(resp: Resp) -> None:
     store = RedisStore(resp)
     rng = random.Random(9)
+    tenants = [f"t{i}" for i in range(10)]
     actual = [rng.randrange(0, 2000) for _ in range(200)]
-    for i in range(200):
-        await admit(store, f"s{i}", rng.randrange(1, 2000), T0)
-    charges = [Charge("acme", f"s{i}", n) for i, n in enumerate(actual)]
     await asyncio.gather(
-        *(settle(resp, charges[i : i + 20], T0 + 3_000, DONE_TTL) for i in range(0, 200, 20))
+        *(admit(store, f"s{i}", rng.randrange(1, 2000), tenant=tenants[i % 10]) for i in range(200))
     )
-    assert await used(store, T0 + 3_000) == [sum(actual)]
-    assert await resp.call("KEYS", f"{PREFIX}:res:*") == []
+    charges = [Charge(tenants[i % 10], f"s{i}", n) for i, n in enumerate(actual)]
+    await asyncio.gather(*(settle(resp, charges[i : i + 20], DONE_TTL) for i in range(0, 200, 20)))
+    for k, tenant in enumerate(tenants):
+        assert await in_window(store, tenant=tenant) == [sum(actual[k::10])], tenant
+    assert await resp.call("KEYS", "llmgw:rl:*:res:*") == []
 
 
 async def test_noscript_is_answered_by_loading_the_script(resp: Resp) -> None:
     store = RedisStore(resp)
-    await admit(store, "n", 50, T0)
+    await admit(store, "n", 50)
     assert await resp.call("SCRIPT", "FLUSH") == "OK"
-    assert await one(resp, "n", 5, T0 + 1) == Settled(1, 50, 5)
+    assert await one(resp, "n", 5) == Settled(1, 50, 5)
 
 
 class Collected:
@@ -153,9 +222,8 @@ async def test_outcomes_wait_while_redis_is_down_and_settle_when_it_returns(
     port = redis_port(own_redis)
     client = await Resp.connect("127.0.0.1", port, 2.0)
     store = RedisStore(client)
-    now = int(time.time() * 1000)
     for i in range(5):
-        await admit(store, f"w{i}", 500, now)
+        await admit(store, f"w{i}", 500)
     await client.close()
     own_redis.stop()
     sink = Collected()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.config import ConfigError
+from llmgw.config import ConfigError, load
 from router.plugins.base import PluginError
 from router.registry import PluginSpec, ProfileSpec, WeightedRef, default_registry
-from router.settings import check
+from router.settings import ENV_PREFIX, RedisAddress, Settings, check, redis_address
 
 PICK = PluginSpec(name="pick", type="best-with-exploration")
 
@@ -103,3 +103,36 @@ def test_check_config_cli(tmp_path: Path) -> None:
     )
     assert fail.returncode == 1
     assert str(bad) in fail.stderr and "healthy" in fail.stderr
+
+
+def redis_of(url: str, cluster: str = "false") -> tuple[RedisAddress, bool]:
+    env = {"LLMGW_ROUTER__REDIS_URL": url, "LLMGW_ROUTER__REDIS_CLUSTER": cluster}
+    settings = load(Settings, None, ENV_PREFIX, env)
+    assert settings.redis_url is not None
+    return redis_address(settings.redis_url), settings.redis_cluster
+
+
+def test_the_redis_url_gives_the_cluster_client_host_port_and_password() -> None:
+    """REDIS_URL stays the setting (stack, compose, k8s set it); its password URL-decoded."""
+    assert redis_of("redis://:p%40ss%3Aw@redis:6380/0", "true") == (
+        RedisAddress("redis", 6380, "p@ss:w"),
+        True,
+    )
+    assert redis_of("redis://default:pw@10.0.0.7") == (RedisAddress("10.0.0.7", 6379, "pw"), False)
+    assert redis_of("redis://[::1]:7000/") == (RedisAddress("::1", 7000, None), False)
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("rediss://:secret@redis:6379/0", "only redis://"),
+        ("redis://alice:secret@redis:6379/0", "only the default user"),
+        ("redis://:secret@redis:6379/2", "only database 0"),
+        ("redis://:secret@redis:port/0", "the port is not a number"),
+        ("redis://:secret@:6379/0", "no host"),
+    ],
+)
+def test_a_redis_url_the_client_cannot_speak_is_refused_at_load(url: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=f"redis_url: .*{reason}") as raised:
+        redis_of(url)
+    assert "secret" not in str(raised.value)

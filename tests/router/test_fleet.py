@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio
 
 from llmgw import wire
+from llmgw.link import RedisLink
 from router.fleet import DnsTarget, Fleet, FleetSettings
 from router.scrape import parse_metrics
 from router.types import PodMetrics
@@ -167,7 +168,7 @@ async def test_resolve_static_and_dns_targets() -> None:
 
 def test_fleet_load() -> None:
     clock = Clock()
-    fleet = Fleet(FleetSettings(capacity=10, pod_tpm=1000, pod_rpm=60), clock=clock)
+    fleet = Fleet(FleetSettings(capacity=10), clock=clock)
     fleet.set_pods(["a:1", "b:1"])
     fleet.snapshots["a:1"] = PodMetrics(
         "a:1",
@@ -189,7 +190,36 @@ def test_fleet_load() -> None:
         "running": 4.0,
         "waiting": 1.0,
     }
-    assert (body["capacity_tpm"], body["capacity_rpm"]) == (1000, 60)
+    assert (body["capacity_tpm"], body["capacity_rpm"]) == (0, 0)  # nothing served: unknown
+
+
+async def test_fleet_load_publishes_the_capacity_measured_from_scrapes(
+    fake_pods: list[FakePod],
+) -> None:
+    a, b, _ = fake_pods
+    clock = Clock()
+    fleet = Fleet(FleetSettings(capacity=10, scrape_timeout=1.0, stale_after=60), clock=clock)
+    fleet.set_pods([a.pod, b.pod])
+    async with aiohttp.ClientSession() as session:
+        for second in range(6):  # a serves 400 tokens and 1 request a second, 5 of 10 running
+            a.text = metrics_text(running=5) + served(400 * second, second)
+            await fleet.scrape_once(session)
+            clock.now += 1
+        clock.now -= 1
+        assert fleet.load()["capacity_tpm"] == 400 / 0.5 * 60
+        assert fleet.load()["capacity_rpm"] == 1 / 0.5 * 60
+        b.status = 500  # a pod the router would not pick adds nothing
+        a.status = 500
+        await fleet.scrape_once(session)
+    assert (fleet.load()["capacity_tpm"], fleet.load()["capacity_rpm"]) == (0, 0)
+
+
+def served(tokens: int, requests: int) -> str:
+    return (
+        f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {tokens / 2}\n'
+        f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {tokens / 2}\n'
+        f'vllm:request_success_total{{engine="0",finished_reason="stop"}} {requests}\n'
+    )
 
 
 async def test_publisher_writes_the_fleet_load_key(redis_port: int) -> None:
@@ -197,22 +227,34 @@ async def test_publisher_writes_the_fleet_load_key(redis_port: int) -> None:
     fleet.set_pods(["a:1"])
     client = redis.asyncio.Redis(port=redis_port)
     await client.delete(wire.FLEET_LOAD_KEY)
-    task = asyncio.create_task(fleet.run_publisher(client))
+    link = RedisLink("127.0.0.1", redis_port, 1.0)
+    task = asyncio.create_task(fleet.run_publisher(link))
     try:
-        raw = None
-        for _ in range(100):
-            raw = await client.get(wire.FLEET_LOAD_KEY)
-            if raw is not None:
-                break
-            await asyncio.sleep(0.02)
-        assert raw is not None
+        raw = await published(client)
         body = json.loads(raw)
         assert body["load"] == 1.0 and body["capacity"]["pods"] == 1 and body["ts"] > 0
         assert 0 < await client.pttl(wire.FLEET_LOAD_KEY) <= 5000
+        # Redis drops the publisher's connection (a restart, a failover): the next round
+        # connects again.
+        await client.client_kill_filter(_type="normal", skipme=True)
+        await client.delete(wire.FLEET_LOAD_KEY)
+        assert json.loads(await published(client))["capacity"]["pods"] == 1
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await link.close()
         await client.aclose()
+
+
+async def published(client: redis.asyncio.Redis) -> bytes:
+    """The fleet key, once the publisher has written it (bounded wait)."""
+    for _ in range(100):
+        raw = await client.get(wire.FLEET_LOAD_KEY)
+        if raw is not None:
+            assert isinstance(raw, bytes)
+            return raw
+        await asyncio.sleep(0.02)
+    raise AssertionError("the fleet key was never published")
 
 
 def test_after_a_cooldown_a_pod_gets_one_probe_until_it_answers() -> None:

@@ -168,7 +168,9 @@ def test_conversations_sharing_a_system_prompt_share_a_pod() -> None:
 
 def _request(body: dict[str, Any]) -> PickRequest:
     """What the router gets for this body: extauthz's facts, forwarded by Envoy."""
-    parsed = facts.from_body(body, chars_per_token=4, default_output=16, max_blocks=4, model="m")
+    parsed = facts.from_body(
+        body, chars_per_token=4, image_tokens=0, max_output=16, max_blocks=4, model="m"
+    )
     return from_metadata({wire.META_SESSION: "sess_x", **parsed.to_metadata()})
 
 

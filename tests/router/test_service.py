@@ -219,7 +219,7 @@ async def test_forwarded_facts_give_model_and_prefix(serve: Starter) -> None:
     _, stub, _ = await serve(fleet)
     body = {"model": "big", "messages": [{"role": "user", "content": "hello " * 100}]}
     request_facts = facts.from_body(
-        body, chars_per_token=4, default_output=16, max_blocks=64, model="big"
+        body, chars_per_token=4, image_tokens=0, max_output=16, max_blocks=64, model="big"
     )
     assert request_facts.prefix_blocks
     call = stub.Process()

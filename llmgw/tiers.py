@@ -1,0 +1,141 @@
+"""The tier table: every tier defined once, read by every service that needs one.
+
+One YAML file (the stack's `ratelimit_limits`, ratelimit's `limits_file`, extauthz's
+`tiers_file`: the same file) holds the tiers; the built-in ones apply when it is absent:
+
+```yaml
+default_tier: free            # for a tier name the table does not know
+tiers:                        # replaces the built-in tier of the same name; new names add tiers
+  gold:
+    requests: {second: 200, minute: 6000}      # units: second, minute, hour, day
+    tokens: {minute: 1000000, day: unlimited}  # `unlimited` (or leaving the unit out): no limit
+    budget: {tokens: 50000000, per: day}       # hard budget, fixed window → insufficient_quota
+    borrow_share: 0.75                          # share of the fleet's borrowing pool (0-1)
+    retry_base_s: 1.5                           # base delay of the Retry-After formula
+    shadow: false                               # decide and count, never refuse
+    max_output_tokens: 8192                     # the output cap the pod gets (default: extauthz's)
+tenants:                      # a tenant's overrides, merged over its tier unit by unit
+  acme: {tokens: {minute: 5000000}, shadow: true}
+```
+
+A tenant names its tier in the tenants file (extauthz), which refuses a tier this table does not
+define; its per-minute `limits` there are overrides too (they reach ratelimit as descriptor
+limits). Both files reload while running: parse → validate → swap, the last good one kept.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from llmgw.config import Strict, read_yaml, validate
+
+
+class Unit(StrEnum):
+    SECOND = "second"
+    MINUTE = "minute"
+    HOUR = "hour"
+    DAY = "day"
+
+
+Amount = Annotated[int, Field(ge=0)] | Literal["unlimited"]
+
+
+class PerUnit(Strict):
+    second: Amount | None = None
+    minute: Amount | None = None
+    hour: Amount | None = None
+    day: Amount | None = None
+
+    def merged(self, over: PerUnit | None) -> PerUnit:
+        if over is None:
+            return self
+        return self.model_copy(update=over.model_dump(exclude_none=True))
+
+    def amounts(self) -> tuple[tuple[Unit, int], ...]:
+        """The limited units and their amounts, shortest unit first."""
+        return tuple(
+            (unit, amount) for unit in Unit if isinstance(amount := getattr(self, unit.value), int)
+        )
+
+
+class Budget(Strict):
+    tokens: int = Field(ge=0)
+    per: Unit = Unit.DAY
+
+
+class TierSpec(Strict):
+    requests: PerUnit = PerUnit()
+    tokens: PerUnit = PerUnit()
+    budget: Budget | None = None
+    borrow_share: float = Field(default=0.0, ge=0, le=1)
+    retry_base_s: float = Field(default=1.0, gt=0)
+    shadow: bool = False
+    # The output cap per sequence the pod receives when the client names none (and the most it
+    # may name); None: extauthz's decision.max_output_tokens.
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+
+class TenantSpec(Strict):
+    requests: PerUnit | None = None
+    tokens: PerUnit | None = None
+    budget: Budget | None = None
+    shadow: bool | None = None
+
+
+BUILTIN_TIERS: dict[str, TierSpec] = {
+    "free": TierSpec(
+        requests=PerUnit(second=50, minute=600),
+        tokens=PerUnit(minute=40_000),
+        borrow_share=0.0,
+        retry_base_s=4.0,
+    ),
+    "standard": TierSpec(
+        requests=PerUnit(second=100, minute=3_000),
+        tokens=PerUnit(minute=400_000),
+        borrow_share=0.5,
+        retry_base_s=2.0,
+    ),
+    "platinum": TierSpec(
+        requests=PerUnit(second=500, minute=20_000),
+        tokens=PerUnit(minute=2_000_000),
+        borrow_share=1.0,
+        retry_base_s=1.0,
+    ),
+}
+
+
+class TierTable(Strict):
+    default_tier: str = "free"
+    tiers: dict[str, TierSpec] = Field(default_factory=dict)
+    tenants: dict[str, TenantSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_default(self) -> TierTable:
+        if self.default_tier not in self.all_tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not a tier")
+        return self
+
+    @property
+    def all_tiers(self) -> dict[str, TierSpec]:
+        return BUILTIN_TIERS | self.tiers
+
+    def token_ceiling(self, tenant: str, tier: str, minute: int | None = None) -> int | None:
+        """The smallest token limit a tenant of `tier` runs under (rate windows and budget),
+        `minute` replacing the per-minute one; None: none. No reservation above it can pass."""
+        spec = self.all_tiers[tier]
+        over = self.tenants.get(tenant, TenantSpec())
+        tokens = spec.tokens.merged(over.tokens).merged(PerUnit(minute=minute) if minute else None)
+        budget = over.budget or spec.budget
+        amounts = [a for _, a in tokens.amounts()] + ([budget.tokens] if budget else [])
+        return min(amounts, default=None)
+
+
+def load_tiers(path: Path | None) -> TierTable:
+    """The tier table file, validated (errors name the file and the key); built-ins if None."""
+    if path is None:
+        return TierTable()
+    return validate(TierTable, read_yaml(path), str(path))

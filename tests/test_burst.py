@@ -1,0 +1,121 @@
+"""Bursts far above a tenant's limit admit exactly the limit, through real Envoy.
+
+Fail-open (Envoy admitting unchecked when the rate-limit call fails) may mean only that the
+service is down, never that it is busy: every burst below is asserted to have made zero failed
+rate-limit calls, and the ledger's count of admissions without a reservation stays 0. With the
+service killed, requests keep being served, and each such admission is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from extauthz.types import Limits
+from llmgw.stack import Stack
+from tests.conftest import stack_settings
+from tests.http import call
+from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter
+
+LIMIT = 40
+
+
+@pytest.fixture(scope="module")
+def burst_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with Stack(stack_settings(), tmp_path_factory.mktemp("burst")) as running:
+        yield running
+
+
+def rl_failures(stack: Stack) -> int:
+    """Rate-limit calls that failed (timeout, error, overflow), as Envoy counts them."""
+    stats = stack.envoy_stats()
+    return sum(
+        v for k, v in stats.items() if k.endswith((".ratelimit.error", ".failure_mode_allowed"))
+    )
+
+
+def unreserved(stack: Stack, tenant: str) -> float:
+    """The ledger's count of the tenant's requests admitted without a reservation."""
+    with urllib.request.urlopen(stack.metrics["ledger"], timeout=5) as r:
+        text = r.read().decode()
+    pattern = rf'^llmgw_ledger_unreserved_admissions_total{{tenant="{re.escape(tenant)}"}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def burst(stack: Stack, key: str, size: int) -> Counter[int]:
+    """`size` chat requests at once (one connection each); the statuses they got."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    start = asyncio.Event()
+
+    async def one(session: aiohttp.ClientSession) -> int:
+        await start.wait()
+        async with session.post(f"{stack.base_url}/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(
+        headers=auth(key), connector=connector, timeout=timeout
+    ) as session:
+        tasks = [asyncio.create_task(one(session)) for _ in range(size)]
+        await asyncio.sleep(0.2)  # every task is waiting on the event
+        start.set()
+        return Counter(await asyncio.gather(*tasks))
+
+
+def settled(stack: Stack, tenant: str, requests: int) -> None:
+    """Wait (bounded) until the ledger has seen `requests` of the tenant's requests."""
+    deadline = time.monotonic() + 20
+    while True:
+        lines = stack.access_log.read_text().count(f'"tenant":"{tenant}"')
+        if lines >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)  # one more access-log flush to the ledger
+
+
+@pytest.mark.parametrize("size", [50, 200, 1000])
+def test_a_burst_admits_exactly_the_limit_and_never_fails_open(
+    burst_stack: Stack, size: int
+) -> None:
+    tenant = f"burst-{size}"
+    key = add_tenant(burst_stack, tenant, "free", Limits(rpm=LIMIT, tpm=10_000_000))
+    room = LIMIT - counter(burst_stack, tenant, "requests:minute")  # add_tenant's probe counts
+    failures = rl_failures(burst_stack)
+    statuses = asyncio.run(burst(burst_stack, key, size))
+    assert rl_failures(burst_stack) - failures == 0, statuses
+    assert statuses[200] == room, statuses
+    assert statuses[429] == size - room, statuses
+    settled(burst_stack, tenant, size)
+    assert unreserved(burst_stack, tenant) == 0
+
+
+def test_with_the_service_killed_fail_open_serves_and_is_counted(tmp_path: Path) -> None:
+    with Stack(stack_settings(), tmp_path / "stack") as stack:
+        key = add_tenant(stack, "down", "free", Limits(rpm=5))
+        next(p for p in stack.processes if p.name == "ratelimit").kill()
+        replies = [
+            call(
+                "POST",
+                f"{stack.base_url}/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                auth(key),
+            )
+            for _ in range(10)
+        ]
+        assert [r.status for r in replies] == [200] * 10  # over the limit of 5: unchecked
+        assert rl_failures(stack) >= 10
+        deadline = time.monotonic() + 10
+        while unreserved(stack, "down") < 10:
+            assert time.monotonic() < deadline, "the ledger did not count the fail-open admissions"
+            time.sleep(0.1)
