@@ -40,7 +40,8 @@ function envoy_on_response(handle)
   local strip = facts["{{ wire.META_INCLUDE_USAGE }}"] ~= true
   local streamed, held = 0, ""
   for chunk in handle:bodyChunks() do
-    local text = held .. chunk:getBytes(0, chunk:length())
+    local size = chunk:length()
+    local text = held .. chunk:getBytes(0, size)
     local out, at = {}, 1
     while true do
       local _, stop = text:find("\n\n", at, true)
@@ -65,6 +66,13 @@ function envoy_on_response(handle)
       at = stop + 1
     end
     held = text:sub(at)
+    -- The stream's end: an HTTP/1.1 chunked response (vLLM's) ends with an empty chunk, and
+    -- nothing more will complete a held partial event, so it goes out as the pod sent it. (A
+    -- response whose last data frame also ends it would keep the tail: Lua sees no end flag.)
+    if size == 0 and held ~= "" then
+      out[#out + 1] = held
+      held = ""
+    end
     -- Unchanged bytes pass as they came; only a stream that loses usage events is rewritten
     -- (then a trailing partial event waits for the rest of it).
     if strip then

@@ -41,6 +41,28 @@ class RecordingPod:
         return f"127.0.0.1:{self.port}"
 
 
+# A stream as vLLM sends it with forced usage, in chunks that cut events in two, ending with a
+# partial event (no blank line after it): a filter that holds a tail must still deliver it.
+STREAM_TAIL = b"data: [DONE]\n"
+
+
+async def _stream(request: web.Request, usage: dict[str, int]) -> web.StreamResponse:
+    chunk = {"id": "x", "object": "chat.completion.chunk", "model": MODEL}
+    events = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {**chunk, "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]},
+        {**chunk, "choices": [], "usage": usage},
+    ]
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + STREAM_TAIL
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for at in range(0, len(raw), 37):
+        await response.write(raw[at : at + 37])
+        await asyncio.sleep(0.005)  # separate chunks on the wire
+    await response.write_eof()
+    return response
+
+
 async def _app(pod: RecordingPod) -> web.Application:
     async def completion(request: web.Request) -> web.Response:
         raw = await request.read()
@@ -49,6 +71,8 @@ async def _app(pod: RecordingPod) -> web.Application:
             Received(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
         )
         usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        if body.get("stream") is True:
+            return await _stream(request, usage)
         return web.json_response(
             {"id": "x", "object": "chat.completion", "model": MODEL, "usage": usage,
              "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},

@@ -16,7 +16,7 @@ from llmgw import cli
 from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import Reply, call
-from tests.recording_pod import MODEL, recording_pod
+from tests.recording_pod import MODEL, STREAM_TAIL, recording_pod
 
 RELOAD_SECONDS = 2.0  # a key change must apply within this
 
@@ -152,6 +152,20 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
     # The pod never sees the client's key.
     assert "authorization" not in received.headers
     assert all(key not in value for value in received.headers.values())
+
+
+def test_a_rewritten_stream_delivers_its_held_tail(tmp_path: Path) -> None:
+    """usage.lua holds a partial event while it strips usage the client did not ask for; at the
+    end of the stream what it holds goes out too (the pod's bytes, minus the usage event)."""
+    with recording_pod() as pod:
+        settings = stack_settings().model_copy(update={"upstreams": (pod.address,), "pods": 0})
+        with Stack(settings, tmp_path / "stack") as stack:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            reply = call("POST", f"{stack.base_url}/chat/completions", body, bearer(api_key(stack)))
+    assert reply.status == 200, reply.body
+    assert b'"usage"' not in reply.body  # stripped: the client did not ask for it
+    assert b'"content": "ok"' in reply.body
+    assert reply.body.endswith(b"\n\n" + STREAM_TAIL)
 
 
 def test_sessions_are_minted_continued_and_bound_to_the_tenant(stack: Stack) -> None:
