@@ -21,6 +21,7 @@ import uvloop
 
 from llmgw.procs import Process, bin_path, free_port, redis_ping
 from llmgw.tiers import PerUnit, TierSpec, TierTable
+from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit.failover import Failover
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
@@ -79,6 +80,7 @@ async def run(port: int, seconds: float) -> list[tuple[str, str]]:
 
     await asyncio.gather(*(worker() for _ in range(64)))
     rows.append(("decisions/s (64 concurrent)", f"{done / seconds:,.0f}"))
+    rows += await breaker_cost(limiter, seconds)
     # The Redis client path alone: one EVALSHA, llmgw.resp vs redis.asyncio.
     assert limiter.store.redis is not None  # type: ignore[attr-defined]
     client = limiter.store.redis.client  # type: ignore[attr-defined]
@@ -112,6 +114,31 @@ async def run(port: int, seconds: float) -> list[tuple[str, str]]:
     rows.append(("admitted − limit (5 × 400 vs 100, 4 engines)", str(worst)))
     await limiter.store.close()  # type: ignore[attr-defined]
     return rows
+
+
+async def breaker_cost(limiter: Limiter, seconds: float) -> list[tuple[str, str]]:
+    """The store call of one decision (the same checks), without the breaker key, with it
+    (closed: one HMGET of a missing key inside admit.lua), and with it open (the refusal). Rounds
+    alternate, so a noisy neighbour on the box hits each alike."""
+    store = limiter.store
+    checks = Limiter.checks(Limits(CONFIG).policy("bench", "big"), 500)
+    prefix = tenant_prefix("bench")
+    open_key = breaker_key("bench-open")
+    client = store.redis.client  # type: ignore[attr-defined]
+    await client.call("HSET", open_key, "o", 2**50, "sm", 1000, "p", "100 300 1000")
+    ways = {"without breaker": "", "breaker closed": breaker_key("bench"), "breaker open": open_key}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(10):
+        for way, key in ways.items():
+            end = time.perf_counter() + seconds / 10
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                await store.admit(prefix, checks, 0, reservation="r", ttl_ms=60_000, breaker=key)
+                times[way].append(time.perf_counter() - t0)
+    return [
+        (f"admit.lua {way}: p50 / p99", f"{pct(t, 0.5) * 1e6:.0f} µs / {pct(t, 0.99) * 1e6:.0f} µs")
+        for way, t in times.items()
+    ]
 
 
 def main() -> None:

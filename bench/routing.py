@@ -9,6 +9,14 @@ for every policy, and a priority workload:
   the conversation so far; sessions start as a Poisson process so requests arrive at `--chat-rate`
   per second (near the fleet's capacity without the router).
 - short: uniform short prompts, no shared prefixes, Poisson at `--short-rate` per second.
+- large: a working set larger than a pod: `--large-prompts` distinct system prompts of
+  `--system-tokens` tokens, equally popular, whose KV is `--large-cache-ratio` times one pod's
+  KV cache (the pods' `--num-gpu-blocks` is set from it), so they fit the fleet's caches only
+  if each lives on few pods; sessions of `--turns` turns as in chat, Poisson at `--large-rate`
+  requests per second (near what the fleet serves under least_request). Before them, not
+  measured, each system prompt is sent once at that rate: the working set exists, placed by the
+  policy, as in a service that has been running (else most first turns of a short run would be
+  a prompt's first request ever, a miss under any policy).
 - surge: long distinct prompts from the free and platinum demo tenants at an easy pace, then a
   surge of free requests (`--surge-rate` for `--surge-length` s) well past what the fleet's KV
   caches hold, so requests queue in the pods. Two stacks in the same run, the same requests:
@@ -23,7 +31,8 @@ a PNG (`--out`.png). The load generator's own health is reported too: how late r
 against their schedule (p99) and its CPU use, so that a slow client is not mistaken for routing.
 
     python -m bench.routing [--duration 40] [--time-scale 1.0] [--chat-rate 8] [--short-rate 16]
-        [--workloads chat,short,surge] [--surge-rate 8] [--platinum-rate 2]
+        [--large-rate 24] [--large-prompts 240] [--workloads chat,short,large,surge]
+        [--surge-rate 8] [--platinum-rate 2]
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ POLICIES: dict[str, tuple[str, tuple[ServiceName, ...]]] = {
     "round_robin": ("round_robin", ("extauthz",)),
     "router": ("least_request", ("extauthz", "router")),
 }
-WORKLOADS = ("chat", "short")
+WORKLOADS = ("chat", "short", "large")
 SURGE = "surge"
 # The surge's two stacks: does each tenant's priority reach the pods (StackSettings)?
 ARMS = {"priority_off": False, "priority_on": True}
@@ -139,28 +148,88 @@ def api_keys(tenants: list[dict[str, str]]) -> list[str]:
 async def run_chat(
     client: Client, tenants: list[dict[str, str]], args: argparse.Namespace
 ) -> list[Sample]:
-    keys = api_keys(tenants)
-    rng = random.Random(args.seed)
     systems = [
         f"You are the assistant of tenant {t}. " + text(random.Random(t), args.system_tokens)
         for t in range(args.tenants)
     ]
+    return await sessions(client, api_keys(tenants), systems, args.chat_rate, args.seed, args)
+
+
+def large_systems(args: argparse.Namespace) -> list[str]:
+    return [
+        f"You are assistant number {p}. " + text(random.Random(-1 - p), args.system_tokens)
+        for p in range(args.large_prompts)
+    ]
+
+
+async def run_large(
+    client: Client, tenants: list[dict[str, str]], args: argparse.Namespace
+) -> list[Sample]:
+    systems = large_systems(args)
+    return await sessions(client, api_keys(tenants), systems, args.large_rate, args.seed + 3, args)
+
+
+async def warm_large(
+    client: Client, tenants: list[dict[str, str]], args: argparse.Namespace
+) -> list[Sample]:
+    """Each system prompt once, in random order, Poisson at `--large-rate`."""
+    keys = api_keys(tenants)
+    rng = random.Random(args.seed + 4)
+    order = list(range(args.large_prompts))
+    rng.shuffle(order)
+    systems = large_systems(args)
+    samples: list[Sample] = []
+    t = 0.0
+    for _ in order:
+        t += rng.expovariate(args.large_rate)
+        samples.append(Sample(sent=t, lag=0.0))
+
+    async def one(s: Sample, system: int) -> None:
+        await asyncio.sleep(max(0.0, s.sent - client.now()))
+        messages = [
+            {"role": "system", "content": systems[system]},
+            {"role": "user", "content": text(rng, args.user_tokens)},
+        ]
+        await client.request(s, keys[system % len(keys)], messages, args.max_tokens, None)
+
+    await asyncio.gather(*(one(s, p) for s, p in zip(samples, order, strict=True)))
+    return samples
+
+
+def large_kv_blocks(args: argparse.Namespace) -> int:
+    """Pod KV blocks such that the large workload's system prompts need `--large-cache-ratio`
+    times one pod's cache."""
+    per_prompt = -(-args.system_tokens // 16)
+    return int(args.large_prompts * per_prompt / args.large_cache_ratio)
+
+
+async def sessions(
+    client: Client,
+    keys: list[str],
+    systems: list[str],
+    rate: float,
+    seed: int,
+    args: argparse.Namespace,
+) -> list[Sample]:
+    """Sessions of `--turns` turns, each on one of `systems` (uniformly, with the API key of the
+    same index: prefix caches are per tenant) starting as a Poisson process of `rate` / turns."""
+    rng = random.Random(seed)
     samples: list[Sample] = []
     tasks: list[asyncio.Task[None]] = []
-    session_rate = args.chat_rate / args.turns
+    session_rate = rate / args.turns
     plans = []
     t = 0.0
     while True:
         t += rng.expovariate(session_rate)
         if t >= args.duration:
             break
-        tenant = rng.randrange(args.tenants)
+        system = rng.randrange(len(systems))
         turns = [text(rng, args.user_tokens) for _ in range(args.turns)]
         thinks = [rng.expovariate(1 / args.think) for _ in range(args.turns)]
-        plans.append((t, tenant, turns, thinks))
+        plans.append((t, system, turns, thinks))
 
-    async def session(start: float, tenant: int, turns: list[str], thinks: list[float]) -> None:
-        messages = [{"role": "system", "content": systems[tenant]}]
+    async def session(start: float, system: int, turns: list[str], thinks: list[float]) -> None:
+        messages = [{"role": "system", "content": systems[system]}]
         session_id: str | None = None
         due = start
         for i, (user, think) in enumerate(zip(turns, thinks, strict=True)):
@@ -169,7 +238,7 @@ async def run_chat(
             sample = Sample(sent=due, lag=0.0)
             samples.append(sample)
             session_id = await client.request(
-                sample, keys[tenant % len(keys)], messages, args.max_tokens, session_id
+                sample, keys[system % len(keys)], messages, args.max_tokens, session_id
             )
             # The reply as the next turn's history (the simulator's words, same length).
             messages.append({"role": "assistant", "content": f"reply {i} " * args.max_tokens})
@@ -236,7 +305,13 @@ async def run_surge(
 
 
 Runner = Callable[[Client, list[dict[str, str]], argparse.Namespace], Awaitable[list[Sample]]]
-RUNNERS: dict[str, Runner] = {"chat": run_chat, "short": run_short, SURGE: run_surge}
+RUNNERS: dict[str, Runner] = {
+    "chat": run_chat,
+    "short": run_short,
+    "large": run_large,
+    SURGE: run_surge,
+}
+WARMUPS: dict[str, Runner] = {"large": warm_large}
 
 
 def pod_metric(url: str, name: str) -> float:
@@ -249,8 +324,19 @@ def pod_metric(url: str, name: str) -> float:
     )
 
 
+def counters(urls: list[str]) -> tuple[list[int], float, float]:
+    """Requests per pod, prefix-cache hits and queries (tokens) over the fleet."""
+    return (
+        [int(pod_metric(u, "vllm:e2e_request_latency_seconds_count")) for u in urls],
+        sum(pod_metric(u, "vllm:prefix_cache_hits_total") for u in urls),
+        sum(pod_metric(u, "vllm:prefix_cache_queries_total") for u in urls),
+    )
+
+
 async def drive(stack: Stack, workload: str, args: argparse.Namespace) -> Result:
+    """The workload's warm-up (if any), then the workload; the pods' counters over the latter."""
     keys = api_keys(stack.tenants)
+    urls = [stack.pod_url(i) for i in range(args.pods)]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -258,35 +344,35 @@ async def drive(stack: Stack, workload: str, args: argparse.Namespace) -> Result
             f"{stack.base_url}/models", headers={"authorization": f"Bearer {keys[-1]}"}
         ) as r:
             model = (await r.json())["data"][0]["id"]
+        if workload in WARMUPS:
+            await WARMUPS[workload](Client(session, stack.base_url, model), stack.tenants, args)
+        per_pod0, hits0, queries0 = counters(urls)
         cpu0 = time.process_time()
         client = Client(session, stack.base_url, model)
         samples = await RUNNERS[workload](client, stack.tenants, args)
-        return Result(samples, client.now(), time.process_time() - cpu0)
+        result = Result(samples, client.now(), time.process_time() - cpu0)
+    per_pod, hits, queries = counters(urls)
+    result.per_pod = [n - n0 for n, n0 in zip(per_pod, per_pod0, strict=True)]
+    result.hit_rate = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
+    return result
 
 
 def run_one(workload: str, policy: str, args: argparse.Namespace, root: Path) -> Result:
     fallback, services = POLICIES["least_request" if policy in ARMS else policy]
     pods = args.pods
     slow = ("--speed-factor", str(args.slow_factor))
+    kv_blocks = large_kv_blocks(args) if workload == "large" else args.kv_blocks
     settings = StackSettings(
         listen=Address(port=0),
         pods=pods,
-        sim_args=("--time-scale", str(args.time_scale), "--num-gpu-blocks", str(args.kv_blocks)),
+        sim_args=("--time-scale", str(args.time_scale), "--num-gpu-blocks", str(kv_blocks)),
         pod_args=(*[()] * (pods - 1), slow),
         services=services,
         envoy=EnvoySettings(fallback_policy=fallback),  # type: ignore[arg-type]
         engine_priority=ARMS.get(policy, True),
     )
     with Stack(settings, root / f"{workload}-{policy}") as stack:
-        result = asyncio.run(drive(stack, workload, args))
-        urls = [stack.pod_url(i) for i in range(pods)]
-        result.per_pod = [
-            int(pod_metric(u, "vllm:e2e_request_latency_seconds_count")) for u in urls
-        ]
-        hits = sum(pod_metric(u, "vllm:prefix_cache_hits_total") for u in urls)
-        queries = sum(pod_metric(u, "vllm:prefix_cache_queries_total") for u in urls)
-        result.hit_rate = hits / queries if queries else 0.0
-    return result
+        return asyncio.run(drive(stack, workload, args))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -318,7 +404,9 @@ def table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> s
         f"routing: {args.pods} pods (last at speed x{args.slow_factor}), time-scale "
         f"{args.time_scale}, {args.duration:.0f} s of arrivals, KV {args.kv_blocks} blocks/pod; "
         f"chat {args.chat_rate}/s ({args.tenants} tenants, {args.system_tokens}-token system "
-        f"prompts, {args.turns} turns), short {args.short_rate}/s; ms unless noted",
+        f"prompts, {args.turns} turns), short {args.short_rate}/s; large {args.large_rate}/s "
+        f"({args.large_prompts} system prompts, KV {args.large_cache_ratio}x one pod's: "
+        f"{large_kv_blocks(args)} blocks/pod); ms unless noted",
         f"{'workload':<8}{'policy':<15}{'reqs':>6}{'fail':>5}{'ttft50':>8}{'ttft90':>8}"
         f"{'ttft99':>8}{'e2e50':>8}{'e2e90':>8}{'tok/s':>8}{'hit%':>6}{'lag99':>7}{'cpu%':>6}"
         "  per pod",
@@ -337,8 +425,12 @@ def table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> s
         base = results.get((workload, "least_request"))
         routed = results.get((workload, "router"))
         if base and routed:
-            b, rt = summary(base)["ttft_p90"], summary(routed)["ttft_p90"]
-            rows.append(f"{workload}: router p90 TTFT {100 * (rt - b) / b:+.1f} % vs least_request")
+            b, rt = summary(base), summary(routed)
+            rows.append(
+                f"{workload}: router TTFT p50 {rt['ttft_p50'] / b['ttft_p50']:.2f}x, "
+                f"p90 {rt['ttft_p90'] / b['ttft_p90']:.2f}x of least_request "
+                f"(p90 {100 * (rt['ttft_p90'] - b['ttft_p90']) / b['ttft_p90']:+.1f} %)"
+            )
     return "\n".join(rows)
 
 
@@ -418,6 +510,9 @@ def main() -> None:
     add("--think", type=float, default=1.0, help="mean seconds between a reply and the next turn")
     add("--short-rate", type=float, default=16.0, help="short requests per second")
     add("--short-tokens", type=int, default=100)
+    add("--large-rate", type=float, default=24.0, help="large: requests per second")
+    add("--large-prompts", type=int, default=240, help="large: distinct system prompts")
+    add("--large-cache-ratio", type=float, default=2.0, help="large: their KV / one pod's")
     add("--max-tokens", type=int, default=48)
     add("--platinum-rate", type=float, default=2.0, help="surge: platinum requests per second")
     add("--free-rate", type=float, default=1.0, help="surge: free requests per second, always")

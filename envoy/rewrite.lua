@@ -6,17 +6,39 @@
 -- extauthz's, keeps the last of duplicate keys, so the gateway's value is the one it uses: the
 -- output cap the pod respects is the one the token reservation holds.
 -- extauthz has checked that the body is one JSON object; only the trailing "}" is touched.
+--
+-- A tenant's hard budget with less left than the request's estimate lowers the cap: the ratelimit
+-- service says so in {{ wire.RATELIMIT_NAMESPACE }}/{{ wire.META_OUTPUT_CAP }} (this filter runs
+-- after it), and that cap follows extauthz's members, so it is the last and the one the pod uses.
 
 local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"
 local SUFFIX = "{{ wire.META_BODY_SUFFIX }}"
+local ADMISSION = "{{ wire.RATELIMIT_NAMESPACE }}"
+local OUTPUT_CAP = "{{ wire.META_OUTPUT_CAP }}"
 local CLOSE = string.byte("}")
 local ALLOWED = "{{ wire.META_ALLOWED_MODELS }}"
 
+-- The budget's cap for the members extauthz capped (chat also names max_completion_tokens).
+local function lowered(suffix, cap)
+  local value = string.format("%d", cap)
+  local out = suffix .. ',"max_tokens":' .. value
+  if suffix:find('"max_completion_tokens"', 1, true) then
+    out = out .. ',"max_completion_tokens":' .. value
+  end
+  return out
+end
+
 function envoy_on_request(handle)
-  local facts = handle:streamInfo():dynamicMetadata():get(FACTS)
+  local metadata = handle:streamInfo():dynamicMetadata()
+  local facts = metadata:get(FACTS)
   local suffix = facts and facts[SUFFIX]
   if suffix == nil then
     return
+  end
+  local admission = metadata:get(ADMISSION)
+  local cap = admission and admission[OUTPUT_CAP]
+  if cap ~= nil and suffix:find('"max_tokens"', 1, true) then
+    suffix = lowered(suffix, cap)
   end
   local body = handle:body()
   if body == nil then

@@ -14,7 +14,7 @@ TenantsStore = Reloading[Snapshot]
 
 
 def tenants_store(tenants_file: Path, tiers_file: Path | None = None) -> TenantsStore:
-    def load() -> Snapshot:
+    def load(_: Snapshot | None) -> Snapshot:
         snapshot = tenants.load(tenants_file, load_tiers(tiers_file))
         metrics.TENANTS.set(len(snapshot.tenants))
         return snapshot

@@ -8,14 +8,22 @@ import math
 import sys
 from pathlib import Path
 
+from pydantic import SecretStr
+
+from ledger.alerts import Alerts
+from ledger.breaker import Breakers
 from ledger.db import Ledger
+from ledger.detectors import Detectors
 from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
-from ledger.settings import ENV_PREFIX, Settings
+from ledger.settings import ENV_PREFIX, AlertSettings, Settings
+from ledger.webhooks import Hook, Webhooks
 from llmgw import telemetry
 from llmgw.config import load, reveal
 from llmgw.link import RedisLink
+from llmgw.reload import Reloading
 from llmgw.serve import command, serve
+from llmgw.tiers import load_tiers
 
 NAME = "ledger"
 
@@ -29,6 +37,17 @@ async def main(settings: Settings) -> None:
     )
     # The database may come up after us: records wait in the writer's backlog meanwhile.
     connecting = asyncio.create_task(db.start(timeout_s=math.inf)) if db is not None else None
+    webhooks = _webhooks(settings.alerts)
+    alerts = Alerts(
+        Detectors(settings.alerts.rules),
+        db,
+        webhooks,
+        backlog=lambda: {"unsettled": recorder.pending, "unwritten": db.backlog if db else 0},
+        interval_s=settings.alerts.interval_s,
+    )
+    path = settings.tiers_file
+    tiers = Reloading("tiers", [path] if path else [], lambda _: load_tiers(path))
+    watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
     s = settings.settle
     recorder = Recorder(
         RedisLink(
@@ -44,11 +63,20 @@ async def main(settings: Settings) -> None:
         done_ttl_s=s.done_ttl_s,
         timeout_s=settings.redis.timeout_s,
         retry_max_s=s.retry_max_s,
+        watch=alerts,
+        breakers=Breakers(lambda: tiers.current, db, alerts.emit),
     )
     recorder.start()
+    webhooks.start()
+    alerts.start()
 
     async def drain() -> None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         await recorder.close(settings.drain_s)
+        await alerts.close()
+        await webhooks.close(settings.drain_s)
         if connecting is not None and not connecting.done():
             connecting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -59,8 +87,26 @@ async def main(settings: Settings) -> None:
     await serve(NAME, settings.serve, register(AccessLogService(recorder.add, tracer)), drain)
 
 
+def _webhooks(a: AlertSettings) -> Webhooks:
+    def key(hook_secret: SecretStr | None) -> bytes:
+        return (reveal(hook_secret) or reveal(a.secret) or "").encode()  # settings ensure one
+
+    hooks = {k: [Hook(str(h.url), key(h.secret)) for h in hs] for k, hs in a.hooks.items()}
+    return Webhooks(
+        hooks,
+        queue_max=a.queue_max,
+        attempts=a.attempts,
+        backoff_s=a.backoff_s,
+        backoff_max_s=a.backoff_max_s,
+        timeout_s=a.timeout_s,
+    )
+
+
 def settings(path: Path | None) -> Settings:
-    return load(Settings, path, ENV_PREFIX)
+    """The settings and the tier table they name, both validated."""
+    loaded = load(Settings, path, ENV_PREFIX)
+    load_tiers(loaded.tiers_file)
+    return loaded
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -288,12 +288,17 @@ class Ledger:
         self._wake.set()
 
     def submit_event(
-        self, kind: str, tenant: str = "", detail: Mapping[str, Any] | None = None
+        self,
+        kind: str,
+        tenant: str = "",
+        detail: Mapping[str, Any] | None = None,
+        ts: datetime | None = None,  # when it happened; None: now
     ) -> None:
         if self._closed:
             self._drop("events", "closed", 1)
             return
-        self._events.append(Event(kind, tenant, dict(detail or {})))
+        event = Event(kind, tenant, dict(detail or {}))
+        self._events.append(event if ts is None else replace(event, ts=ts))
         if len(self._events) > self.events_max:
             self._events.popleft()
             self._drop("events", "overflow", 1)

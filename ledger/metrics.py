@@ -60,3 +60,36 @@ UNSETTLED_DROPPED = Counter(
     "Outcomes stored without settlement because the unsettled backlog was full (their "
     "reservations stay charged).",
 )
+ALERTS = Counter(
+    "llmgw_ledger_alerts_total", "Alerts emitted, by kind (ledger/alerts.py).", ["kind"]
+)
+DELIVERIES = Counter(
+    "llmgw_ledger_alert_deliveries_total",
+    "Webhook attempts and deliveries by alert kind and result: delivered, retried (an attempt "
+    "failed, another follows), rejected (a 4xx: not retried), failed (out of attempts), dropped "
+    "(the hook's queue was full: the oldest goes; or left at shutdown).",
+    ["kind", "result"],
+)
+ALERT_QUEUE = Gauge(
+    "llmgw_ledger_alert_queue", "Deliveries waiting, summed over the webhooks (in flight too)."
+)
+# The tenant breaker (ledger/breaker.py); what it refuses: ratelimit's
+# llmgw_ratelimit_decisions_total{result="circuit_open"}.
+BREAKER_TRIPS = Counter(
+    "llmgw_breaker_trips_total",
+    "Tenant breaker trips by cause (the status, or stream: an error after the 200) and reopen "
+    "(true: a failure during recovery).",
+    ["tenant", "tier", "cause", "reopen"],
+)
+BREAKER_OPEN_SECONDS = Histogram(
+    "llmgw_breaker_open_seconds",
+    "How long each trip keeps a tenant's breaker open (its cool-down), by tier.",
+    ["tier"],
+    buckets=(1, 5, 15, 30, 60, 120, 240, 480, 960, 1920),
+)
+BREAKER_RECOVERY_SECONDS = Histogram(
+    "llmgw_breaker_recovery_seconds",
+    "From a breaker's first trip to its full recovery (all steps passed), by tier.",
+    ["tier"],
+    buckets=(5, 15, 30, 60, 120, 300, 600, 1200, 2400, 4800),
+)

@@ -1,7 +1,8 @@
 """Outcomes in; settled in Redis a batch at a time; counted; handed to the database writer.
 
 Off the request path: Envoy sends its access log whenever it flushes, and this loop settles
-whatever has arrived, one Redis round trip per batch. While Redis cannot be reached the outcomes
+whatever has arrived, one Redis round trip per batch, which also feeds the tenant breakers
+(ledger/breaker.py). While Redis cannot be reached the outcomes
 wait here (bounded: past `pending_max` the oldest are stored unsettled, their reservations stay
 charged) and are settled when it returns, so no reservation is ever refunded twice or wrongly.
 """
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ledger import metrics
+from ledger.breaker import Breakers, Transition
 from ledger.settlement import Charge, Settled, settle
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
@@ -33,6 +35,13 @@ class Sink(Protocol):
     def submit(self, records: Sequence[Outcome]) -> None: ...
 
 
+class Watch(Protocol):
+    """What the alert rules see (ledger/alerts.py)."""
+
+    def observe(self, outcomes: Sequence[Outcome]) -> None: ...
+    def unreserved(self, outcome: Outcome) -> None: ...
+
+
 class Recorder:
     def __init__(
         self,
@@ -44,9 +53,13 @@ class Recorder:
         done_ttl_s: float,
         timeout_s: float,
         retry_max_s: float,
+        watch: Watch | None = None,
+        breakers: Breakers | None = None,
     ) -> None:
         self.redis = redis
         self.sink = sink
+        self.watch = watch
+        self.breakers = breakers
         self.batch_max = batch_max
         self.pending_max = pending_max
         self.done_ttl_ms = int(done_ttl_s * 1000)
@@ -60,6 +73,8 @@ class Recorder:
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
         """Never blocks."""
+        if self.watch is not None:  # on arrival: alerts must not wait for Redis
+            self.watch.observe(outcomes)
         self._pending.extend(outcomes)
         overflow = len(self._pending) - self.pending_max
         if overflow > 0:
@@ -132,8 +147,16 @@ class Recorder:
         started = time.perf_counter()
         async with asyncio.timeout(self.timeout_s):
             client = await self.redis.get()
-            settled = await settle(client, list(charges.values()), self.done_ttl_ms)
+            settling = settle(client, list(charges.values()), self.done_ttl_ms)
+            transitions: list[Transition] = []
+            if self.breakers is None:
+                settled = await settling
+            else:  # both write every script before awaiting a reply: one round trip
+                feeding = self.breakers.feed(client, batch)
+                settled, transitions = await asyncio.gather(settling, feeding)
         metrics.SETTLE_SECONDS.observe(time.perf_counter() - started)
+        if self.breakers is not None:
+            self.breakers.record(transitions)
         return dict(zip(charges, settled, strict=True))
 
     def _store(self, batch: list[Outcome], results: dict[int, Settled] | None) -> None:
@@ -146,6 +169,8 @@ class Recorder:
                 metrics.SETTLEMENTS.labels(_RESULTS.get(result.state, "unknown")).inc()
                 if result.state == 0 and o.pod and o.reserved_tokens:
                     metrics.UNRESERVED.labels(o.tenant).inc()
+                    if self.watch is not None:
+                        self.watch.unreserved(o)
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged

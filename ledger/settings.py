@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pathlib import Path
 
+from pydantic import Field, HttpUrl, SecretStr, model_validator
+
+from ledger.alerts import AlertKind
+from ledger.detectors import Rules
 from llmgw.config import Strict
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import TracingSettings
@@ -31,6 +35,34 @@ class SettleSettings(Strict):
     retry_max_s: float = Field(default=2.0, gt=0)
 
 
+class WebhookSettings(Strict):
+    url: HttpUrl
+    secret: SecretStr | None = Field(default=None, min_length=16)  # HMAC key; None: alerts.secret
+
+
+class AlertSettings(Strict):
+    """Alert hooks (ledger/alerts.py): the rules, and the webhooks of each alert kind."""
+
+    # The HMAC key of every webhook without its own (16 characters at least, like the hooks').
+    secret: SecretStr | None = Field(default=None, min_length=16)
+    hooks: dict[AlertKind, list[WebhookSettings]] = Field(default_factory=dict)
+    rules: Rules = Rules()
+    interval_s: float = Field(default=1.0, gt=0)  # how often the rules are evaluated
+    queue_max: int = Field(default=1_000, ge=1)  # deliveries waiting per webhook
+    attempts: int = Field(default=6, ge=1)
+    backoff_s: float = Field(default=0.5, gt=0)  # before the second attempt; doubling
+    backoff_max_s: float = Field(default=30.0, gt=0)
+    timeout_s: float = Field(default=5.0, gt=0)  # one attempt, connect to answer
+
+    @model_validator(mode="after")
+    def _signed(self) -> AlertSettings:
+        for kind, hooks in self.hooks.items():
+            for i, hook in enumerate(hooks):
+                if hook.secret is None and self.secret is None:
+                    raise ValueError(f"hooks.{kind}.{i}: no secret (set it, or alerts.secret)")
+        return self
+
+
 class Settings(Strict):
     serve: ServeSettings = ServeSettings(port=8084)
     tracing: TracingSettings = TracingSettings()
@@ -40,4 +72,8 @@ class Settings(Strict):
     redis: RedisSettings = RedisSettings()
     settle: SettleSettings = SettleSettings()
     backlog_max: int = Field(default=200_000, ge=1)  # records waiting for the database
+    alerts: AlertSettings = AlertSettings()
+    # The tier table (llmgw/tiers.py), for each tier's breaker; None: the built-in tiers.
+    tiers_file: Path | None = None
+    reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     drain_s: float = Field(default=5.0, ge=0)  # on SIGTERM: time to write what is left

@@ -44,15 +44,16 @@ def _stamp(paths: Sequence[Path]) -> Stamp:
 
 
 class Reloading(Generic[T]):
-    """`load()` of `paths`, reloaded when any of them changes."""
+    """`load(previous)` of `paths`, reloaded when any of them changes (previous: the value in
+    force, None at start-up)."""
 
-    def __init__(self, name: str, paths: Sequence[Path], load: Callable[[], T]) -> None:
+    def __init__(self, name: str, paths: Sequence[Path], load: Callable[[T | None], T]) -> None:
         """Load now: a broken file at start-up is an error, not a silent empty config."""
         self.name = name
         self.paths = tuple(paths)
         self._load = load
         self._stamp = _stamp(self.paths)
-        self.current: T = load()
+        self.current: T = load(None)
 
     async def reload_if_changed(self) -> bool:
         """One poll; True when a new value was installed."""
@@ -64,7 +65,7 @@ class Reloading(Generic[T]):
             missing = [str(p) for p, s in zip(self.paths, stamp, strict=True) if s is None]
             if missing:
                 raise ConfigError(f"{', '.join(missing)}: file missing")
-            fresh = await asyncio.to_thread(self._load)
+            fresh = await asyncio.to_thread(self._load, self.current)
         except ConfigError as exc:
             RELOADS.labels(self.name, "failed").inc()
             log.error(
@@ -78,7 +79,11 @@ class Reloading(Generic[T]):
         return True
 
     async def watch(self, interval: float) -> None:
-        """Poll until cancelled."""
+        """Poll until cancelled; nothing a file holds ends the watch (the next edit may fix it)."""
         while True:
             await asyncio.sleep(interval)
-            await self.reload_if_changed()
+            try:
+                await self.reload_if_changed()
+            except Exception:  # a loader's bug must not end hot reload silently
+                RELOADS.labels(self.name, "failed").inc()
+                log.exception("config reload failed; keeping the last good one")

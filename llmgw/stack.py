@@ -53,7 +53,8 @@ class StackSettings(Strict):
     # (None: inside the run's state directory, gone with it).
     database_url: str | None = None
     postgres_dir: Path | None = None
-    ratelimit_limits: Path | None = None  # the tier table (llmgw/tiers.py): ratelimit, extauthz
+    # The tier table (llmgw/tiers.py): ratelimit, extauthz, the ledger (breakers).
+    ratelimit_limits: Path | None = None
     # How long a token reservation waits for the ledger's settlement (then it stays charged).
     ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
     # extauthz hands each tenant's priority to the pods' scheduler (x-vllm-priority); off: all 0.
@@ -80,7 +81,10 @@ class Stack:
         self.services = Services()
         self.metrics: dict[str, str] = {}
         self.tenants_file = state_dir / "tenants.yaml"
-        self.limits_file = state_dir / "limits.yaml"
+        # The operator's own file, not a copy: its edits reload in every service.
+        self.limits_file = (
+            settings.ratelimit_limits.resolve() if settings.ratelimit_limits else None
+        )
         self.tenants: list[dict[str, str]] = []
 
     # Composition.
@@ -179,12 +183,11 @@ class Stack:
             settings["ledger"]["DATABASE_URL"] = self._database()
         if "extauthz" in self.settings.services:
             self.tenants = seed_demo(self.tenants_file)
-        if self.settings.ratelimit_limits is not None:
-            # A copy in the state dir: the stack's whole configuration lives in one place.
-            self.limits_file.write_bytes(self.settings.ratelimit_limits.read_bytes())
+        if self.limits_file is not None:
             # The tier table: ratelimit's limits, and the tiers extauthz lets a tenant name.
             settings["ratelimit"]["LIMITS_FILE"] = str(self.limits_file)
             settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
+            settings["ledger"]["TIERS_FILE"] = str(self.limits_file)  # each tier's breaker
         self.services = Services.model_validate(
             {name: self._start_service(name, settings[name]) for name in self.settings.services}
         )

@@ -14,6 +14,7 @@ tiers:                        # replaces the built-in tier of the same name; new
     retry_base_s: 1.5                           # base delay of the Retry-After formula
     shadow: false                               # decide and count, never refuse
     max_output_tokens: 8192                     # the output cap the pod gets (default: extauthz's)
+    breaker: {threshold: 2, cooldown_s: 30, cooldown_max_s: 240}  # llmgw/breaker.py; none: off
 tenants:                      # a tenant's overrides, merged over its tier unit by unit
   acme: {tokens: {minute: 5000000}, shadow: true}
 ```
@@ -31,6 +32,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from llmgw.breaker import BreakerSpec, seed
 from llmgw.config import Strict, read_yaml, validate
 
 
@@ -77,6 +79,9 @@ class TierSpec(Strict):
     # The output cap per sequence the pod receives when the client names none (and the most it
     # may name); None: extauthz's decision.max_output_tokens.
     max_output_tokens: int | None = Field(default=None, ge=1)
+    # The tenant breaker (llmgw/breaker.py); None: none. A tier that replaces a built-in one
+    # states its own.
+    breaker: BreakerSpec | None = None
 
 
 class TenantSpec(Strict):
@@ -92,18 +97,22 @@ BUILTIN_TIERS: dict[str, TierSpec] = {
         tokens=PerUnit(minute=40_000),
         borrow_share=0.0,
         retry_base_s=4.0,
+        breaker=seed(cooldown_s=120.0, threshold=1.0),
     ),
     "standard": TierSpec(
         requests=PerUnit(second=100, minute=3_000),
         tokens=PerUnit(minute=400_000),
         borrow_share=0.5,
         retry_base_s=2.0,
+        breaker=seed(cooldown_s=30.0, threshold=2.0),
     ),
     "platinum": TierSpec(
         requests=PerUnit(second=500, minute=20_000),
         tokens=PerUnit(minute=2_000_000),
         borrow_share=1.0,
         retry_base_s=1.0,
+        # Half of standard's cool-down, and the support hook told of every trip.
+        breaker=seed(cooldown_s=15.0, threshold=3.0, alert=True),
     ),
 }
 
@@ -122,6 +131,11 @@ class TierTable(Strict):
     @property
     def all_tiers(self) -> dict[str, TierSpec]:
         return BUILTIN_TIERS | self.tiers
+
+    def tier(self, name: str) -> TierSpec:
+        """A tier by name; one the table does not know is the default tier."""
+        tiers = self.all_tiers
+        return tiers.get(name) or tiers[self.default_tier]
 
     def token_ceiling(self, tenant: str, tier: str, minute: int | None = None) -> int | None:
         """The smallest token limit a tenant of `tier` runs under (rate windows and budget),

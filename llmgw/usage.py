@@ -1,14 +1,15 @@
 """`llmgw usage`: the operator's view of the ledger (ledger/db.py's `outcomes` table).
 
     llmgw usage [--database-url URL] [--tenant T] [--session S] [--since 1h]
-                [--by tenant|session|model|pod] [--json]
+                [--by tenant|session|model|pod] [--json] [--events]
 
 Totals by a key (default tenant) as an aligned table, the charged tokens split into base and
 borrowed quota (the seed's bill); `--session S`: that session's requests in time order; `--json`:
 the matching requests, one JSON object per line, keys JSON_FIELDS first (with `--by`, the totals
-instead). The database: `--database-url`, else $LLMGW_DATABASE_URL, else the `database_url` of
-the newest `.llmgw/run-*/ready.json`, else the local stack's PostgreSQL if it runs
-(`.llmgw/postgres/`).
+instead); `--events`: what happened to tenants rather than to requests (`ledger_events`: tenant
+breaker trips and recoveries, alerts), in time order. The database: `--database-url`, else
+$LLMGW_DATABASE_URL, else the `database_url` of the newest `.llmgw/run-*/ready.json`, else the
+local stack's PostgreSQL if it runs (`.llmgw/postgres/`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ def totals_sql(by: By, filters: Filters) -> str:
     )
 
 
+EVENT_COLUMNS = ("ts", "kind", "tenant", "detail")
+
+
+def events_sql(filters: Filters) -> str:
+    return f"SELECT {', '.join(EVENT_COLUMNS)} FROM ledger_events {filters.where} ORDER BY ts, id"
+
+
 def records_sql(filters: Filters, columns: Sequence[str] = RECORD_COLUMNS) -> str:
     return f"SELECT {', '.join(columns)} FROM outcomes {filters.where} ORDER BY ts, request_id"
 
@@ -213,6 +221,7 @@ def register(sub: Any) -> None:
     p.add_argument("--since", type=since, help="only requests since: 1h, 30m, 7d or an ISO time")
     p.add_argument("--by", choices=BY_KEYS, help="totals by this key (default tenant)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--events", action="store_true", help="breaker trips, recoveries and alerts")
     p.set_defaults(func=cmd_usage)
 
 
@@ -232,6 +241,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 async def render(url: str, args: argparse.Namespace) -> str:
     """The command's output for parsed arguments `args`."""
+    if args.events:
+        return await render_events(url, Filters(args.tenant, None, args.since), args.json)
     filters = Filters(args.tenant, args.session, args.since)
     if args.json and args.by is None:
         rows = await query(url, records_sql(filters), filters.params)
@@ -246,3 +257,12 @@ async def render(url: str, args: argparse.Namespace) -> str:
     for r in rows:
         r[by] = r.pop("key") or "-"
     return table(rows, (by, *TOTAL_COLUMNS)) + "\n"
+
+
+async def render_events(url: str, filters: Filters, as_json: bool) -> str:
+    rows = await query(url, events_sql(filters), filters.params)
+    for r in rows:  # jsonb arrives as its text
+        r["detail"] = json.loads(r["detail"]) if as_json else r["detail"].replace(" ", "")
+    if as_json:
+        return "".join(json_line(r) + "\n" for r in rows)
+    return table(rows, EVENT_COLUMNS) + "\n"

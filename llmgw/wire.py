@@ -35,6 +35,10 @@ META_KEY_ID = "key_id"
 # The request facts (llmgw/facts.py), in the same namespace.
 META_TOKEN_ESTIMATE = "token_estimate"  # the token reservation, as a string (see facts.py)
 META_PROMPT_ESTIMATE = "prompt_estimate"
+# The token estimate's parts as strings for the rate-limit descriptors (token_estimate =
+# token_prompt + cap × token_n): a hard budget with less left lowers the cap instead of refusing.
+META_TOKEN_PROMPT = "token_prompt"
+META_TOKEN_CHOICES = "token_n"
 META_STREAM = "stream"
 META_INCLUDE_USAGE = "include_usage"
 META_CHOICES = "n"
@@ -90,6 +94,14 @@ RATELIMIT_DOMAIN = "llmgw"
 RATELIMIT_NAMESPACE = "envoy.filters.http.ratelimit"
 META_BORROWED_REQUESTS = "borrowed_requests"
 META_BORROWED_TOKENS = "borrowed_tokens"
+# true on an admission refused by the tenant's breaker: Envoy's local-reply mapper turns that
+# over-limit answer (a 429 by Envoy's rule) into a 503 (llmgw/envoyconf.py).
+META_CIRCUIT_OPEN = "circuit_open"
+# In the same namespace: the output cap per sequence the pod gets instead of extauthz's, when the
+# tenant's hard budget has less left than the request's estimate (ratelimit/admit.lua). Envoy
+# appends it to the request body after the ratelimit filter (envoy/rewrite.lua): metadata, not a
+# header, so a client has no name to forge it under.
+META_OUTPUT_CAP = "output_cap"
 # A response's token usage, written by Envoy on the way out and read from the access log by the
 # ledger: the pod's usage object (sse_to_metadata, json_to_metadata) when it arrived, and the
 # count of content events that reached the client (envoy/usage.lua) for streams cut short.
@@ -106,6 +118,11 @@ META_STREAM_FAILED = "stream_failed"  # the pod sent an error event after its 20
 def tenant_prefix(tenant: str) -> str:
     """The key prefix of a tenant; braces in the ID are escaped so the hash tag stays intact."""
     return "llmgw:rl:{" + tenant.replace("{", "%7B").replace("}", "%7D") + "}"
+
+
+def breaker_key(tenant: str) -> str:
+    """The tenant's breaker (llmgw/breaker.lua): a hash in the slot of its counters."""
+    return tenant_prefix(tenant) + ":cb"
 
 
 # Fleet load published by the router for quota borrowing (Redis).

@@ -19,7 +19,7 @@ from llmgw.tiers import load_tiers
 from ratelimit.failover import Failover
 from ratelimit.fleet import FleetView
 from ratelimit.limiter import Limiter
-from ratelimit.limits import Limits
+from ratelimit.limits import reload_limits
 from ratelimit.pool import Pool
 from ratelimit.service import RateLimitService
 from ratelimit.settings import Settings
@@ -39,7 +39,7 @@ def settings(path: Path | None) -> Settings:
 
 async def main(settings: Settings) -> None:
     path = settings.limits_file
-    limits = Reloading("tiers", [path] if path else [], lambda: Limits(load_tiers(path)))
+    limits = Reloading("tiers", [path] if path else [], lambda last: reload_limits(path, last))
     store = Failover(
         settings.redis.host,
         settings.redis.port,

@@ -1,10 +1,20 @@
 -- One admission decision, atomically, at Redis's own time (rule: ratelimit/windows.py).
 -- KEYS[1]: the tenant's key prefix "llmgw:rl:{tenant}"; every key below shares its hash tag.
 -- ARGV: shadow (0/1), reservation id ("" for none), reservation ttl_ms, check count,
---       then per check: name, bucket_ms, buckets, rolling (0/1), limit, cost, reserve (0/1).
+--       then per check: name, bucket_ms, buckets, rolling (0/1), limit, cost, reserve (0: no,
+--       1: part of the token reservation, 2: that and a hard budget that may lower the cap),
+--       then the grant: the reservation's prompt and sequences (cost = prompt + cap × sequences;
+--       sequences 0: no grant).
+-- The grant: when a hard budget has less left than the cost but at least prompt + sequences, the
+-- request is admitted at cap = ⌊(left − prompt) / sequences⌋ (the least over such budgets), and
+-- every reserving check costs prompt + cap × sequences instead (ratelimit/types.py Grant).
 -- Returns one string of integers separated by spaces: admitted (0/1), the time it decided at
--- (ms), then each check's buckets before this decision, newest first (buckets + rolling of them).
+-- (ms), then each check's buckets before this decision, newest first (buckets + rolling of them),
+-- then the cap it granted (0: the request's own stands).
 -- One bulk string, not an array of integers: the client reads one reply instead of one per bucket.
+-- KEYS[2], when given: the tenant's breaker (llmgw/breaker.lua, prepended to this script). Open,
+-- or half-open and not this request's turn, it refuses first, reading and charging no window,
+-- and the reply is "2 <time> <wait ms>".
 local p = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -12,6 +22,10 @@ local shadow = ARGV[1] == '1'
 local rid = ARGV[2]
 local ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
+if KEYS[2] and not shadow then
+  local wait = cb_admit(KEYS[2], now)
+  if wait then return '2 ' .. cb_int(now) .. ' ' .. cb_int(wait) end
+end
 
 local out = {'0', string.format('%d', now)}
 local plan = {}
@@ -20,7 +34,7 @@ local longest = 0
 local a = 5
 for i = 1, n do
   local name, bms, nb, rolling = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local limit, cost, reserve = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), ARGV[a + 6] == '1'
+  local limit, cost, reserve = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), ARGV[a + 6]
   a = a + 7
   local cur = math.floor(now / bms)
   local span = nb + rolling
@@ -39,10 +53,33 @@ for i = 1, n do
     local q = math.floor(old / bms)
     used = used + q * w + math.floor(((old - q * bms) * w + bms - 1) / bms)
   end
-  if used + cost > limit then ok = false end
   if span * bms > longest then longest = span * bms end
   -- The cost as sent (an integer string): Lua would print a large number in exponent form.
-  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. rolling .. ' ' .. string.format('%d', cur), cost, ARGV[a - 2], (span + 1) * bms, reserve}
+  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. rolling .. ' ' .. string.format('%d', cur), cost, ARGV[a - 2], (span + 1) * bms, reserve, used, limit}
+end
+
+local prompt, seqs = tonumber(ARGV[a]) or 0, tonumber(ARGV[a + 1]) or 0
+local grant = nil
+if seqs > 0 then
+  for i = 1, n do
+    local _, _, cost, _, _, reserve, used, limit = unpack(plan[i])
+    if reserve == '2' and used + cost > limit then
+      local cap = math.floor((limit - used - prompt) / seqs)
+      if grant == nil or cap < grant then grant = cap end
+    end
+  end
+end
+if grant ~= nil and grant >= 1 then
+  local cost = prompt + grant * seqs
+  local sent = string.format('%d', cost)
+  for i = 1, n do
+    if plan[i][6] ~= '0' then plan[i][3], plan[i][4] = cost, sent end
+  end
+else
+  grant = 0
+end
+for i = 1, n do
+  if plan[i][7] + plan[i][3] > plan[i][8] then ok = false end
 end
 
 if ok or shadow then
@@ -53,7 +90,7 @@ if ok or shadow then
     if cost > 0 then
       redis.call('INCRBY', key, sent)
       redis.call('PEXPIRE', key, life)
-      if reserve then
+      if reserve ~= '0' then
         taken[#taken + 1] = suffix
         amount = sent
       end
@@ -74,4 +111,5 @@ if ok or shadow then
   end
 end
 if ok then out[1] = '1' end
+out[#out + 1] = string.format('%d', grant)
 return table.concat(out, ' ')

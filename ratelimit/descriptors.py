@@ -7,11 +7,13 @@ llmgw/wire.py). Every descriptor starts with an entry `kind` (a `generic_key` ac
 
 Request time (one RateLimitRequest, decided with one atomic store call):
     kind=requests  tenant=T  tier=X  [session=S]              count 1 request
-    kind=tokens    tenant=T  tier=X  request_id=R  token_estimate=N
+    kind=tokens    tenant=T  tier=X  request_id=R  token_estimate=N  [token_prompt=P  token_n=S]
                                                           reserve N tokens under R
   Request-time descriptors arrive with hits_addend 0 (count 1), which is why the reservation
   size travels as the entry `token_estimate`. Both are checked together: admitted only if the
-  request and its tokens fit, and then both are counted.
+  request and its tokens fit, and then both are counted. N = P + cap × S: with both parts, a
+  hard budget with less than N left (but at least P + S) admits the request at a lower cap
+  (types.Grant) instead of refusing it.
 
 Tokens are settled after the response by the ledger (ledger/), from Envoy's access log.
 
@@ -32,7 +34,7 @@ from typing import Literal
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from llmgw import wire
-from ratelimit.types import Admission, Limit, Unit
+from ratelimit.types import Admission, Grant, Limit, Unit
 
 KIND = "kind"
 Role = Literal["requests", "tokens"]
@@ -74,6 +76,7 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
         return Parsed(tuple(None for _ in request.descriptors), None)
     tenant = tier = session = request_id = None
     estimate: int | None = None
+    grant: Grant | None = None
     counted = False
     limits: dict[str, Limit | None] = {"requests": None, "tokens": None}
     for descriptor in request.descriptors:
@@ -89,6 +92,10 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
                 counted, role = True, "requests"
             elif (n := _int(entries.get(wire.META_TOKEN_ESTIMATE))) is not None:
                 estimate, role = n, "tokens"
+                prompt = _int(entries.get(wire.META_TOKEN_PROMPT))
+                choices = _int(entries.get(wire.META_TOKEN_CHOICES))
+                if prompt is not None and choices:
+                    grant = Grant(prompt, choices)
             limits[kind] = _limit(descriptor)
         roles.append(role)
     admission = None
@@ -102,5 +109,6 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
             counted,
             requests_limit=limits["requests"],
             tokens_limit=limits["tokens"],
+            grant=grant,
         )
     return Parsed(tuple(roles), admission)

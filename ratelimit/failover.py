@@ -52,7 +52,7 @@ from llmgw.resp import Arg, Reply, RespError
 from ratelimit import metrics
 from ratelimit.redis_store import RedisStore, admit_args, outcome
 from ratelimit.store import LocalStore
-from ratelimit.types import Check, Outcome
+from ratelimit.types import Check, Grant, Outcome, granted
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +128,23 @@ class Failover:
         shadow: bool = False,
         reservation: str = "",
         ttl_ms: int = 0,
+        grant: Grant | None = None,
+        breaker: str = "",
     ) -> Outcome:
         redis = self.redis
         if redis is not None:
             try:
                 started = time.perf_counter()
                 answer = await self._admit(
-                    redis, checks, admit_args(prefix, checks, shadow, reservation, ttl_ms)
+                    redis,
+                    checks,
+                    admit_args(prefix, checks, shadow, reservation, ttl_ms, grant, breaker),
                 )
                 metrics.REDIS_SECONDS.observe(time.perf_counter() - started)
                 self._offset_ms = now_ms - answer.now_ms
-                self.local.remember(prefix, checks, answer, answer.admitted or shadow)
+                if answer.circuit_ms is None:  # a breaker's refusal read no counters
+                    charged = granted(checks, grant, answer.cap)
+                    self.local.remember(prefix, charged, answer, answer.admitted or shadow)
                 return answer
             except RespError as exc:
                 self._error_reply(exc)
@@ -151,6 +157,7 @@ class Failover:
             shadow=shadow,
             reservation=reservation,
             ttl_ms=ttl_ms,
+            grant=grant,
         )
 
     async def _admit(self, redis: RedisStore, checks: Sequence[Check], args: list[Arg]) -> Outcome:

@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from llmgw.wire import tenant_prefix
+from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit import metrics
 from ratelimit.fleet import FleetLoad, effective_load
 from ratelimit.pool import Draw, Pool, size
@@ -21,6 +21,7 @@ from ratelimit.types import (
     Admission,
     Check,
     CheckState,
+    Grant,
     Kind,
     KindState,
     Limit,
@@ -29,6 +30,7 @@ from ratelimit.types import (
     Refusal,
     Unit,
     Verdict,
+    granted,
     share,
 )
 from ratelimit.windows import SLIDING, fixed, state
@@ -101,7 +103,7 @@ class Limiter:
         if estimate is not None and policy.budget is not None:
             unit = policy.budget.unit
             checks.append(
-                Check(f"budget:{unit}", fixed(unit), policy.budget.amount, estimate, True)
+                Check(f"budget:{unit}", fixed(unit), policy.budget.amount, estimate, True, True)
             )
         return checks
 
@@ -111,12 +113,16 @@ class Limiter:
         now_ms = int(now_s * 1000)
         fleet = self.fleet()
         load = effective_load(fleet, now_s, self.stale_after_s)
-        checks = self.checks(policy, req.token_estimate, req.count_request)
+        estimate, fitted = self._fitted(policy, fleet, req.token_estimate, req.grant)
+        checks = self.checks(policy, estimate, req.count_request)
         states: list[CheckState] = []
         draws: tuple[Draw, ...] = ()
+        cap = 0
         if checks:
             prefix = tenant_prefix(req.tenant)
             reservation = (req.request_id or "") if req.token_estimate is not None else ""
+            # Only a budget that binds lowers the cap, and never in shadow mode (it would act).
+            grant = req.grant if policy.budget is not None and not policy.shadow else None
             outcome = await self.store.admit(
                 prefix,
                 checks,
@@ -124,16 +130,21 @@ class Limiter:
                 shadow=policy.shadow,
                 reservation=reservation,
                 ttl_ms=self.reservation_ttl_ms,
+                grant=grant,
+                breaker=breaker_key(req.tenant),
             )
-            states = _states(checks, outcome, policy.shadow)
+            if outcome.circuit_ms is not None:
+                return self._circuit_open(req, policy, outcome.circuit_ms)
+            cap = outcome.cap or fitted
+            states = _states(granted(checks, grant, outcome.cap), outcome, policy.shadow)
             if outcome.local:
                 metrics.degraded_decisions(req.tenant, policy.tier).inc()
             elif not outcome.admitted and self._may_borrow(policy, states):
                 borrowed = await self._borrow(
-                    prefix, reservation, policy, fleet, load, states, now_ms
+                    prefix, reservation, grant, policy, fleet, load, states, now_ms
                 )
                 if borrowed is not None:
-                    states, draws = borrowed
+                    states, draws, cap = borrowed[0], borrowed[1], borrowed[2] or cap
         refusal, refused = self._refusal(states, self._ceilings(checks, policy, fleet))
         retry_ms = 0
         if refused is not None and refusal in ("requests", "tokens"):
@@ -144,6 +155,8 @@ class Limiter:
         borrowed_requests = max((d.amount for d in draws if d.kind == "requests"), default=0)
         borrowed_tokens = max((d.amount for d in draws if d.kind == "tokens"), default=0)
         self._count(req, policy, states, refusal, borrowed_requests, borrowed_tokens)
+        if cap and refusal is None:
+            metrics.capped(req.tenant, policy.tier).inc()
         return Verdict(
             tenant=req.tenant,
             tier=policy.tier,
@@ -155,6 +168,22 @@ class Limiter:
             shadow=policy.shadow,
             borrowed_requests=borrowed_requests,
             borrowed_tokens=borrowed_tokens,
+            output_cap=cap if refusal is None else 0,
+        )
+
+    @staticmethod
+    def _circuit_open(req: Admission, policy: Policy, wait_ms: int) -> Verdict:
+        """Refused by the tenant's breaker (never in shadow mode: admit.lua skips it there)."""
+        metrics.decisions(req.tenant, policy.tier, "circuit_open", "false").inc()
+        return Verdict(
+            tenant=req.tenant,
+            tier=policy.tier,
+            refusal="circuit_open",
+            refused=None,
+            requests=None,
+            tokens=None,
+            retry_after_ms=wait_ms,
+            shadow=False,
         )
 
     def _may_borrow(self, policy: Policy, states: list[CheckState]) -> bool:
@@ -167,14 +196,16 @@ class Limiter:
         self,
         prefix: str,
         reservation: str,
+        grant: Grant | None,
         policy: Policy,
         fleet: FleetLoad,
         load: float,
         refused: list[CheckState],
         now_ms: int,
-    ) -> tuple[list[CheckState], tuple[Draw, ...]] | None:
-        """The refused admission again on borrowed quota (steps 2 and 3 of ratelimit/pool.py);
-        None when the pool or the second admission says no."""
+    ) -> tuple[list[CheckState], tuple[Draw, ...], int] | None:
+        """The refused admission again on borrowed quota (steps 2 and 3 of ratelimit/pool.py),
+        and the cap the budget lowered it to there (0: none further); None when the pool or the
+        second admission says no."""
         assert self.pool is not None
         wants = []
         for s in refused:
@@ -187,12 +218,33 @@ class Limiter:
             return None
         raised = [s.check if s.passed else _raised(s) for s in refused]
         outcome = await self.store.admit(
-            prefix, raised, now_ms, reservation=reservation, ttl_ms=self.reservation_ttl_ms
+            prefix,
+            raised,
+            now_ms,
+            reservation=reservation,
+            ttl_ms=self.reservation_ttl_ms,
+            grant=grant,
         )
         if not outcome.admitted or outcome.local:
             await self.pool.give_back(draws)
             return None
-        return _states(raised, outcome, False), draws
+        return _states(granted(raised, grant, outcome.cap), outcome, False), draws, outcome.cap
+
+    def _fitted(
+        self, policy: Policy, fleet: FleetLoad, estimate: int | None, grant: Grant | None
+    ) -> tuple[int | None, int]:
+        """(estimate, cap): an estimate above the highest a token window could ever hold, lowered
+        to fit it when the prompt and one token a sequence do, with the cap that makes it fit
+        (0: unchanged). extauthz's cap can exceed it while a reload of the tier table reaches
+        extauthz later than this service: that request is served shorter, not "too large"."""
+        if estimate is None or grant is None or policy.shadow:
+            return estimate, 0
+        windows = [c for c in self.checks(policy, estimate, False) if c.name.startswith("tokens:")]
+        ceiling = min(self._ceilings(windows, policy, fleet), default=estimate)
+        if estimate <= ceiling or grant.prompt + grant.sequences > ceiling:
+            return estimate, 0
+        cap = (ceiling - grant.prompt) // grant.sequences
+        return grant.prompt + cap * grant.sequences, cap
 
     def _ceilings(self, checks: list[Check], policy: Policy, fleet: FleetLoad) -> list[int]:
         """The highest limit each check could ever have: its base plus, for a tier that borrows,

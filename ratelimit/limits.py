@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from llmgw.tiers import PerUnit, TenantSpec, TierTable
+import logging
+from pathlib import Path
+
+from llmgw.tiers import PerUnit, TenantSpec, TierTable, load_tiers
 from ratelimit.types import Limit, Policy
+
+log = logging.getLogger(__name__)
 
 
 def _limits(per: PerUnit) -> tuple[Limit, ...]:
     return tuple(Limit(unit, amount) for unit, amount in per.amounts())
+
+
+def reload_limits(path: Path | None, previous: Limits | None) -> Limits:
+    """The tier table at `path`. A tier the previous table had and this one lacks is kept until a
+    restart: tenants may still name it (extauthz refuses a tenants file naming a missing tier and
+    keeps its last good one), and dropping it would put them on the default tier's limits."""
+    table = load_tiers(path)
+    if previous is not None:
+        gone = {n: s for n, s in previous.config.tiers.items() if n not in table.all_tiers}
+        if gone:
+            log.warning(
+                "tiers removed from the tier table are kept until restart",
+                extra={"tiers": sorted(gone)},
+            )
+            table = table.model_copy(update={"tiers": {**gone, **table.tiers}})
+    return Limits(table)
 
 
 class Limits:

@@ -26,6 +26,11 @@ BORROWED = Counter(
     "Requests or tokens admitted beyond the base limit from the fleet's idle capacity.",
     ["tenant", "tier", "kind"],
 )
+CAPPED = Counter(
+    "llmgw_ratelimit_budget_capped_total",
+    "Requests admitted at an output cap lowered to what the tenant's hard budget had left.",
+    ["tenant", "tier"],
+)
 DEGRADED = Gauge(
     "llmgw_ratelimit_degraded", "1 while decisions are answered from in-process counters."
 )
@@ -51,4 +56,5 @@ decisions = Children(DECISIONS)
 over_limit = Children(OVER_LIMIT)
 near_limit = Children(NEAR_LIMIT)
 borrowed = Children(BORROWED)
+capped = Children(CAPPED)
 degraded_decisions = Children(DEGRADED_DECISIONS)

@@ -16,18 +16,22 @@ import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
+from llmgw.breaker import with_prelude
 from llmgw.resp import Arg, Client, Reply, RespError
 from ratelimit.store import Made
-from ratelimit.types import Check, Outcome
+from ratelimit.types import Check, Grant, Outcome
 
 
-def script(name: str) -> tuple[str, str]:
-    """A Lua script of this package: its source and SHA1 (for EVALSHA)."""
+def script(name: str, prelude: bool = False) -> tuple[str, str]:
+    """A Lua script of this package, with the breaker's rule before it if `prelude`: its
+    source and SHA1 (for EVALSHA)."""
     source = resources.files("ratelimit").joinpath(name).read_text()
+    if prelude:
+        source = with_prelude(source)
     return source, hashlib.sha1(source.encode()).hexdigest()
 
 
-ADMIT = script("admit.lua")
+ADMIT = script("admit.lua", prelude=True)
 REPLAY = script("replay.lua")
 REPLICAS = script("replicas.lua")
 REPLICAS_KEY = "llmgw:rl:replicas"
@@ -46,8 +50,10 @@ class RedisStore:
         shadow: bool = False,
         reservation: str = "",
         ttl_ms: int = 0,
+        grant: Grant | None = None,
+        breaker: str = "",
     ) -> Outcome:
-        args = admit_args(prefix, checks, shadow, reservation, ttl_ms)
+        args = admit_args(prefix, checks, shadow, reservation, ttl_ms, grant, breaker)
         try:
             reply = await self.send_admit(args)
         except RespError as exc:
@@ -107,32 +113,43 @@ class RedisStore:
 
 
 def admit_args(
-    prefix: str, checks: Sequence[Check], shadow: bool, reservation: str, ttl_ms: int
+    prefix: str,
+    checks: Sequence[Check],
+    shadow: bool,
+    reservation: str,
+    ttl_ms: int,
+    grant: Grant | None = None,
+    breaker: str = "",
 ) -> list[Arg]:
-    """admit.lua's keys and arguments after the script (numkeys 1, the prefix, ARGV). Every
-    number is an int in range (Check clamps its limit and cost)."""
-    args: list[Arg] = [1, prefix, int(shadow), reservation, int(ttl_ms), len(checks)]
+    """admit.lua's keys and arguments after the script (numkeys, the prefix and the breaker's
+    key when consulted, ARGV). Every number is an int in range (Check and Grant clamp theirs)."""
+    keys: list[Arg] = [2, prefix, breaker] if breaker else [1, prefix]
+    args: list[Arg] = [*keys, int(shadow), reservation, int(ttl_ms), len(checks)]
     for c in checks:
         w = c.window
-        args += [c.name, w.bucket_ms, w.buckets, int(w.rolling), c.limit, c.cost, int(c.reserve)]
+        reserve = 2 if c.reserve and c.caps else int(c.reserve)
+        args += [c.name, w.bucket_ms, w.buckets, int(w.rolling), c.limit, c.cost, reserve]
+    args += [grant.prompt, grant.sequences] if grant is not None else [0, 0]
     return args
 
 
 def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
-    """admit.lua's reply folded: admitted, Redis's time, and each check's buckets (newest
-    first)."""
+    """admit.lua's reply folded: admitted, Redis's time, each check's buckets (newest first)
+    and the cap it granted."""
     if not isinstance(reply, bytes):
         raise RespError(f"admit.lua returned {reply!r}")
     try:
         flat = [int(v) for v in reply.split()]
     except ValueError:
         raise RespError(f"admit.lua returned {reply!r}") from None
+    if flat[:1] == [2] and len(flat) == 3:  # refused by the breaker: "2 now wait"
+        return Outcome(False, (), flat[1], circuit_ms=flat[2])
     counts: list[tuple[int, ...]] = []
     at = 2
     for c in checks:
         n = c.window.span
         counts.append(tuple(flat[at : at + n]))
         at += n
-    if at != len(flat):
+    if at + 1 != len(flat):
         raise RespError(f"admit.lua returned {reply!r}")
-    return Outcome(flat[0] == 1, tuple(counts), flat[1])
+    return Outcome(flat[0] == 1, tuple(counts), flat[1], cap=flat[at])

@@ -8,6 +8,8 @@ import math
 from ratelimit.types import KindState, Verdict
 
 Headers = list[tuple[str, str]]
+# The longest Retry-After the OpenAI SDK honours; past it, it does not retry (OPENAI_COMPAT.md).
+SDK_LONGEST_WAIT_MS = 120_000
 
 
 def go_duration(ms: int) -> str:
@@ -45,9 +47,32 @@ def _per(state: KindState) -> str:
     return f"{state.kind} per {state.unit.value}"
 
 
+def circuit_open(verdict: Verdict) -> tuple[Headers, bytes]:
+    """Headers and the OpenAI error body of the breaker's refusal (Envoy sends it as a 503):
+    retry when the cool-down ends, which the SDK does by itself unless it is longer than it
+    waits (OPENAI_COMPAT.md)."""
+    wait = verdict.retry_after_ms
+    error = {
+        "message": f"Requests of tenant {verdict.tenant} are failing; its circuit is open for "
+        f"{go_duration(wait)}. Please try again then.",
+        "type": "server_error",
+        "param": None,
+        "code": "tenant_circuit_open",
+    }
+    headers: Headers = [
+        ("content-type", "application/json"),
+        ("retry-after", str(math.ceil(wait / 1000))),
+        ("retry-after-ms", str(wait)),
+        ("x-should-retry", "true" if wait <= SDK_LONGEST_WAIT_MS else "false"),
+    ]
+    return headers, json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
 def refusal(verdict: Verdict) -> tuple[Headers, bytes]:
     """Headers and the OpenAI error body of a 429: a rate limit (retry after the wait), a request
     too large for any window it could get, or the hard budget spent (both never retried)."""
+    if verdict.refusal == "circuit_open":
+        return circuit_open(verdict)
     state = verdict.refused
     assert verdict.refusal is not None and state is not None
     headers: Headers = [("content-type", "application/json")]

@@ -80,20 +80,23 @@ def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitRes
         statuses=statuses,
         response_headers_to_add=[_Header(key=k, value=v) for k, v in headers],
         raw_body=body,
-        dynamic_metadata=_borrowed(verdict),
+        dynamic_metadata=_metadata(verdict),
     )
 
 
-def _borrowed(verdict: Verdict) -> struct_pb2.Struct | None:
-    """What the admission drew from the borrowing pool; None (no metadata) on base quota."""
-    if not (verdict.borrowed_requests or verdict.borrowed_tokens):
-        return None
-    return _Struct(
-        fields={
-            wire.META_BORROWED_REQUESTS: _Value(number_value=verdict.borrowed_requests),
-            wire.META_BORROWED_TOKENS: _Value(number_value=verdict.borrowed_tokens),
-        }
-    )
+def _metadata(verdict: Verdict) -> struct_pb2.Struct | None:
+    """What the admission drew from the borrowing pool, the output cap a hard budget lowered it
+    to (Envoy writes it into the body: envoy/rewrite.lua), and whether the tenant's breaker
+    refused it; None (no metadata) when none of these."""
+    fields = {}
+    if verdict.borrowed_requests or verdict.borrowed_tokens:
+        fields[wire.META_BORROWED_REQUESTS] = _Value(number_value=verdict.borrowed_requests)
+        fields[wire.META_BORROWED_TOKENS] = _Value(number_value=verdict.borrowed_tokens)
+    if verdict.output_cap:
+        fields[wire.META_OUTPUT_CAP] = _Value(number_value=verdict.output_cap)
+    if verdict.refusal == "circuit_open":  # Envoy's reply mapper makes this refusal a 503
+        fields[wire.META_CIRCUIT_OPEN] = _Value(bool_value=True)
+    return _Struct(fields=fields) if fields else None
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ratelimit.types import Check, Outcome, Window, share
+from ratelimit.types import Check, Grant, Outcome, Window, granted, share
 from ratelimit.windows import used
 
 Key = tuple[str, str]  # (tenant prefix, check name)
@@ -30,11 +30,16 @@ class Store(Protocol):
         shadow: bool = False,
         reservation: str = "",
         ttl_ms: int = 0,
+        grant: Grant | None = None,
+        breaker: str = "",
     ) -> Outcome:
         """Test every check; if all pass (or shadow), add each cost; record the token costs as
-        reservation `reservation` for the ledger to settle (Redis only). `now_ms` is the
+        reservation `reservation` for the ledger to settle (Redis only). With `grant`, a hard
+        budget (Check.caps) that the cost does not fit lowers the request's output cap to what
+        it has left, when that is at least 1 (types.Grant; Outcome.cap). `now_ms` is the
         caller's clock, for a store without one of its own: Redis decides at its TIME, and
-        either way Outcome.now_ms says which time was used."""
+        either way Outcome.now_ms says which time was used. `breaker`: the tenant's breaker key,
+        consulted first (Redis only: Outcome.circuit_ms); "" for none."""
         ...
 
 
@@ -75,11 +80,25 @@ class LocalStore:
         shadow: bool = False,
         reservation: str = "",
         ttl_ms: int = 0,
+        grant: Grant | None = None,
+        breaker: str = "",  # not seen without Redis: degraded decisions ignore the breaker
     ) -> Outcome:
         counts = tuple(self._buckets(prefix, check, now_ms) for check in checks)
-        ok = all(
-            used(check.window, seen, now_ms) + check.cost <= share(check.limit, self.replicas)
+        standing = [
+            (used(check.window, seen, now_ms), share(check.limit, self.replicas))
             for check, seen in zip(checks, counts, strict=True)
+        ]
+        cap = 0
+        if grant is not None:
+            caps = [
+                grant.cap(limit - u)
+                for check, (u, limit) in zip(checks, standing, strict=True)
+                if check.reserve and check.caps and u + check.cost > limit
+            ]
+            cap = max(0, min(caps, default=0))
+            checks = granted(checks, grant, cap)
+        ok = all(
+            u + check.cost <= limit for check, (u, limit) in zip(checks, standing, strict=True)
         )
         if ok or shadow:
             for check in checks:
@@ -87,7 +106,7 @@ class LocalStore:
                     current = now_ms // check.window.bucket_ms
                     made = self._made.setdefault((prefix, check.name), (check.window, {}))[1]
                     made[current] = made.get(current, 0) + check.cost
-        return Outcome(ok, counts, now_ms, self.replicas, local=True)
+        return Outcome(ok, counts, now_ms, self.replicas, local=True, cap=cap)
 
     def _buckets(self, prefix: str, check: Check, now_ms: int) -> tuple[int, ...]:
         """The check's buckets, newest first: this replica's share of Redis's last answer plus

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from llmgw.tiers import Unit as Unit  # one definition, shared with the tier table
@@ -19,7 +20,8 @@ MAX_COUNT = 2**48
 
 Kind = Literal["requests", "tokens"]
 # too_large: a cost above the highest limit the request could ever get (never retried).
-Refusal = Literal["requests", "tokens", "too_large", "insufficient_quota"]
+# circuit_open: the tenant's breaker (llmgw/breaker.py) is open, or half-open and not its turn.
+Refusal = Literal["requests", "tokens", "too_large", "insufficient_quota", "circuit_open"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +70,46 @@ class Check:
     limit: int
     cost: int
     reserve: bool = False  # part of the token reservation (settled by the ledger)
+    # A hard budget: when the cost does not fit, the store may lower the request's output cap to
+    # what the budget has left (Grant) instead of refusing.
+    caps: bool = False
 
     def __post_init__(self) -> None:
         # Every number that reaches Redis is an int that INCRBY and Lua's doubles hold exactly;
         # a cost above MAX_COUNT stays above every limit, so it is refused as it would have been.
         object.__setattr__(self, "limit", min(max(int(self.limit), 0), MAX_COUNT))
         object.__setattr__(self, "cost", min(max(int(self.cost), 0), MAX_COUNT + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A token reservation in its parts, estimate = prompt + cap × sequences: a hard budget with
+    less left than the estimate but at least prompt + sequences admits the request at the cap
+    that fits, ⌊(left − prompt) / sequences⌋, reserved as prompt + that cap × sequences in every
+    token window (admit.lua, LocalStore)."""
+
+    prompt: int
+    sequences: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", min(max(int(self.prompt), 0), MAX_COUNT))
+        object.__setattr__(self, "sequences", min(max(int(self.sequences), 1), MAX_COUNT))
+
+    def cap(self, left: int) -> int:
+        """The output cap per sequence that fits in `left` tokens; below 1: none does."""
+        return (left - self.prompt) // self.sequences
+
+    def cost(self, cap: int) -> int:
+        return self.prompt + cap * self.sequences
+
+
+def granted(checks: Sequence[Check], grant: Grant | None, cap: int) -> list[Check]:
+    """The checks as the store charged them: at a lowered cap (cap > 0), every reserving check
+    costs grant.cost(cap)."""
+    if grant is None or cap <= 0:
+        return list(checks)
+    cost = grant.cost(cap)
+    return [replace(c, cost=cost) if c.reserve else c for c in checks]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +122,11 @@ class Outcome:
     now_ms: int
     replicas: int = 1  # the store enforced each limit's share for this many replicas
     local: bool = False  # decided from in-process counters (Redis slow, down or in error)
+    # The output cap per sequence a hard budget lowered the request to (see Grant); 0: the
+    # request's own stands.
+    cap: int = 0
+    # Refused by the tenant's breaker before any check was read: the wait (ms) to suggest.
+    circuit_ms: int | None = None
 
 
 def share(limit: int, replicas: int) -> int:
@@ -131,6 +172,9 @@ class Admission:
     # replaces the policy's limit of the same unit.
     requests_limit: Limit | None = None
     tokens_limit: Limit | None = None
+    # The reservation's parts (token_estimate = prompt + cap × sequences), for a hard budget to
+    # lower the cap instead of refusing; None: the budget refuses what does not fit.
+    grant: Grant | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +191,9 @@ class Verdict:
     # largest draw over each kind's windows; 0 and 0 when the admission ran on base quota.
     borrowed_requests: int = 0
     borrowed_tokens: int = 0
+    # The output cap per sequence the pod gets instead of the request's, lowered to what the
+    # tenant's hard budget has left (Grant); 0: the request's own.
+    output_cap: int = 0
 
     @property
     def allowed(self) -> bool:

@@ -11,7 +11,7 @@ class Imbalance(Strict):
     loaded candidate's by more than `abs_threshold` (fraction of capacity) and by a factor of more
     than `rel_threshold`."""
 
-    abs_threshold: float = 0.25
+    abs_threshold: float = 0.5  # load counts running and in flight: one request twice
     rel_threshold: float = 1.5
 
     def yields(self, target: Candidate, cands: list[Candidate]) -> bool:

@@ -3,7 +3,8 @@
 Pods come from config: a static list of `host:port` and/or a DNS name resolving to every pod,
 both re-resolved every `resolve_seconds` (pod IDs are `ip:port`, what Envoy's override_host
 matches). Every pod's `/metrics` is scraped concurrently every `scrape_interval` with a short
-timeout; each scrape replaces the pod's immutable `PodMetrics`. A pod is pickable only when its
+timeout; each scrape replaces the pod's immutable `PodMetrics` and feeds the pod's speed estimate
+(router/speed.py), which every candidate carries. A pod is pickable only when its
 last scrape succeeded and it has not answered `error_threshold` requests in a row with 5xx (then
 it is out for `error_cooldown` seconds, doubled each time it fails again before answering well,
 up to 16x). A pick that Envoy had to retry on another pod (the `upstream.address` Envoy reports
@@ -51,6 +52,7 @@ from llmgw.resp import RespError
 from router import metrics
 from router.capacity import Capacity, utilisation
 from router.scrape import fetch_models, scrape_metrics
+from router.speed import Speeds
 from router.types import Candidate, PodId, PodMetrics
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ class Fleet:
         self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
         self._probed_at: dict[PodId, float] = {}  # last pick of a pod on probation
         self.capacity = Capacity()
+        self.speeds = Speeds()
 
     # Membership.
 
@@ -123,6 +126,7 @@ class Fleet:
             for table in tables:
                 table.pop(pod, None)
             self.capacity.forget(pod)
+            self.speeds.forget(pod)
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
@@ -167,6 +171,7 @@ class Fleet:
         caps = self.settings.capacities
         default_cap = self.settings.capacity
         flight = self.in_flight
+        speeds = self.speeds.current
         return [
             Candidate.of(
                 snap,
@@ -174,6 +179,7 @@ class Fleet:
                 snap.ok and now - snap.at <= stale_after,
                 flight[pod],
                 caps.get(pod, default_cap),
+                speeds.get(pod, 1.0),
             )
             for pod, snap in self.snapshots.items()
         ]
@@ -255,6 +261,8 @@ class Fleet:
         if snap.ok:
             self.snapshots[pod] = snap
             self.capacity.observe(snap, s.capacities.get(pod, s.capacity))
+            self.speeds.observe(snap)
+            metrics.SPEED.labels(pod).set(self.speeds.current.get(pod, 1.0))
         else:
             metrics.SCRAPE_ERRORS.labels(pod).inc()
             self.snapshots[pod] = PodMetrics(pod, started, ok=False, models=models)

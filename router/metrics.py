@@ -19,5 +19,6 @@ PLUGIN_SECONDS = Histogram(
 SCRAPE_AGE = Gauge("llmgw_router_scrape_age_seconds", "Age of the last good scrape", ["pod"])
 SCRAPE_ERRORS = Counter("llmgw_router_scrape_errors_total", "Failed scrapes", ["pod"])
 IN_FLIGHT = Gauge("llmgw_router_in_flight", "Requests picked and not finished", ["pod"])
+SPEED = Gauge("llmgw_router_pod_speed", "Decode speed relative to the fastest pod", ["pod"])
 PICKABLE = Gauge("llmgw_router_pod_pickable", "1 if the pod may be picked", ["pod"])
 FLEET_LOAD = Gauge("llmgw_router_fleet_load", "Fleet load published for quota borrowing")

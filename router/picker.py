@@ -102,6 +102,7 @@ def from_body(body: bytes, settings: InferencePoolSettings, session: str | None)
         model=found.model,
         session=session,
         prefix_blocks=found.prefix_blocks,
+        prompt_tokens=found.prompt_tokens,
         first_turn=found.first_turn,
     )
 

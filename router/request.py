@@ -26,6 +26,7 @@ def from_metadata(meta: Mapping[str, Any], request_id: str | None = None) -> Pic
         session=_text(meta.get(wire.META_SESSION)),
         request_id=request_id or _text(meta.get(wire.META_REQUEST_ID)),
         prefix_blocks=facts.prefix_blocks,
+        prompt_tokens=facts.prompt_tokens,
         first_turn=facts.first_turn,
     )
 

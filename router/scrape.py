@@ -6,6 +6,7 @@ Values of the same name are summed over label sets (several engines), KV usage i
 V1's `vllm:kv_cache_usage_perc` wins over the older `vllm:gpu_cache_usage_perc`. The served
 counters (prompt + generation tokens, finished requests of every `finished_reason`) feed the
 capacity estimate (router/capacity.py); a pod that exports none of them has none (None).
+The inter-token latency histogram's sum and count feed the speed estimate (router/speed.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _WANTED = {
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
 }
 
 
@@ -39,6 +42,8 @@ class Parsed:
     num_gpu_blocks: int | None
     tokens_served: float | None
     requests_served: float | None
+    itl_seconds: float | None
+    itl_count: float | None
 
 
 def parse_metrics(text: str) -> Parsed:
@@ -86,6 +91,8 @@ def parse_metrics(text: str) -> Parsed:
         num_gpu_blocks=_int(labels.get("num_gpu_blocks")),
         tokens_served=sum(tokens) if tokens else None,
         requests_served=sums.get("vllm:request_success_total"),
+        itl_seconds=sums.get("vllm:inter_token_latency_seconds_sum"),
+        itl_count=sums.get("vllm:inter_token_latency_seconds_count"),
     )
 
 
@@ -125,6 +132,8 @@ async def scrape_metrics(
         num_gpu_blocks=p.num_gpu_blocks,
         tokens_served=p.tokens_served,
         requests_served=p.requests_served,
+        itl_seconds=p.itl_seconds,
+        itl_count=p.itl_count,
         models=models,
     )
 

@@ -23,6 +23,9 @@ class PodMetrics:
     # Cumulative counters: prompt + generation tokens, finished requests (None: not exported).
     tokens_served: float | None = None
     requests_served: float | None = None
+    # Cumulative inter-token latency histogram sum (seconds) and count: the pod's speed.
+    itl_seconds: float | None = None
+    itl_count: float | None = None
     models: frozenset[str] = frozenset()
 
     def fresh(self, threshold: float, now: float) -> bool:
@@ -40,6 +43,7 @@ class Candidate:
     """A pod as a pick sees it: its snapshot plus the router's own in-flight count.
 
     Stale metrics count as fully loaded: `kv` 1, `queue` at capacity, `load` at least 1.
+    `speed` is the pod's decode speed relative to the fastest pod (router/speed.py), 0-1.
     """
 
     pod: PodId
@@ -51,6 +55,7 @@ class Candidate:
     kv: float
     queue: float
     load: float  # (running + in flight) / capacity
+    speed: float = 1.0
 
     @classmethod
     def of(
@@ -60,6 +65,7 @@ class Candidate:
         fresh: bool,
         in_flight: int,
         capacity: float,
+        speed: float = 1.0,
     ) -> Candidate:
         if fresh:
             kv = metrics.kv_usage
@@ -67,7 +73,9 @@ class Candidate:
             load = (metrics.running + in_flight) / capacity
         else:
             kv, queue, load = 1.0, capacity, 1.0 + in_flight / capacity
-        return cls(metrics.pod, metrics, healthy, fresh, in_flight, capacity, kv, queue, load)
+        return cls(
+            metrics.pod, metrics, healthy, fresh, in_flight, capacity, kv, queue, load, speed
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,7 @@ class PickRequest:
     session: str | None = None
     request_id: str | None = None
     prefix_blocks: tuple[int, ...] = field(default=())  # chained hashes of the leading blocks
+    prompt_tokens: int = 0  # the whole prompt (estimate): its KV is more than the hashed blocks
     # The body is known and carries no earlier turn (no assistant message): no pod holds this
     # session's KV yet, so session affinity has nothing to keep.
     first_turn: bool = False

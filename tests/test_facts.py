@@ -49,7 +49,8 @@ def test_facts_survive_the_trip_through_envoy() -> None:
         3,
         100,
     )
-    assert written.prompt_tokens == 150 + 1 + 1000  # text / 4, and one image
+    # Text and roles / 4 ("system" + "user": 10 chars), one image, the template's tokens.
+    assert written.prompt_tokens == (600 + 2 + 10) // 4 + 1000 + 3 * facts.MESSAGE_TOKENS
     assert written.token_estimate == written.prompt_tokens + 300  # every choice's cap
     assert len(written.prefix_blocks) >= 9  # 64-bit hashes, which doubles could not carry
     assert facts.RequestFacts.from_metadata(through_envoy(written.to_metadata())) == written
@@ -137,7 +138,16 @@ def test_a_batch_of_prompts_reserves_for_every_prompt() -> None:
     assert (ids.prompt_tokens, ids.n) == (1000, 2)
     assert parse({"prompt": [7] * 300}).prompt_tokens == 300  # one token-ID prompt
     best = parse({"messages": [], "n": 2, "best_of": "5"})
-    assert best.n == 5 and best.token_estimate == 5 * 256
+    assert best.n == 5 and best.token_estimate == facts.MESSAGE_TOKENS + 5 * 256
+
+
+def test_roles_and_the_template_count_in_the_prompt() -> None:
+    """Left out, 300 empty messages reserved 1 token and the pod counted ~3,900; a 4,000-char
+    role none at all."""
+    empty = parse({"messages": [{"role": "user", "content": ""}] * 300, "max_tokens": 1})
+    assert empty.prompt_tokens >= 300 * 13  # what the simulator's template renders them to
+    long_role = parse({"messages": [{"role": "r" * 4000, "content": "hi"}], "max_tokens": 1})
+    assert long_role.prompt_tokens >= 1000
 
 
 def test_images_tools_and_tool_calls_count_in_the_prompt() -> None:
@@ -151,7 +161,8 @@ def test_images_tools_and_tool_calls_count_in_the_prompt() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "y" * 400}}
     picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4000}}
     base = {"messages": [{"role": "user", "content": "hi"}]}
-    assert parse(base).prompt_tokens == 1
+    # "hi" and its role "user" / 4, and the template's tokens around one message.
+    assert parse(base).prompt_tokens == 2 + 2 * facts.MESSAGE_TOKENS
     with_tools = parse({**base, "tools": tools}).prompt_tokens
     assert with_tools >= 1 + len(json.dumps(tools)) // 4
     legacy = parse({**base, "functions": [t["function"] for t in tools]}).prompt_tokens
@@ -160,7 +171,8 @@ def test_images_tools_and_tool_calls_count_in_the_prompt() -> None:
     assert parse(called).prompt_tokens > 100
     images = {"messages": [{"role": "user", "content": [picture, picture, {"type": "text",
               "text": "what differs?"}]}]}  # fmt: skip
-    assert parse(images).prompt_tokens == 2 * 1000 + 4  # per image, not its URL's length
+    # Per image, not its URL's length.
+    assert parse(images).prompt_tokens == 2 * 1000 + 5 + 2 * facts.MESSAGE_TOKENS
 
 
 def test_missing_or_mistyped_metadata_reads_as_defaults() -> None:

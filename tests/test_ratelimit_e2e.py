@@ -29,7 +29,7 @@ LIMITS = """
 tiers:
   free: {requests: {second: 2}, tokens: {minute: 1000000}, retry_base_s: 0.5}
   standard: {requests: {second: 1000}, tokens: {minute: 1000000}}
-  capped: {requests: {second: 1000}, tokens: {minute: 1000000}, budget: {tokens: 10, per: day}}
+  capped: {requests: {second: 1000}, tokens: {minute: 1000000}, budget: {tokens: 60, per: day}}
 """
 RATE_HEADERS = [
     f"x-ratelimit-{what}-{kind}"
@@ -188,8 +188,13 @@ def test_sdk_gets_rate_limit_error_then_retries_after_retry_after(rl_stack: Stac
     assert "rl-sdk" in error["message"] and "Limit 2" in error["message"]
 
     retrying = openai.OpenAI(base_url=rl_stack.base_url, api_key=key)  # the SDK's defaults
-    for _ in range(2):  # fill the second again, then one more: refused, waited for, served
-        retrying.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    # Fill the second again until a request is refused: the window is full right now (however
+    # slow the machine), so the next one is refused, waited for and served.
+    bare = openai.OpenAI(base_url=rl_stack.base_url, api_key=key, max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        for _ in range(10):
+            bare.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    bare.close()
     started = time.monotonic()
     raw = retrying.chat.completions.with_raw_response.create(
         model=MODEL,
@@ -224,12 +229,12 @@ def test_a_request_that_can_never_fit_is_too_large_and_the_sdk_does_not_retry(
 
 
 def test_exhausted_budget_is_insufficient_quota_and_not_retried(rl_stack: Stack) -> None:
-    key = add_tenant(rl_stack, "rl-capped", "capped")  # a budget of 10 tokens a day
-    # The cap the pod gets fits the budget (estimated prompt + output ≤ 10), so the first
+    key = add_tenant(rl_stack, "rl-capped", "capped")  # a budget of 60 tokens a day
+    # The cap the pod gets fits the budget (estimated prompt + output ≤ 60), so the first
     # request is served, cut at that cap; settling its real usage spends the budget.
     first = chat(rl_stack, key, max_tokens=50)
     assert first.status == 200, first.body
-    assert first.json()["usage"]["completion_tokens"] < 10
+    assert first.json()["usage"]["completion_tokens"] < 50
     assert first.json()["choices"][0]["finish_reason"] == "length"
     reply = chat(rl_stack, key, max_tokens=50)
     assert reply.status == 429
@@ -253,6 +258,7 @@ def test_the_tier_table_reloads_in_every_service_and_a_broken_one_is_refused(
     rl_stack: Stack,
 ) -> None:
     table = rl_stack.limits_file
+    assert table is not None and table == rl_stack.settings.ratelimit_limits  # not a copy
     original = table.read_text()
     try:
         # extauthz refuses a tenants file naming a tier the table lacks: add the tier first.

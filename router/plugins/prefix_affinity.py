@@ -1,12 +1,20 @@
-"""Scorer: pods that recently served the longest part of this prompt's prefix score higher.
+"""Scorer: pods that hold more of this prompt's KV score higher; a prompt no pod holds goes where
+it will stay cached.
 
-Score = leading blocks the pod holds / blocks in the prompt. Each pod's memory of blocks is an LRU
-as large as its KV cache (from `vllm:cache_config_info`, else `default_capacity_blocks`).
-Yields (all zeros) when the best-matching pod is overloaded per the imbalance thresholds.
+The map of what each pod holds is router/prefix.py: an LRU per pod as large as its KV cache
+(from `vllm:cache_config_info`, else `default_capacity_blocks`), charged with every block of a
+prompt. Score = h + (1 - h) · `placement` · r, where h is the share of the prompt's blocks the
+pod holds and r how cheaply it takes the rest: 1 when they fit, else i / (i + `cold_s`) for the
+idle seconds i of the warmest entry they would evict (evicting what nobody read for a minute
+costs little; evicting what was read a second ago costs the next request its hit).
+
+When the pod holding most of it is overloaded per the imbalance thresholds, the holders count as
+holding nothing: the prompt is placed again, and a popular prefix comes to live on several pods.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +32,14 @@ TYPE = "prefix-affinity"
 
 class Params(Strict):
     default_capacity_blocks: int = Field(default=8192, ge=1)
+    placement: float = Field(default=0.5, ge=0, le=1)  # the most a pod with room scores
+    cold_s: float = Field(default=10.0, gt=0)  # idle seconds at which evicting costs half
     imbalance: Imbalance = Imbalance()
+
+
+def prompt_blocks(req: PickRequest) -> int:
+    """All of the prompt's blocks, not only the hashed ones."""
+    return max(len(req.prefix_blocks), math.ceil(req.prompt_tokens / BLOCK_TOKENS))
 
 
 class PrefixAffinity:
@@ -33,27 +48,35 @@ class PrefixAffinity:
         self.p = params
         self.index = PrefixIndex()
 
+    def capacity(self, c: Candidate) -> int:
+        tokens = c.metrics.kv_tokens
+        return tokens // BLOCK_TOKENS if tokens is not None else self.p.default_capacity_blocks
+
     def score(self, req: PickRequest, cands: list[Candidate]) -> Sequence[float]:
         blocks = req.prefix_blocks
         if not blocks:
             return [0.0] * len(cands)
-        depth = self.index.match(blocks)
-        if not depth:
-            return [0.0] * len(cands)
-        scores = [depth.get(c.pod, 0) / len(blocks) for c in cands]
-        best = max(range(len(cands)), key=scores.__getitem__)
-        if self.p.imbalance.yields(cands[best], cands):
-            return [0.0] * len(cands)
+        total = prompt_blocks(req)
+        held = self.index.held(blocks, req.session, total)
+        share = [held.get(c.pod, 0) / total for c in cands]
+        best = max(range(len(cands)), key=share.__getitem__)
+        if share[best] > 0 and self.p.imbalance.yields(cands[best], cands):
+            share = [0.0] * len(cands)
+        cold_s, placement = self.p.cold_s, self.p.placement
+        scores = []
+        for c, h in zip(cands, share, strict=True):
+            rest = total - held.get(c.pod, 0)
+            idle = self.index.idle_evicted(c.pod, rest, self.capacity(c))
+            room = 1.0 if idle == float("inf") else idle / (idle + cold_s)
+            scores.append(h + (1.0 - h) * placement * room)
         return scores
 
     def observe(self, req: PickRequest, chosen: Candidate) -> None:
         if not req.prefix_blocks:
             return
-        kv_tokens = chosen.metrics.kv_tokens
-        capacity = (
-            kv_tokens // BLOCK_TOKENS if kv_tokens is not None else self.p.default_capacity_blocks
+        self.index.record(
+            chosen.pod, req.prefix_blocks, req.session, prompt_blocks(req), self.capacity(chosen)
         )
-        self.index.record(chosen.pod, req.prefix_blocks, capacity)
 
 
 def factory(name: str, params: Mapping[str, Any]) -> PrefixAffinity:

@@ -9,8 +9,12 @@ from extauthz import tenants
 from extauthz.decision import Decider
 from extauthz.types import Allow, Deny, Snapshot
 from llmgw import wire
+from llmgw.facts import MESSAGE_TOKENS
 from llmgw.tiers import Budget, TenantSpec
 from tests.extauthz.conftest import NOW_S, SECRET, TIERS, Keys, make_decider
+
+# One user message: the chat template's tokens around it, and its role ("user": 1 token).
+CHAT = 2 * MESSAGE_TOKENS + 1
 
 
 @pytest.fixture
@@ -52,7 +56,7 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
     assert headers[wire.HEADER_TIER] == "standard"
     assert headers[wire.HEADER_PRIORITY] == "5"
     assert headers[wire.HEADER_MODEL] == "llama-3-8b"
-    assert headers[wire.HEADER_TOKEN_ESTIMATE] == "150"  # 400 chars / 4 + 50
+    assert headers[wire.HEADER_TOKEN_ESTIMATE] == str(CHAT + 150)  # 400 chars / 4 + 50
     assert headers[wire.HEADER_REQUEST_ID] == "r-1"
     assert headers[wire.HEADER_SESSION].startswith("sess_")
     assert d.response_headers == ((wire.HEADER_SESSION, headers[wire.HEADER_SESSION]),)
@@ -67,8 +71,11 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         wire.META_LIMIT_REQUESTS: {"requests_per_unit": 100.0, "unit": "MINUTE"},
         # The request facts (llmgw/facts.py): the body parsed once, for everyone after extauthz.
         wire.META_MODEL: "llama-3-8b",
-        wire.META_TOKEN_ESTIMATE: "150",
-        wire.META_PROMPT_ESTIMATE: 100.0,
+        wire.META_TOKEN_ESTIMATE: str(CHAT + 150),
+        # Its parts, as strings for the rate-limit descriptors (a budget may lower the cap).
+        wire.META_TOKEN_PROMPT: str(CHAT + 100),
+        wire.META_TOKEN_CHOICES: "1",
+        wire.META_PROMPT_ESTIMATE: float(CHAT + 100),
         wire.META_MAX_OUTPUT: 50.0,
         wire.META_CHOICES: 1.0,
         wire.META_STREAM: False,
@@ -195,9 +202,9 @@ def test_non_json_body_passes_for_the_pod_to_answer(
 @pytest.mark.parametrize(
     ("body", "estimate"),
     [
-        (chat(content="x" * 401, max_completion_tokens=10, max_tokens=99), 101 + 10),
-        (chat(content="x" * 8), 2 + 4096),  # the gateway's cap when the client names none
-        (chat(content=[{"type": "text", "text": "y" * 40}], max_tokens=0), 10),
+        (chat(content="x" * 401, max_completion_tokens=10, max_tokens=99), CHAT + 101 + 10),
+        (chat(content="x" * 8), CHAT + 2 + 4096),  # the gateway's cap when the client names none
+        (chat(content=[{"type": "text", "text": "y" * 40}], max_tokens=0), CHAT + 10),
         # two prompts: each gets its own completion, of vLLM's default 16 tokens
         (
             json.dumps({"model": "llama-3-8b", "prompt": ["ab" * 10, "c" * 20]}).encode(),
@@ -278,7 +285,8 @@ def test_the_pod_gets_the_cap_the_reservation_holds(
     assert cap <= (800 if tenant == "acme" else 50)
     n = d.metadata[wire.META_CHOICES]
     assert isinstance(n, float)
-    assert d.metadata[wire.META_TOKEN_ESTIMATE] == str(10 + cap * int(n))
+    prompt = 10 + (CHAT if path == wire.CHAT_PATH else 0)
+    assert d.metadata[wire.META_TOKEN_ESTIMATE] == str(prompt + cap * int(n))
     if not extra:  # no cap named: the whole bound (completions: vLLM's default of 16)
         assert cap == (16 if path != wire.CHAT_PATH else 800 if tenant == "acme" else 50)
 

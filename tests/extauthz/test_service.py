@@ -27,6 +27,7 @@ from extauthz.__main__ import cli as service_cli
 from extauthz.service import AuthorizationService, register
 from extauthz.store import TenantsStore, tenants_store
 from llmgw import wire
+from llmgw.facts import MESSAGE_TOKENS
 from llmgw.procs import Process, free_port, grpc_serving
 from llmgw.reload import RELOADS
 from tests.extauthz.conftest import SECRET, TIERS_YAML, Keys, make_decider
@@ -111,7 +112,8 @@ async def test_allow_over_grpc(running: Running, keys: Keys, raw: bool) -> None:
     ok = reply.ok_response
     set_headers = header_map(ok.headers)
     assert set_headers[wire.HEADER_TENANT] == "acme"
-    assert set_headers[wire.HEADER_TOKEN_ESTIMATE] == str(100 + 9)
+    # "hi" × 200 and its role / 4, the chat template's tokens around one message, max_tokens.
+    assert set_headers[wire.HEADER_TOKEN_ESTIMATE] == str(101 + 2 * MESSAGE_TOKENS + 9)
     assert all(
         o.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
         for o in [*ok.headers, *ok.response_headers_to_add]
@@ -129,7 +131,7 @@ async def test_allow_over_grpc(running: Running, keys: Keys, raw: bool) -> None:
     assert meta[wire.META_PRIORITY] == 5
     kind = reply.dynamic_metadata.fields[wire.META_TOKEN_ESTIMATE].WhichOneof("kind")
     assert kind == "string_value"  # Envoy's metadata action reads strings only
-    assert meta[wire.META_TOKEN_ESTIMATE] == "109"
+    assert meta[wire.META_TOKEN_ESTIMATE] == str(101 + 2 * MESSAGE_TOKENS + 9)
     assert meta[wire.META_LIMIT_REQUESTS] == {"requests_per_unit": 100, "unit": "MINUTE"}
 
     after = metrics.DECISIONS.labels(result="allow", tenant="acme")._value.get()

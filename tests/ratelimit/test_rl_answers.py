@@ -14,7 +14,7 @@ from ratelimit.limits import Limits
 from ratelimit.pool import Pool
 from ratelimit.redis_store import RedisStore
 from ratelimit.response import rate_headers, refusal
-from ratelimit.types import Admission
+from ratelimit.types import Admission, Grant
 from tests.ratelimit.test_rl_limiter import Env, tier
 
 TABLE = TierTable(
@@ -85,3 +85,19 @@ async def test_headers_report_the_per_minute_base_quota_not_the_borrowed_extra(
     assert headers["x-ratelimit-limit-requests"] == "10"  # the minute's, not the second's 50
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert headers["x-ratelimit-limit-tokens"] == "1000"
+
+
+async def test_a_cap_above_every_limit_is_lowered_to_fit_not_refused() -> None:
+    """extauthz's cap can exceed a token limit while a shrunk tier table has reached this
+    service and not yet extauthz: the request is served at the cap that fits. Only a prompt
+    that cannot fit with one token a sequence is too large."""
+    env = Env(tier(tokens=PerUnit(minute=3000)))
+    fits = await env.limiter.admit(
+        Admission("acme", "t", token_estimate=97 + 4096, grant=Grant(97, 1))
+    )
+    assert fits.allowed and fits.output_cap == 3000 - 97
+    assert fits.tokens is not None and fits.tokens.used == 3000
+    never = await env.limiter.admit(
+        Admission("other", "t", token_estimate=3000 + 2 * 4096, grant=Grant(3000, 2))
+    )
+    assert never.refusal == "too_large"

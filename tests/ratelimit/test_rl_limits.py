@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.config import ConfigError
+from llmgw.reload import Reloading
 from llmgw.tiers import load_tiers
-from ratelimit.limits import Limits
+from ratelimit.limits import Limits, reload_limits
 from ratelimit.types import Limit, Unit
 
 GOOD = """
@@ -71,3 +73,34 @@ def test_check_config_cli(tmp_path: Path) -> None:
     limits.write_text("tiers: {gold: {requests: {minute: -3}}}")
     bad = subprocess.run(run, capture_output=True, text=True)
     assert bad.returncode == 1 and str(limits) in bad.stderr and "minute" in bad.stderr
+
+
+def test_a_tier_removed_from_the_table_is_kept_not_put_on_the_default(tmp_path: Path) -> None:
+    """A tenant may still name it; the default tier (free: 600/min) would raise its limits."""
+    table = tmp_path / "tiers.yaml"
+    table.write_text("tiers: {small: {requests: {minute: 40}}}\n")
+    first = reload_limits(table, None)
+    table.write_text("tiers: {}\n")
+    kept = reload_limits(table, first)
+    assert kept.policy("acme", "small").requests == (Limit(Unit.MINUTE, 40),)
+    assert reload_limits(table, None).policy("acme", "small").tier == "free"  # at a restart
+
+
+async def test_an_undecodable_file_is_refused_and_the_watch_goes_on(tmp_path: Path) -> None:
+    table = tmp_path / "tiers.yaml"
+    table.write_text("tiers: {small: {requests: {minute: 40}}}\n")
+    limits = Reloading("tiers", [table], lambda last: reload_limits(table, last))
+    watch = asyncio.create_task(limits.watch(0.01))
+    try:
+        table.write_bytes(table.read_bytes() + b"\xff")  # not UTF-8: once killed the watcher
+        await asyncio.sleep(0.2)
+        assert not watch.done()
+        assert limits.current.policy("acme", "small").requests == (Limit(Unit.MINUTE, 40),)
+        table.write_text("tiers: {small: {requests: {minute: 7}}}\n")
+        for _ in range(100):
+            if limits.current.policy("acme", "small").requests == (Limit(Unit.MINUTE, 7),):
+                break
+            await asyncio.sleep(0.02)
+        assert limits.current.policy("acme", "small").requests == (Limit(Unit.MINUTE, 7),)
+    finally:
+        watch.cancel()

@@ -20,7 +20,7 @@ from ratelimit.pool import Draw, Pool, size
 from ratelimit.redis_store import RedisStore
 from ratelimit.service import to_response
 from ratelimit.store import Store
-from ratelimit.types import Admission, Check, Outcome, Unit, Verdict
+from ratelimit.types import Admission, Check, Grant, Outcome, Unit, Verdict
 from ratelimit.windows import SLIDING
 
 BASE = PerUnit(minute=10)
@@ -221,13 +221,22 @@ class Interleaved:
         shadow: bool = False,
         reservation: str = "",
         ttl_ms: int = 0,
+        grant: Grant | None = None,
+        breaker: str = "",
     ) -> Outcome:
         self.calls += 1
         if self.calls == 2:
             direct = limiter(self.inner.client, IDLE_UNKNOWN)
             assert (await direct.admit(self.between)).allowed
         return await self.inner.admit(
-            prefix, checks, now_ms, shadow=shadow, reservation=reservation, ttl_ms=ttl_ms
+            prefix,
+            checks,
+            now_ms,
+            shadow=shadow,
+            reservation=reservation,
+            ttl_ms=ttl_ms,
+            grant=grant,
+            breaker=breaker,
         )
 
 

@@ -26,14 +26,30 @@ vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.001",model_name="m"}} 0.0
 vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} 3.0
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{{engine="0",le="0.01",model_name="m"}} 0.0
+vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {itl_seconds}
+vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {itl_count}
 vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} 12.0
 """
 
 
 def metrics_text(
-    running: float = 0, waiting: float = 0, kv: float = 0.0, blocks: int = 1000
+    running: float = 0,
+    waiting: float = 0,
+    kv: float = 0.0,
+    blocks: int = 1000,
+    itl: tuple[float, float] = (0.0, 0.0),
 ) -> str:
-    return VLLM_V1.format(running=running, waiting=waiting, kv=kv, blocks=blocks)
+    """`itl`: the inter-token latency histogram's (sum, count)."""
+    return VLLM_V1.format(
+        running=running,
+        waiting=waiting,
+        kv=kv,
+        blocks=blocks,
+        itl_seconds=itl[0],
+        itl_count=itl[1],
+    )
 
 
 def cand(

@@ -116,3 +116,23 @@ def test_stale_pods_are_avoided() -> None:
     for _ in range(10):
         pick = engine.pick(PickRequest(), fleet.candidates())
         assert not isinstance(pick, NoPod) and pick.pods[0] == "b:1"
+
+
+def test_a_half_speed_pod_gets_about_half_the_work() -> None:
+    """Distinct long prompts, each homed by speed-weighted rendezvous: 1 : 1 : 1 : 0.5."""
+    clock = Clock()
+    fleet = Fleet(FleetSettings(capacity=32), clock=clock)
+    names = [f"10.0.0.{i}:8000" for i in range(4)]
+    fleet.set_pods(names)
+    for name in names:
+        fleet.snapshots[name] = PodMetrics(name, clock.now, ok=True)
+    fleet.speeds.current = {names[3]: 0.5}
+    engine = default_engine()
+    per_pod: Counter[str] = Counter()
+    for n in range(1400):
+        req = PickRequest(prefix_blocks=(n + 1,), prompt_tokens=3000, first_turn=True)
+        pick = engine.pick(req, fleet.candidates())
+        assert not isinstance(pick, NoPod)
+        per_pod[pick.pods[0]] += 1
+    fast = [per_pod[n] for n in names[:3]]
+    assert 0.4 < per_pod[names[3]] / (sum(fast) / 3) < 0.6

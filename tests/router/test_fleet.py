@@ -18,9 +18,10 @@ from tests.router.conftest import Clock, FakePod, metrics_text
 
 
 def test_parse_v1_names_and_cache_config() -> None:
-    p = parse_metrics(metrics_text(running=3, waiting=2, kv=0.25, blocks=777))
+    p = parse_metrics(metrics_text(running=3, waiting=2, kv=0.25, blocks=777, itl=(1.5, 100)))
     assert (p.running, p.waiting, p.kv_usage) == (3.0, 2.0, 0.25)
     assert (p.block_size, p.num_gpu_blocks) == (16, 777)
+    assert (p.itl_seconds, p.itl_count) == (1.5, 100.0)
 
 
 def test_parse_older_gpu_cache_name_and_several_engines() -> None:
@@ -59,6 +60,23 @@ async def test_scrape_reads_metrics_and_models(fake_pods: list[FakePod]) -> None
     assert snap.kv_tokens == 2048 * 16 and snap.models == frozenset({"m"})
     assert fleet.snapshots[b.pod].models == frozenset({"other"})
     assert all(c.healthy and c.fresh for c in fleet.candidates())
+
+
+async def test_candidates_carry_each_pods_speed_from_its_inter_token_latency(
+    fake_pods: list[FakePod],
+) -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(scrape_timeout=1.0), clock=clock)
+    fleet.set_pods([p.pod for p in fake_pods])
+    fast, slow, idle = fake_pods
+    async with aiohttp.ClientSession() as session:
+        await fleet.scrape_once(session)
+        fast.text = metrics_text(itl=(1.0, 100))  # 10 ms a token
+        slow.text = metrics_text(itl=(2.0, 100))  # 20 ms: half as fast
+        clock.now += 1
+        await fleet.scrape_once(session)
+    speeds = {c.pod: c.speed for c in fleet.candidates()}
+    assert speeds == {fast.pod: 1.0, slow.pod: 0.5, idle.pod: 1.0}  # no tokens yet: full speed
 
 
 async def test_failed_scrape_makes_pod_unpickable_until_it_recovers(

@@ -21,9 +21,10 @@ from router.plugins import (
     session_affinity,
     tenant_priority,
 )
+from router.prefix import PrefixIndex
 from router.request import from_metadata
 from router.types import Candidate, PickRequest
-from tests.router.conftest import cand
+from tests.router.conftest import Clock, cand
 
 REQ = PickRequest()
 
@@ -129,6 +130,17 @@ def test_session_affinity_spills_over_in_rendezvous_order_when_its_pod_is_busy()
     assert s.score(req, cands).index(1.0) == first
 
 
+def test_session_affinity_by_default_keeps_a_conversation_on_a_somewhat_busier_pod() -> None:
+    """Moving it re-reads its whole prompt on another pod: twice the others' load is not yet
+    worth that (bounds and imbalance thresholds both)."""
+    s = session_affinity.factory("s", {})
+    cands = [cand(f"10.0.0.{i}:8000", running=4) for i in range(4)]
+    req = PickRequest(session="sess_x", prefix_blocks=(7,))
+    home = list(s.score(req, cands)).index(1.0)
+    cands[home] = cand(cands[home].pod, running=8)
+    assert list(s.score(req, cands)).index(1.0) == home
+
+
 def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
     params = {"bound": 100.0, "imbalance": {"abs_threshold": 0.2, "rel_threshold": 1.5}}
     s = session_affinity.factory("s", params)
@@ -152,6 +164,36 @@ def test_session_affinity_skips_a_first_turn() -> None:
     later = _request({"model": "m", "messages": messages})
     assert not later.first_turn
     assert sorted(s.score(later, cands)) == [0.0, 1.0]
+
+
+def test_session_affinity_homes_a_long_first_turn_where_its_next_turns_go() -> None:
+    s = session_affinity.factory("s", {"first_turn_blocks": 32})
+    cands = [cand(f"10.0.0.{i}:8000") for i in range(8)]
+    system = {"role": "system", "content": "You are the assistant of ACME. " * 100}
+    messages = [system, {"role": "user", "content": "hi"}]
+    first = _request({"model": "m", "messages": messages})
+    assert first.first_turn and first.prompt_tokens > 32 * 16
+    messages += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    later = _request({"model": "m", "messages": messages})
+    home = list(s.score(later, cands)).index(1.0)
+    assert list(s.score(first, cands)).index(1.0) == home
+
+
+def test_session_affinity_homes_keys_in_proportion_to_pod_speed() -> None:
+    s = session_affinity.factory("s", {"bound": 100.0})
+    cands = [cand(f"10.0.0.{i}:8000") for i in range(4)]
+
+    def homes(slow_speed: float) -> list[int]:
+        cands[3].speed = slow_speed
+        return [
+            list(s.score(PickRequest(prefix_blocks=(n,)), cands)).index(1.0) for n in range(7000)
+        ]
+
+    half, full = homes(0.5), homes(1.0)
+    assert [round(half.count(i) / 1000) for i in range(4)] == [2, 2, 2, 1]  # 1 : 1 : 1 : 0.5
+    assert [round(full.count(i) / 1750) for i in range(4)] == [1, 1, 1, 1]
+    # Getting faster, the pod only takes keys: no other key (and its KV) moves.
+    assert all(f in (h, 3) for h, f in zip(half, full, strict=True))
 
 
 def test_conversations_sharing_a_system_prompt_share_a_pod() -> None:
@@ -179,7 +221,7 @@ def _blocks(text: str) -> tuple[int, ...]:
 
 
 def test_prefix_affinity_prefers_the_pod_holding_the_longest_prefix() -> None:
-    s = prefix_affinity.factory("p", {})
+    s = prefix_affinity.factory("p", {"placement": 0.0})
     a, b = cand("a"), cand("b")
     system = "You are a helpful assistant for ACME. " * 20
     first = _blocks(system + "Question one?" * 10)
@@ -192,7 +234,7 @@ def test_prefix_affinity_prefers_the_pod_holding_the_longest_prefix() -> None:
 
 
 def test_prefix_affinity_capacity_follows_pod_kv_size_and_evicts_lru() -> None:
-    s = prefix_affinity.factory("p", {})
+    s = prefix_affinity.factory("p", {"placement": 0.0})
     small = cand("small", blocks=4)  # 4 blocks of 16 tokens: 4 of our blocks
     old = _blocks("old prompt text " * 40)
     new = _blocks("new prompt text " * 40)
@@ -203,15 +245,65 @@ def test_prefix_affinity_capacity_follows_pod_kv_size_and_evicts_lru() -> None:
     assert s.score(PickRequest(prefix_blocks=new), [small])[0] == pytest.approx(4 / len(new))
 
 
-def test_prefix_affinity_yields_to_avoid_a_hot_spot() -> None:
+def test_prefix_affinity_charges_every_block_of_the_prompt_not_only_the_hashed_ones() -> None:
+    """64 hashed blocks of a 3000-token prompt are a third of its KV: the pod's map must fill,
+    and evict, as the pod does."""
+    s = prefix_affinity.factory("p", {"placement": 0.0})
+    pod = cand("a", blocks=400)
+    one = PickRequest(prefix_blocks=tuple(range(1, 65)), prompt_tokens=3000, session="s1")
+    two = PickRequest(prefix_blocks=tuple(range(101, 165)), prompt_tokens=3000, session="s2")
+    s.observe(one, pod)
+    assert s.index.size("a") == 188  # ceil(3000 / 16)
+    assert s.score(one, [pod]) == [1.0]  # its rest is held too
+    s.observe(two, pod)  # 376 of 400
+    assert s.score(one, [pod]) == [1.0]
+    s.observe(PickRequest(prefix_blocks=tuple(range(201, 265)), prompt_tokens=3000), pod)
+    # 564 blocks for 400: the least recently used prompt lost 164, its rest and last blocks
+    # first, as a pod frees them; charging only hashed blocks, all three would still fit.
+    assert list(s.score(one, [pod])) == pytest.approx([24 / 188])
+    assert s.score(two, [pod]) == [1.0]
+
+
+def test_conversations_on_one_system_prompt_share_its_rest_and_keep_their_own() -> None:
+    index = PrefixIndex(clock=Clock())
+    hashed = tuple(range(1, 65))  # a 2000-token system prompt, 64 blocks of it hashed
+    index.record("a", hashed, "s1", 130, 10_000)  # first turns: system prompt + a question
+    index.record("a", hashed, "s2", 131, 10_000)
+    assert index.size("a") == 131  # one system prompt, and s2's one block more
+    index.record("a", hashed, "s1", 160, 10_000)  # s1's third turn: its history grows
+    assert index.size("a") == 130 + 1 + 30
+    assert index.held(hashed, "s1", 170) == {"a": 160}  # its latest prompt; not the new turn
+    assert index.held(hashed, "s3", 140) == {"a": 130}  # another session: the shared part
+
+
+def test_prefix_affinity_places_a_new_prompt_where_it_evicts_the_coldest_blocks() -> None:
+    clock = Clock()
+    s = prefix_affinity.factory("p", {"placement": 0.5, "cold_s": 10.0})
+    s.index.clock = clock
+    warm, cold, roomy = cand("warm", blocks=300), cand("cold", blocks=300), cand("roomy")
+    s.observe(PickRequest(prefix_blocks=(1,), prompt_tokens=4000), cold)  # 250 blocks
+    clock.now += 30
+    s.observe(PickRequest(prefix_blocks=(2,), prompt_tokens=4000), warm)
+    new = PickRequest(prefix_blocks=(3,), prompt_tokens=1600)  # 100 blocks: 50 over
+    scores = s.score(new, [warm, cold, roomy])
+    assert scores[2] == 0.5  # fits without evicting anything
+    assert scores[1] == pytest.approx(0.5 * 30 / 40)  # evicts what was idle for 30 s
+    assert scores[0] == 0.0  # evicts what was read just now
+
+
+def test_prefix_affinity_replicates_a_prefix_whose_pod_is_overloaded() -> None:
     s = prefix_affinity.factory("p", {})
     blocks = _blocks("shared system prompt " * 40)
     s.observe(PickRequest(prefix_blocks=blocks), cand("a"))
-    assert s.score(PickRequest(prefix_blocks=blocks), [cand("a", running=9), cand("b")]) == [
-        0.0,
-        0.0,
+    busy = [cand("a", running=19), cand("b")]  # load 1.9 vs 0: imbalanced
+    assert s.score(PickRequest(prefix_blocks=blocks), busy) == [0.5, 0.5]  # placed again
+    s.observe(PickRequest(prefix_blocks=blocks), busy[1])
+    both = s.index.match(blocks)
+    assert both == {"a": len(blocks), "b": len(blocks)}  # now on two pods
+    assert s.score(PickRequest(prefix_blocks=blocks), [cand("a", running=1), cand("b")]) == [
+        1.0,
+        1.0,
     ]
-    assert s.score(PickRequest(prefix_blocks=blocks), [cand("a", running=1), cand("b")])[0] == 1.0
 
 
 def test_picker_orders_best_first_and_bounds_the_answer() -> None:

@@ -1,0 +1,158 @@
+"""The tenant breaker's input: each batch's outcomes, one script per tenant (ledger/breaker.lua,
+the rule of llmgw/breaker.lua before it), written in the settlement's round trip
+(ledger/recorder.py). What the scripts report, trips and recoveries, becomes metrics, rows of
+`ledger_events` (`llmgw usage --events`) and, for a tier with `alert`, the support hook.
+
+A batch that fails is fed again with its retry: outcomes whose first feed reached Redis count
+twice then (the strict side). A recovery is reported by the first feed after it, at the time it
+happened (the end of the last step), so one whose tenant sends nothing more is never reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any, Literal, Protocol
+
+from ledger import metrics
+from llmgw.breaker import BreakerSpec, with_prelude
+from llmgw.outcome import Outcome
+from llmgw.resp import Arg, Client, RespError
+from llmgw.tiers import TierTable
+from llmgw.wire import breaker_key
+
+log = logging.getLogger("ledger.breaker")
+
+SOURCE = with_prelude(resources.files("ledger").joinpath("breaker.lua").read_text())
+SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    kind: Literal["trip", "recover"]
+    tenant: str
+    tier: str
+    at_ms: int  # Redis's time of the trip, or the end of the last recovery step
+    first_ms: int  # the episode's first trip
+    cause: str = ""  # trip: the status (or "stream") of the outcome that tripped it
+    cooldown_ms: int = 0  # trip: how long it stays open
+    reopen: bool = False  # trip: a failure during recovery
+
+    def detail(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tier": self.tier, "first_trip": _time(self.first_ms).isoformat()}
+        if self.kind == "trip":
+            out |= {"cause": self.cause, "cooldown_s": self.cooldown_ms / 1000}
+            out["reopen"] = self.reopen
+        else:
+            out["recovered_after_s"] = (self.at_ms - self.first_ms) / 1000
+        return out
+
+
+class Events(Protocol):
+    def submit_event(
+        self,
+        kind: str,
+        tenant: str = "",
+        detail: Mapping[str, Any] | None = None,
+        ts: datetime | None = None,
+    ) -> None: ...
+
+
+class Alert(Protocol):
+    """ledger/alerts.py's `Alerts.emit`."""
+
+    def __call__(
+        self,
+        kind: Literal["platinum_breaker_open"],
+        *,
+        tenant: str = "",
+        tier: str = "",
+        detail: Mapping[str, Any] | None = None,
+    ) -> object: ...
+
+
+class Breakers:
+    def __init__(
+        self, tiers: Callable[[], TierTable], events: Events | None, alert: Alert | None
+    ) -> None:
+        self.tiers = tiers  # the tier table as it is now (it reloads)
+        self.events = events
+        self.alert = alert
+
+    async def feed(self, client: Client, batch: Sequence[Outcome]) -> list[Transition]:
+        """Feed the batch (every script written before any reply is awaited); raises
+        ConnectionError, TimeoutError or RespError when Redis fails."""
+        table = self.tiers()
+        calls: dict[str, tuple[str, BreakerSpec, list[Arg]]] = {}
+        for o in batch:
+            spec = table.tier(o.tier).breaker if o.tenant else None
+            if spec is None:
+                continue
+            entry = calls.get(o.tenant)
+            if entry is None:
+                entry = calls[o.tenant] = (o.tier, spec, [*spec.feed_args()])
+            weight, cause = spec.weight(o)
+            entry[2].extend((repr(weight), cause))
+        tenants = list(calls)
+        replies = await _run(client, [(t, calls[t][2]) for t in tenants])
+        missing = [i for i, r in enumerate(replies) if _noscript(r)]
+        if missing:  # Redis restarted or flushed its scripts: load, then run just those again
+            await client.call("SCRIPT", "LOAD", SOURCE)
+            again = await _run(client, [(tenants[i], calls[tenants[i]][2]) for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        out: list[Transition] = []
+        for tenant, reply in zip(tenants, replies, strict=True):
+            if isinstance(reply, BaseException):
+                raise reply
+            if not isinstance(reply, list) or not reply:
+                raise RespError(f"breaker.lua returned {reply!r}")
+            out += [_transition(tenant, calls[tenant][0], r) for r in reply[1:]]
+        return out
+
+    def record(self, transitions: Sequence[Transition]) -> None:
+        """Metrics, ledger events and alerts of what the feed reported."""
+        for t in transitions:
+            detail = t.detail()
+            if t.kind == "trip":
+                metrics.BREAKER_TRIPS.labels(t.tenant, t.tier, t.cause, str(t.reopen).lower()).inc()
+                metrics.BREAKER_OPEN_SECONDS.labels(t.tier).observe(t.cooldown_ms / 1000)
+                spec = self.tiers().tier(t.tier).breaker
+                if self.alert is not None and spec is not None and spec.alert:
+                    self.alert("platinum_breaker_open", tenant=t.tenant, tier=t.tier, detail=detail)
+            else:
+                took = (t.at_ms - t.first_ms) / 1000
+                metrics.BREAKER_RECOVERY_SECONDS.labels(t.tier).observe(took)
+            log.warning(f"breaker {t.kind}", extra={"tenant": t.tenant, "breaker": detail})
+            if self.events is not None:
+                self.events.submit_event(f"breaker.{t.kind}", t.tenant, detail, _time(t.at_ms))
+
+
+async def _run(client: Client, calls: list[tuple[str, list[Arg]]]) -> list[object]:
+    futures = [client.call("EVALSHA", SHA, 1, breaker_key(t), *args) for t, args in calls]
+    return list(await asyncio.gather(*futures, return_exceptions=True))
+
+
+def _transition(tenant: str, tier: str, raw: object) -> Transition:
+    fields = raw.decode().split() if isinstance(raw, bytes) else []
+    match fields:
+        case ["trip", at, cause, cooldown, reopen, first]:
+            return Transition(
+                "trip", tenant, tier, int(at), int(first), cause, int(cooldown), reopen == "1"
+            )
+        case ["recover", at, first]:
+            return Transition("recover", tenant, tier, int(at), int(first))
+    raise RespError(f"breaker.lua reported {raw!r}")
+
+
+def _noscript(reply: object) -> bool:
+    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
+
+
+def _time(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)

@@ -1,0 +1,90 @@
+-- The per-tenant breaker's rule (llmgw/breaker.py), prepended to ratelimit/admit.lua, which
+-- enforces it, and to ledger/breaker.lua, which feeds it outcomes: both read the state alike.
+-- One hash per tenant, `<tenant prefix>:cb` (the hash tag of the tenant's counters):
+--   s, t    the decaying error score and the time (ms) it was brought to
+--   o       while tripped: the end (ms) of the cool-down; the recovery steps follow it
+--   cd      that cool-down's length (ms), which a re-open grows
+--   at      the episode's first trip (ms), for the time to recover
+--   sm, p   recovery: each step's length (ms) and the shares it admits per mille ("100 300
+--           1000"), fixed at the trip
+--   c, cs   requests seen in half-open step cs ("<o>:<k>")
+-- Nothing moves by itself: the phase at `now` follows from o, sm and p. A step that ran its
+-- length without a re-open stayed below the threshold (a re-open moves o), so it passed.
+
+local function cb_steps(p)
+  local out = {}
+  for v in string.gmatch(p or '', '%d+') do out[#out + 1] = tonumber(v) end
+  return out
+end
+
+-- 'closed'; 'open', the cool-down's end; 'half', step k, its share per mille, its end;
+-- 'recovered', when (the end of the last step).
+local function cb_phase(o, sm, steps, now)
+  if not o then return 'closed' end
+  if now < o then return 'open', o end
+  local k = math.floor((now - o) / sm) + 1
+  if k > #steps then return 'recovered', o + #steps * sm end
+  return 'half', k, steps[k], o + k * sm
+end
+
+local function cb_int(x) return string.format('%d', x) end
+
+-- Admission: nil when the breaker lets the request through, else the wait (ms) to suggest.
+-- Half-open: the c-th request of a step (from 0) passes when ⌊c·share/1000⌋ moves, so the
+-- first does, then one in every 1000/share: deterministic across replicas (one counter).
+local function cb_admit(key, now)
+  local f = redis.call('HMGET', key, 'o', 'sm', 'p', 'c', 'cs')
+  local o = tonumber(f[1])
+  if not o then return nil end
+  local phase, x, share, ends = cb_phase(o, tonumber(f[2]), cb_steps(f[3]), now)
+  if phase == 'open' then return x - now end
+  if phase ~= 'half' then return nil end
+  local step = f[1] .. ':' .. x
+  local c = (f[5] == step) and tonumber(f[4]) or 0
+  redis.call('HSET', key, 'c', c + 1, 'cs', step)
+  if math.floor(c * share / 1000) ~= math.floor((c - 1) * share / 1000) then return nil end
+  return ends - now
+end
+
+-- Outcomes: a = threshold, recovery threshold, λ per ms, cool-down ms, growth, longest
+-- cool-down ms, step ms, shares per mille, then (weight, cause) per outcome in arrival order.
+-- Outcomes that arrive while open (requests admitted before the trip) count nothing.
+-- Returns the transitions: "trip <ms> <cause> <cool-down ms> <reopen 0/1> <first trip ms>"
+-- and "recover <ms> <first trip ms>".
+local function cb_feed(key, now, a)
+  local f = redis.call('HMGET', key, 's', 't', 'o', 'cd', 'at', 'sm', 'p')
+  local s, t, o, cd, at = tonumber(f[1]) or 0, tonumber(f[2]) or now, tonumber(f[3]), tonumber(f[4]), f[5]
+  local threshold, again, lambda = tonumber(a[1]), tonumber(a[2]), tonumber(a[3])
+  local base, growth, longest = tonumber(a[4]), tonumber(a[5]), tonumber(a[6])
+  local events = {}
+  local phase, x = cb_phase(o, tonumber(f[6]), cb_steps(f[7]), now)
+  if phase == 'recovered' then
+    events[#events + 1] = 'recover ' .. cb_int(x) .. ' ' .. at
+    redis.call('HDEL', key, 'o', 'cd', 'at', 'sm', 'p', 'c', 'cs')
+    phase = 'closed'
+  end
+  local scored = false
+  for i = 9, #a - 1, 2 do
+    local w = tonumber(a[i])
+    if w > 0 and phase ~= 'open' then
+      s = s * math.exp(-lambda * (now - t)) + w
+      t = now
+      scored = true
+      if s >= (phase == 'half' and again or threshold) then
+        local reopen = phase == 'half'
+        cd = reopen and math.min(math.floor(cd * growth), longest) or base
+        if not reopen then at = cb_int(now) end
+        s = 0
+        redis.call('HSET', key, 'o', cb_int(now + cd), 'cd', cb_int(cd), 'at', at, 'sm', a[7], 'p', a[8])
+        events[#events + 1] = 'trip ' .. cb_int(now) .. ' ' .. a[i + 1] .. ' ' .. cb_int(cd) .. ' ' .. (reopen and '1' or '0') .. ' ' .. at
+        phase = 'open'
+      end
+    end
+  end
+  if scored then
+    redis.call('HSET', key, 's', string.format('%.17g', s), 't', cb_int(t))
+  end
+  -- A tenant whose breaker is quiet for a day is forgotten (its score is long ~0 by then).
+  redis.call('PEXPIRE', key, 86400000)
+  return events
+end

@@ -1,0 +1,184 @@
+"""The tenant breaker's rule on a simulated clock (tests/breaker_model.py restates
+llmgw/breaker.lua; tests/ratelimit/test_rl_breaker.py checks the scripts against it), and the
+weight of each outcome."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from llmgw.breaker import BreakerSpec
+from llmgw.config import ConfigError, validate
+from llmgw.outcome import Outcome
+from llmgw.tiers import BUILTIN_TIERS, TierTable
+from tests.breaker_model import Model
+
+S = 1000  # ms
+FREE = BUILTIN_TIERS["free"].breaker
+PLATINUM = BUILTIN_TIERS["platinum"].breaker
+FAIL = [(1.0, "500")]
+
+
+def admitted(model: Model, start: int, requests: int, spacing: int = 1) -> int:
+    return sum(model.admit(start + i * spacing) is None for i in range(requests))
+
+
+def test_seed_numbers_per_tier() -> None:
+    b = {name: t.breaker for name, t in BUILTIN_TIERS.items()}
+    assert b["free"] and b["standard"] and b["platinum"]
+    assert (b["free"].threshold, b["standard"].threshold, b["platinum"].threshold) == (1, 2, 3)
+    assert (b["free"].cooldown_s, b["standard"].cooldown_s, b["platinum"].cooldown_s) == (
+        120,
+        30,
+        15,
+    )
+    assert [t.alert for t in b.values() if t is not None] == [False, False, True]
+    assert b["free"].steps == (0.1, 0.3, 1.0) and b["free"].decay_per_min == 0.5
+
+
+def test_recovery_admits_10_then_30_then_100_percent_then_closes() -> None:
+    assert FREE is not None
+    m = Model(FREE)
+    assert m.feed(0, FAIL) == [f"trip 0 500 {120 * S} 0 0"]
+    # Open: everything refused, told the remaining cool-down.
+    assert m.admit(1 * S) == 119 * S and m.admit(119_999) == 1
+    assert admitted(m, 0, 1000, 100) == 0
+    step = int(FREE.step_s * S)
+    opened = 120 * S
+    # Each step: the first request passes, then one in 1000/share, whatever the spacing.
+    assert admitted(m, opened, 100) == 10
+    assert admitted(m, opened + step, 100, 7) == 30
+    assert admitted(m, opened + 2 * step, 100, 3) == 100
+    # The wait a half-open refusal suggests: until its step ends.
+    assert m.admit(opened + 2 * step + 5) is None
+    fresh = Model(FREE)
+    fresh.feed(0, FAIL)
+    assert fresh.admit(opened + 5) is None and fresh.admit(opened + 6) == step - 6
+    assert m.feed(opened + 3 * step, []) == [f"recover {opened + 3 * step} 0"]
+    assert m.phase(opened + 3 * step)[0] == "closed"
+    assert admitted(m, opened + 3 * step, 50) == 50
+
+
+def test_a_failure_during_recovery_reopens_with_a_longer_cool_down_bounded() -> None:
+    assert FREE is not None
+    m = Model(FREE)
+    m.feed(0, FAIL)
+    now, cooldowns = 0, []
+    for _ in range(5):
+        now = m.until or 0  # the first half-open step
+        assert m.phase(now)[0] == "half"
+        (event,) = m.feed(now + 1, FAIL)
+        assert event.split()[4] == "1"  # a reopen
+        cooldowns.append(m.cooldown)
+    assert cooldowns == [240 * S, 480 * S, 960 * S, 960 * S, 960 * S]  # ×2, at most 8×
+    # A full recovery resets it: the next trip is back to the base cool-down.
+    assert m.until is not None
+    end = m.until + 3 * int(FREE.step_s * S)
+    assert m.feed(end, []) == [f"recover {end} 0"]
+    assert m.feed(end + 1, FAIL) == [f"trip {end + 1} 500 {120 * S} 0 {end + 1}"]
+
+
+def test_a_failure_in_the_last_step_still_reopens_but_one_429_in_a_step_does_not() -> None:
+    assert FREE is not None
+    m = Model(FREE)
+    m.feed(0, FAIL)
+    last = 120 * S + 2 * int(FREE.step_s * S)
+    assert m.feed(last, [(0.7, "429")]) == []  # below the recovery threshold (1.0)
+    assert m.feed(last + 1, [(0.7, "429")])[0].startswith("trip")  # 1.4: re-opened
+
+
+def test_platinum_needs_three_failures_and_old_ones_decay() -> None:
+    assert PLATINUM is not None
+    m = Model(PLATINUM)
+    assert m.feed(0, FAIL) == [] and m.feed(1, FAIL) == []
+    assert m.feed(2, FAIL) == [f"trip 2 500 {15 * S} 0 2"]
+    # Within one storm they add up (three 500s 1.5 s apart: 2.963); further apart they decay.
+    storm = Model(PLATINUM)
+    assert storm.feed(0, FAIL) == [] and storm.feed(1500, FAIL) == []
+    assert storm.feed(3000, FAIL)[0].startswith("trip")
+    slow = Model(PLATINUM)
+    assert (
+        slow.feed(0, FAIL) == [] and slow.feed(4 * S, FAIL) == [] and slow.feed(8 * S, FAIL) == []
+    )
+    spread = Model(PLATINUM)  # two minutes apart: 1 + e^-1 + e^-2 + … never reaches 3
+    assert [spread.feed(i * 120 * S, FAIL) for i in range(10)] == [[]] * 10
+
+
+def test_outcomes_arriving_while_open_count_nothing() -> None:
+    assert FREE is not None
+    m = Model(FREE)
+    m.feed(0, FAIL)
+    assert m.feed(1, FAIL * 50) == []
+    assert (m.until, m.score) == (120 * S, 0.0)
+
+
+def test_one_batch_trips_once_and_later_outcomes_of_it_are_ignored() -> None:
+    assert FREE is not None
+    m = Model(FREE)
+    assert m.feed(0, [(0.3, "400"), (0.7, "429"), (1.0, "500")]) == [f"trip 0 429 {120 * S} 0 0"]
+
+
+def outcome(status: int, flags: str = "", kind: str = "") -> Outcome:
+    kinds = {True: "upstream_error", False: "refused" if status >= 400 else "ok"}
+    return Outcome(
+        request_id="r",
+        ts=datetime.now(UTC),
+        tenant="t",
+        status=status,
+        flags=flags,
+        outcome=kind or kinds[status >= 500],  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "flags", "kind", "weight"),
+    [
+        (500, "", "", 1.0),
+        (503, "", "", 1.2),
+        (429, "RL", "", 0.0),  # the gateway's quota refusal: held to its quota, not tripped
+        (429, "", "ok", 0.7),  # a pod's 429
+        (400, "", "", 0.3),
+        (502, "", "", 1.0),
+        (504, "UT", "", 1.0),
+        (404, "", "", 0.3),
+        (413, "", "", 0.3),
+        (401, "UAEX", "", 0.0),
+        (403, "UAEX", "", 0.0),
+        (200, "", "upstream_error", 1.0),  # the stream failed after its 200
+        (200, "", "", 0.0),
+        (0, "DC", "aborted", 0.0),
+        (200, "DC", "aborted", 0.0),
+        (503, "RL", "", 0.0),  # the breaker's own refusal
+    ],
+)
+def test_weights(status: int, flags: str, kind: str, weight: float) -> None:
+    assert FREE is not None
+    assert FREE.weight(outcome(status, flags, kind))[0] == weight
+
+
+def test_a_custom_tier_sets_its_own_breaker_and_bad_ones_are_refused() -> None:
+    table = validate(
+        TierTable,
+        {
+            "tiers": {
+                "gold": {
+                    "breaker": {"threshold": 5, "cooldown_s": 1, "cooldown_max_s": 4},
+                },
+                "plain": {},
+            }
+        },
+        "limits.yaml",
+    )
+    gold = table.tier("gold").breaker
+    assert gold is not None and gold.threshold == 5 and gold.weights["503"] == 1.2
+    assert table.tier("plain").breaker is None  # a tier states its own: none is none
+    for bad in (
+        {"threshold": 1, "cooldown_s": 10, "cooldown_max_s": 5},
+        {"threshold": 1, "cooldown_s": 1, "cooldown_max_s": 5, "steps": [0.5, 0]},
+        {"threshold": 1, "cooldown_s": 1, "cooldown_max_s": 5, "weights": {"5xxx": 1}},
+        {"cooldown_s": 1, "cooldown_max_s": 5},
+    ):
+        with pytest.raises(ConfigError, match="breaker"):
+            validate(TierTable, {"tiers": {"x": {"breaker": bad}}}, "limits.yaml")
+    assert isinstance(gold, BreakerSpec)

@@ -1,0 +1,179 @@
+"""The tenant breaker end to end: real Envoy, extauthz, ratelimit, ledger, Redis, PostgreSQL and
+simulated pods whose faults the tests switch on. The built-in tiers carry the seed's numbers;
+`fastcb` is a custom tier with short cool-downs for recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+from llmgw import cli, usage
+from llmgw.stack import Stack
+from llmgw.wire import breaker_key
+from tests.conftest import stack_settings
+from tests.http import Reply, call
+from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, chat, wait_for
+
+LIMITS = """
+tiers:
+  fastcb:
+    requests: {second: 1000}
+    breaker: {threshold: 1, cooldown_s: 0.5, cooldown_max_s: 2, step_s: 0.5}
+"""
+
+
+@pytest.fixture(scope="module")
+def cb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    state = tmp_path_factory.mktemp("cb-stack")
+    (state / "limits.yaml").write_text(LIMITS)
+    settings = stack_settings().model_copy(update={"ratelimit_limits": state / "limits.yaml"})
+    with Stack(settings, state / "stack") as running:
+        yield running
+
+
+def faults(stack: Stack, on: bool) -> None:
+    for pod in range(len(stack.pods)):
+        url = f"{stack.pod_url(pod)}/admin/faults"
+        if on:
+            assert call("PUT", url, {"error_rate": 1.0, "error_status": 500}).status == 200
+        else:
+            assert call("DELETE", url).status == 200
+
+
+def circuit_open(reply: Reply) -> bool:
+    return reply.status == 503 and reply.json()["error"]["code"] == "tenant_circuit_open"
+
+
+def score(stack: Stack, tenant: str) -> float:
+    with stack.redis_client() as r:
+        value = r.hget(breaker_key(tenant), "s")
+    return float(value) if value is not None else 0.0
+
+
+def logged(stack: Stack, ids: set[str]) -> dict[str, dict[str, str]]:
+    found: dict[str, dict[str, str]] = {}
+
+    def all_there() -> bool:
+        for line in stack.access_log.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["request_id"] in ids:
+                found[entry["request_id"]] = entry
+        return len(found) == len(ids)
+
+    wait_for(all_there, "access-log entries")
+    return found
+
+
+def metrics(stack: Stack, service: str) -> str:
+    with urllib.request.urlopen(stack.metrics[service], timeout=5) as r:
+        return str(r.read().decode())
+
+
+def events(stack: Stack, tenant: str) -> str:
+    assert stack.database_url is not None
+    argv = ["usage", "--events", "--json", "--tenant", tenant]
+    return asyncio.run(usage.render(stack.database_url, cli.parser().parse_args(argv)))
+
+
+def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
+    cb_stack: Stack,
+) -> None:
+    free = add_tenant(cb_stack, "cb-free", "free")
+    platinum = add_tenant(cb_stack, "cb-platinum", "platinum")
+    standard = add_tenant(cb_stack, "cb-standard", "standard")
+    faults(cb_stack, True)
+    try:
+        assert chat(cb_stack, free).status == 500
+        failed_at = time.monotonic()
+        while not circuit_open(reply := chat(cb_stack, free)):
+            assert reply.status == 500
+            assert time.monotonic() - failed_at < 1.0, "free tenant not refused within 1 s"
+            time.sleep(0.02)
+        # The refusal: a 503 in OpenAI's envelope, retry when the cool-down ends.
+        error = reply.json()["error"]
+        assert (error["type"], error["param"]) == ("server_error", None)
+        assert 0 < int(reply.headers["retry-after-ms"]) <= 120_000
+        assert int(reply.headers["retry-after"]) <= 120
+        assert reply.headers["x-should-retry"] == "true"
+        assert not any(h.startswith("x-llmgw") or "circuit" in h for h in reply.headers)
+        refused = [chat(cb_stack, free) for _ in range(5)]
+        assert all(circuit_open(r) for r in refused)
+        # ... and never reached a pod.
+        ids = {r.headers["x-request-id"] for r in [reply, *refused]}
+        for entry in logged(cb_stack, ids).values():
+            assert entry["upstream"] in (None, "", "-") and "RL" in entry["flags"]
+
+        # Platinum: two 500s leave it admitted (each request still reaches a pod), the third trips.
+        for n in (1, 2):
+            assert chat(cb_stack, platinum).status == 500
+            wait_for(lambda n=n: score(cb_stack, "cb-platinum") > n - 0.1, f"500 #{n} fed")
+        assert chat(cb_stack, platinum).status == 500
+        wait_for(lambda: circuit_open(chat(cb_stack, platinum)), "platinum open", timeout=1.0)
+    finally:
+        faults(cb_stack, False)
+    # The others: served (the standard tenant sent nothing that failed); the two stay open.
+    assert chat(cb_stack, standard).status == 200
+    assert circuit_open(chat(cb_stack, free)) and circuit_open(chat(cb_stack, platinum))
+    platinum_open = chat(cb_stack, platinum)
+    assert int(platinum_open.headers["retry-after-ms"]) <= 15_000  # half of standard's
+
+    # Seen: metrics, ledger events (`llmgw usage --events`) and platinum's alert.
+    trips = 'llmgw_breaker_trips_total{cause="500",reopen="false",tenant="cb-free",tier="free"}'
+    wait_for(lambda: f"{trips} 1.0" in metrics(cb_stack, "ledger"), "trip metric")
+    refusals = 'result="circuit_open",shadow="false",tenant="cb-free",tier="free"}'
+    assert refusals in metrics(cb_stack, "ratelimit")
+    wait_for(lambda: "breaker.trip" in events(cb_stack, "cb-free"), "free trip event")
+    (trip,) = [json.loads(line) for line in events(cb_stack, "cb-free").splitlines()]
+    assert trip["kind"] == "breaker.trip" and trip["detail"]["cause"] == "500"
+    assert trip["detail"]["cooldown_s"] == 120
+    wait_for(lambda: "alert.platinum_breaker_open" in events(cb_stack, "cb-platinum"), "the alert")
+    assert "alert." not in events(cb_stack, "cb-free")
+
+
+def trip(stack: Stack, key: str) -> None:
+    """One 500 from the pods, then the tenant's breaker open (within 2 s)."""
+    faults(stack, True)
+    try:
+        assert chat(stack, key).status == 500
+        wait_for(lambda: circuit_open(chat(stack, key)), "tripped", timeout=2.0)
+    finally:
+        faults(stack, False)
+
+
+def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> None:
+    key = add_tenant(cb_stack, "cb-stream", "free")
+    url = urlsplit(cb_stack.base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {**auth(key), "content-type": "application/json"}
+    conn.request("POST", f"{url.path}/chat/completions", json.dumps(body), headers)
+    stream = conn.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b"data: {")
+    trip(cb_stack, key)
+    rest = stream.read()
+    assert not rest.startswith(b"data: [DONE]"), "the stream ended before the trip"
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"error"' not in rest
+    conn.close()
+
+
+def test_recovery_through_envoy_lets_a_share_through_then_everyone(cb_stack: Stack) -> None:
+    key = add_tenant(cb_stack, "cb-fast", "fastcb")
+    trip(cb_stack, key)
+    # Cool-down 0.5 s, then 10 %, 30 % and 100 % for 0.5 s each: served again, and recorded.
+    wait_for(lambda: chat(cb_stack, key).status == 200, "half-open", timeout=3.0)
+    time.sleep(1.6)
+    assert [chat(cb_stack, key).status for _ in range(5)] == [200] * 5
+    wait_for(lambda: "breaker.recover" in events(cb_stack, "cb-fast"), "recovery event")
