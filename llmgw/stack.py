@@ -76,7 +76,9 @@ class Stack:
         self.admin = settings.envoy.admin
         self.redis_port = 0
         # Redis's `requirepass`, for this Stack's lifetime: a restarted Redis gets the same argv.
-        self.redis_password = secrets.token_urlsafe(24)
+        # Hex: redis-server reads an argv value starting with "--" as the next option, and
+        # token_urlsafe starts with "--" once in 4,096 (a stack that then failed to start).
+        self.redis_password = secrets.token_hex(24)
         self.database_url: str | None = None
         self.services = Services()
         self.metrics: dict[str, str] = {}
