@@ -121,7 +121,14 @@ class Client:
         headers = {"authorization": f"Bearer {key}"}
         if session_id:
             headers[wire.HEADER_SESSION] = session_id
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+        # ignore_eos: every answer exactly max_tokens long, so policies see the same work.
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         sample.lag = self.now() - sample.sent
         start = time.perf_counter()
         try:

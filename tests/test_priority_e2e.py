@@ -91,7 +91,7 @@ def test_the_pod_serves_the_more_important_tenant_first_whatever_the_body_says(
             "POST",
             "/v1/chat/completions",
             json.dumps({"model": model, "messages": [{"role": "user", "content": "block"}],
-                        "max_tokens": 100_000, "stream": True}),
+                        "max_tokens": 100_000, "ignore_eos": True, "stream": True}),
             {"authorization": f"Bearer {api_key(stack, 'standard')}",
              "content-type": "application/json"},
         )  # fmt: skip
@@ -104,7 +104,7 @@ def test_the_pod_serves_the_more_important_tenant_first_whatever_the_body_says(
             # Long enough (~0.1 s each at this time scale) that the order the two finish in is
             # the pod's, not the client threads' scheduling on a busy machine.
             body = {"model": model, "messages": [{"role": "user", "content": tier}],
-                    "max_tokens": 400, **extra}  # fmt: skip
+                    "max_tokens": 400, "ignore_eos": True, **extra}  # fmt: skip
             assert post(stack, tier, body) == 200
             done.append(tier)
 

@@ -152,6 +152,7 @@ async def test_streams_settle_to_their_actual_usage_and_hide_forced_usage(rl_sta
             messages=[{"role": "user", "content": f"tell me {i}" * (i + 1)}],
             max_tokens=5 + 3 * i,
             stream=True,
+            extra_body={"ignore_eos": True},
             **options,  # type: ignore[arg-type]
         )
         return asked, [chunk async for chunk in chunks]

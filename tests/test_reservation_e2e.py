@@ -84,7 +84,9 @@ async def test_a_stream_without_max_tokens_ends_at_the_gateways_cap(capped_stack
     # (it refuses a max_tokens above max_model_len) and fills what fits beside the prompt.
     sdk = client(capped_stack, add_tenant(capped_stack, "cap-standard", "standard"))
     reply = await sdk.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "tell me everything"}]
+        model=MODEL,
+        messages=[{"role": "user", "content": "tell me everything"}],
+        extra_body={"ignore_eos": True},
     )
     await sdk.close()
     assert reply.usage is not None

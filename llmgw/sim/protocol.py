@@ -226,15 +226,14 @@ def _job(
     wanted = room if cap is None else min(cap, room)
     if wanted < 1:
         raise invalid(f"max_tokens must be at least 1, got {wanted}.", "max_tokens", wanted)
-    # The 'model' stops (EOS) at its natural length unless ignore_eos or the cap comes first.
-    # A cap is generated in full so that load tests know their token counts.
+    # The 'model' stops (EOS) at its natural length unless ignore_eos or the cap comes first, as
+    # vLLM does: the gateway names a cap on every request, which must not make every answer
+    # run to it (load tests that need exact counts send ignore_eos).
     natural = natural_length(settings.seed, prompt.text, sample)
     reason: FinishReason = "stop"
     output = natural
-    if cap is not None:
+    if ignore_eos or natural >= wanted:
         output, reason = wanted, "length"
-    elif ignore_eos or natural >= room:
-        output, reason = room, "length"
     return Job(
         prompt.text,
         prompt.tokens,

@@ -95,9 +95,17 @@ async def test_default_length_is_bounded_and_stops(
     natural = reply["usage"]["completion_tokens"]
     assert 16 <= natural <= 256
     assert reply["choices"][0]["finish_reason"] == "stop"
-    body = {"prompt": "tell me", "max_tokens": natural + 5}  # honoured in full
-    async with http.post(pod.url + "/v1/completions", json=body) as resp:
-        assert (await resp.json())["usage"]["completion_tokens"] == natural + 5
+    # A cap above the natural length does not make the model go on (vLLM stops at EOS): the
+    # gateway names a cap on every request. ignore_eos runs to it; a smaller one cuts it.
+    for extra, expected, reason in (
+        ({"max_tokens": natural + 5}, natural, "stop"),
+        ({"max_tokens": natural + 5, "ignore_eos": True}, natural + 5, "length"),
+        ({"max_tokens": natural - 1}, natural - 1, "length"),
+    ):
+        async with http.post(pod.url + "/v1/completions", json={"prompt": "tell me", **extra}) as r:
+            reply = await r.json()
+        assert reply["usage"]["completion_tokens"] == expected
+        assert reply["choices"][0]["finish_reason"] == reason
 
 
 async def test_ignore_eos_without_max_tokens_runs_to_the_context_limit(
@@ -227,7 +235,7 @@ async def test_max_tokens_beyond_the_context_is_clamped(
     make_pod: MakePod, http: aiohttp.ClientSession
 ) -> None:
     pod = await make_pod(max_model_len=300)
-    body = {"prompt": "x" * 40, "max_tokens": 295}  # 10 prompt tokens: 290 fit
+    body = {"prompt": "x" * 40, "max_tokens": 295, "ignore_eos": True}  # 10 prompt tokens: 290 fit
     async with http.post(pod.url + "/v1/completions", json=body) as resp:
         reply = await resp.json()
     assert reply["usage"]["completion_tokens"] == 290
