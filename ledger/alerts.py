@@ -61,7 +61,7 @@ class Sender(Protocol):
 
 
 class Alerts:
-    """The recorder's watch (`observe`, `unreserved`), `emit()` for anyone, and the loop that
+    """The recorder's watch (`observe`, `unchecked`), `emit()` for anyone, and the loop that
     evaluates the detectors: `start()`, then `await close()`."""
 
     def __init__(
@@ -85,8 +85,8 @@ class Alerts:
     def observe(self, outcomes: Sequence[Outcome]) -> None:
         self.detectors.observe(self.clock(), outcomes)
 
-    def unreserved(self, outcome: Outcome) -> None:
-        self.detectors.unreserved(self.clock(), outcome)
+    def unchecked(self, outcome: Outcome) -> None:
+        self.detectors.unchecked(self.clock(), outcome)
 
     def evaluate(self) -> list[Alert]:
         """Emit what the detectors find now."""

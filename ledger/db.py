@@ -66,6 +66,7 @@ COLUMN_TYPES: dict[str, str] = {
     "charged_tokens": "int8",
     "borrowed_requests": "int4",
     "borrowed_tokens": "int8",
+    "quota_checked": "bool",
     "ttft_ms": "float8",
     "duration_ms": "float8",
     "bytes_in": "int8",

@@ -1,6 +1,6 @@
 """Alert rules over the outcome stream: pure, on a clock the caller passes (`now`, seconds).
 
-`observe()` and `unreserved()` count what arrived; `evaluate()` says which conditions hold and
+`observe()` and `unchecked()` count what arrived; `evaluate()` says which conditions hold and
 returns a `Finding` for each one that starts an episode: a condition fires once when it has held
 for its `for_s`, and re-arms when an evaluation finds it clear (ledger/alerts.py emits them).
 """
@@ -44,17 +44,19 @@ class Fleet5xx(Strict):
 
 class PodErrors(Strict):
     """One pod with more than `share` of the fleet's upstream errors (at least `min_errors`)
-    in `window_s`, while other pods answered too."""
+    in `window_s`, failing at least `ratio` times as often as the other pods together: the pod
+    is at fault, not the fleet (every pod failing alike is fleet_5xx, not this)."""
 
     share: float = Field(default=0.5, gt=0, lt=1)
+    ratio: float = Field(default=4.0, gt=1)
     min_errors: int = Field(default=10, ge=1)
     window_s: float = Field(default=60.0, gt=0)
     for_s: float = Field(default=0.0, ge=0)
 
 
 class FailOpen(Strict):
-    """At least `min_admissions` requests reached a pod without a reservation in `window_s`:
-    the rate limiter failed open, so quotas were not enforced for them."""
+    """At least `min_admissions` requests reached a pod without a rate-limit decision (its
+    RLS metadata) in `window_s`: the rate limiter failed open, so no quota applied to them."""
 
     min_admissions: int = Field(default=10, ge=1)
     window_s: float = Field(default=60.0, gt=0)
@@ -131,7 +133,7 @@ class Detectors:
         self._quota = Window[tuple[str, bool]](rules.quota_refusals.window_s)  # tenant, refused
         self._fleet = Window[str](rules.fleet_5xx.window_s)  # "requests", "5xx"
         self._pods = Window[tuple[str, str]](rules.pod_errors.window_s)  # "seen"|"errors", pod
-        self._unreserved = Window[str](rules.ratelimit_fail_open.window_s)  # by tenant
+        self._unchecked = Window[str](rules.ratelimit_fail_open.window_s)  # by tenant
         self._backlog: collections.deque[tuple[float, int]] = collections.deque()
         self._tiers: dict[str, str] = {}
         self._episodes: dict[DetectorKind, dict[str, _Episode]] = collections.defaultdict(dict)
@@ -149,8 +151,8 @@ class Detectors:
                 if o.outcome == "upstream_error":
                     self._pods.add(now, ("errors", o.pod))
 
-    def unreserved(self, now: float, outcome: Outcome) -> None:
-        self._unreserved.add(now, outcome.tenant)
+    def unchecked(self, now: float, outcome: Outcome) -> None:
+        self._unchecked.add(now, outcome.tenant)
 
     def evaluate(self, now: float, backlog: Mapping[str, int]) -> list[Finding]:
         """`backlog`: the records waiting, by where (e.g. unsettled, unwritten)."""
@@ -211,12 +213,14 @@ class Detectors:
         rule = self.rules.pod_errors
         counts = self._pods.totals(now)
         errors = {pod: n for (what, pod), n in counts.items() if what == "errors"}
-        fleet = sum(errors.values())
-        pods = {pod for _, pod in counts}
+        seen = {pod: n for (what, pod), n in counts.items() if what == "seen"}
+        fleet, served = sum(errors.values()), sum(seen.values())
         holding = {}
-        if fleet >= rule.min_errors and len(pods) > 1:
+        if fleet >= rule.min_errors and len(seen) > 1:
             for pod, n in errors.items():
-                if n > rule.share * fleet:
+                rate = n / max(seen.get(pod, 0), 1)
+                others = (fleet - n) / max(served - seen.get(pod, 0), 1)
+                if n > rule.share * fleet and rate >= rule.ratio * others:
                     holding[pod] = {
                         "pod": pod,
                         "errors": n,
@@ -230,7 +234,7 @@ class Detectors:
 
     def _fail_open(self, now: float) -> list[Finding]:
         rule = self.rules.ratelimit_fail_open
-        counts = self._unreserved.totals(now)
+        counts = self._unchecked.totals(now)
         admissions = sum(counts.values())
         holding = {}
         if admissions >= rule.min_admissions:

@@ -165,6 +165,7 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
         reserved_tokens=reserved,
         borrowed_requests=_int(admission, wire.META_BORROWED_REQUESTS) or 0,
         borrowed_tokens=_int(admission, wire.META_BORROWED_TOKENS) or 0,
+        quota_checked=admission.get(wire.META_DECIDED) is True,
         ttft_ms=ttft,
         duration_ms=duration,
         bytes_in=entry.request.request_headers_bytes + entry.request.request_body_bytes,

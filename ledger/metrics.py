@@ -39,11 +39,10 @@ SETTLEMENTS = Counter(
     "Settlements by result: settled (a reservation), unreserved (none found), duplicate.",
     ["result"],
 )
-UNRESERVED = Counter(
-    "llmgw_ledger_unreserved_admissions_total",
-    "Requests that reached a pod with no reservation in Redis: the rate-limit service failed "
-    "open (down, or too slow for Envoy's timeout), decided from local counters (Redis down), or "
-    "the reservation expired before settlement.",
+UNCHECKED = Counter(
+    "llmgw_ledger_unchecked_admissions_total",
+    "Generation requests that reached a pod without a rate-limit decision: the rate-limit "
+    "service failed open (down, or slower than Envoy's timeout), so no quota applied to them.",
     ["tenant"],
 )
 SETTLE_SECONDS = Histogram(

@@ -39,7 +39,7 @@ class Watch(Protocol):
     """What the alert rules see (ledger/alerts.py)."""
 
     def observe(self, outcomes: Sequence[Outcome]) -> None: ...
-    def unreserved(self, outcome: Outcome) -> None: ...
+    def unchecked(self, outcome: Outcome) -> None: ...
 
 
 class Recorder:
@@ -163,14 +163,14 @@ class Recorder:
         records = []
         for i, o in enumerate(batch):
             result = results.get(i) if results is not None else None
+            if o.tenant and o.pod and o.reserved_tokens and not o.quota_checked:
+                metrics.UNCHECKED.labels(o.tenant).inc()  # the rate limiter failed open
+                if self.watch is not None:
+                    self.watch.unchecked(o)
             if result is None:  # unsettled or no tenant: what admission reserved stays charged
                 charged = o.reserved_tokens if o.tenant else 0
             else:
                 metrics.SETTLEMENTS.labels(_RESULTS.get(result.state, "unknown")).inc()
-                if result.state == 0 and o.pod and o.reserved_tokens:
-                    metrics.UNRESERVED.labels(o.tenant).inc()
-                    if self.watch is not None:
-                        self.watch.unreserved(o)
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged

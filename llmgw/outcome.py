@@ -47,6 +47,8 @@ class Outcome(BaseModel):
     # refunds the tenant's windows), so borrowed_tokens bounds the borrowed use from above.
     borrowed_requests: int = 0
     borrowed_tokens: int = 0
+    # The rate-limit service decided the admission; False with a pod reached: it failed open.
+    quota_checked: bool = False
     ttft_ms: float | None = None  # first byte to the client; None when none was sent
     duration_ms: float = 0.0
     bytes_in: int = 0

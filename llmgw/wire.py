@@ -92,6 +92,9 @@ RATELIMIT_DOMAIN = "llmgw"
 # dynamic metadata of the RLS response, which Envoy keeps under its rate-limit filter's name (in
 # every access-log entry); absent on base quota.
 RATELIMIT_NAMESPACE = "envoy.filters.http.ratelimit"
+# true on every answer the rate-limit service gave: an admitted request without it reached a pod
+# unchecked (the service failed open: down, or slower than Envoy's timeout).
+META_DECIDED = "decided"
 META_BORROWED_REQUESTS = "borrowed_requests"
 META_BORROWED_TOKENS = "borrowed_tokens"
 # true on an admission refused by the tenant's breaker: Envoy's local-reply mapper turns that

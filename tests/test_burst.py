@@ -2,8 +2,8 @@
 
 Fail-open (Envoy admitting unchecked when the rate-limit call fails) may mean only that the
 service is down, never that it is busy: every burst below is asserted to have made zero failed
-rate-limit calls, and the ledger's count of admissions without a reservation stays 0. With the
-service killed, requests keep being served, and each such admission is counted.
+rate-limit calls, and the ledger's count of admissions without a rate-limit decision stays 0.
+With the service killed, requests keep being served, and each such admission is counted.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def rl_failures(stack: Stack) -> int:
     )
 
 
-def unreserved(stack: Stack, tenant: str) -> float:
-    """The ledger's count of the tenant's requests admitted without a reservation."""
+def unchecked(stack: Stack, tenant: str) -> float:
+    """The ledger's count of the tenant's requests admitted without a rate-limit decision."""
     with urllib.request.urlopen(stack.metrics["ledger"], timeout=5) as r:
         text = r.read().decode()
-    pattern = rf'^llmgw_ledger_unreserved_admissions_total{{tenant="{re.escape(tenant)}"}} (\S+)$'
+    pattern = rf'^llmgw_ledger_unchecked_admissions_total{{tenant="{re.escape(tenant)}"}} (\S+)$'
     found = re.search(pattern, text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -97,7 +97,7 @@ def test_a_burst_admits_exactly_the_limit_and_never_fails_open(
     assert statuses[200] == room, statuses
     assert statuses[429] == size - room, statuses
     settled(burst_stack, tenant, size)
-    assert unreserved(burst_stack, tenant) == 0
+    assert unchecked(burst_stack, tenant) == 0
 
 
 def test_with_the_service_killed_fail_open_serves_and_is_counted(tmp_path: Path) -> None:
@@ -116,6 +116,6 @@ def test_with_the_service_killed_fail_open_serves_and_is_counted(tmp_path: Path)
         assert [r.status for r in replies] == [200] * 10  # over the limit of 5: unchecked
         assert rl_failures(stack) >= 10
         deadline = time.monotonic() + 10
-        while unreserved(stack, "down") < 10:
+        while unchecked(stack, "down") < 10:
             assert time.monotonic() < deadline, "the ledger did not count the fail-open admissions"
             time.sleep(0.1)

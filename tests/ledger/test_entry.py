@@ -172,8 +172,22 @@ def test_a_borrowed_admission_is_recorded_and_base_quota_is_zero() -> None:
     borrowed = to_outcome(entry(200, usage=USED, admission=drawn))
     assert borrowed is not None
     assert (borrowed.borrowed_requests, borrowed.borrowed_tokens) == (1, 120)
-    base = to_outcome(entry(200, usage=USED))  # the rate-limit service adds no metadata
+    base = to_outcome(entry(200, usage=USED, admission={wire.META_DECIDED: True}))
     assert base is not None and (base.borrowed_requests, base.borrowed_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("admission", "checked"),
+    [
+        ({wire.META_DECIDED: True}, True),
+        ({wire.META_DECIDED: True, wire.META_BORROWED_REQUESTS: 1}, True),
+        (None, False),  # no metadata: Envoy admitted without an answer (fail-open)
+        ({wire.META_DECIDED: "true"}, False),
+    ],
+)
+def test_a_rate_limit_decision_is_recorded(admission: dict[str, Any] | None, checked: bool) -> None:
+    o = to_outcome(entry(200, usage=USED, admission=admission))
+    assert o is not None and o.quota_checked is checked
 
 
 @pytest.mark.parametrize(
