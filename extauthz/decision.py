@@ -140,8 +140,9 @@ class Decider:
                 )
             # The output cap per sequence the pod gets (appended to the body below): the
             # reservation holds what the pod may generate, whatever the client named.
-            limit = self.settings.output_cap(tenant, read.facts)
-            cap = 0 if path == wire.EMBEDDINGS_PATH else limit
+            cap = 0
+            if path != wire.EMBEDDINGS_PATH:
+                cap = self.settings.output_cap(tenant, read.facts)
             request_facts = read.for_tenant(
                 tenant.cache_group, self.settings.max_prefix_blocks, cap
             )

@@ -10,7 +10,6 @@ happened (the end of the last step), so one whose tenant sends nothing more is n
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +21,7 @@ from typing import Any, Literal, Protocol
 from ledger import metrics
 from llmgw.breaker import BreakerSpec, with_prelude
 from llmgw.outcome import Outcome
-from llmgw.resp import Arg, Client, RespError
+from llmgw.resp import Arg, Client, RespError, evalsha_each
 from llmgw.tiers import TierTable
 from llmgw.wire import breaker_key
 
@@ -99,13 +98,8 @@ class Breakers:
             weight, cause = spec.weight(o)
             entry[2].extend((repr(weight), cause))
         tenants = list(calls)
-        replies = await _run(client, [(t, calls[t][2]) for t in tenants])
-        missing = [i for i, r in enumerate(replies) if _noscript(r)]
-        if missing:  # Redis restarted or flushed its scripts: load, then run just those again
-            await client.call("SCRIPT", "LOAD", SOURCE)
-            again = await _run(client, [(tenants[i], calls[tenants[i]][2]) for i in missing])
-            for i, reply in zip(missing, again, strict=True):
-                replies[i] = reply
+        scripts = [(1, breaker_key(t), *calls[t][2]) for t in tenants]
+        replies = await evalsha_each(client, SOURCE, SHA, scripts)
         out: list[Transition] = []
         for tenant, reply in zip(tenants, replies, strict=True):
             if isinstance(reply, BaseException):
@@ -133,11 +127,6 @@ class Breakers:
                 self.events.submit_event(f"breaker.{t.kind}", t.tenant, detail, _time(t.at_ms))
 
 
-async def _run(client: Client, calls: list[tuple[str, list[Arg]]]) -> list[object]:
-    futures = [client.call("EVALSHA", SHA, 1, breaker_key(t), *args) for t, args in calls]
-    return list(await asyncio.gather(*futures, return_exceptions=True))
-
-
 def _transition(tenant: str, tier: str, raw: object) -> Transition:
     fields = raw.decode().split() if isinstance(raw, bytes) else []
     match fields:
@@ -148,10 +137,6 @@ def _transition(tenant: str, tier: str, raw: object) -> Transition:
         case ["recover", at, first]:
             return Transition("recover", tenant, tier, int(at), int(first))
     raise RespError(f"breaker.lua reported {raw!r}")
-
-
-def _noscript(reply: object) -> bool:
-    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
 
 
 def _time(ms: int) -> datetime:

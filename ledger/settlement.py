@@ -10,13 +10,12 @@ stay charged as reserved (never over-refunded).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-from llmgw.resp import Client, RespError
+from llmgw.resp import Client, RespError, evalsha_each
 from llmgw.wire import tenant_prefix
 
 SOURCE = resources.files("ledger").joinpath("settle.lua").read_text()
@@ -39,13 +38,8 @@ class Settled:
 
 async def settle(client: Client, charges: Sequence[Charge], done_ttl_ms: int) -> list[Settled]:
     """Settle every charge; raises ConnectionError, TimeoutError or RespError when Redis fails."""
-    replies = await _run(client, charges, done_ttl_ms)
-    missing = [i for i, r in enumerate(replies) if _noscript(r)]
-    if missing:  # Redis restarted or flushed its scripts: load, then run just those again
-        await client.call("SCRIPT", "LOAD", SOURCE)
-        again = await _run(client, [charges[i] for i in missing], done_ttl_ms)
-        for i, reply in zip(missing, again, strict=True):
-            replies[i] = reply
+    calls = [(1, tenant_prefix(c.tenant), c.request_id, c.tokens, done_ttl_ms) for c in charges]
+    replies = await evalsha_each(client, SOURCE, SHA, calls)
     out: list[Settled] = []
     for reply in replies:
         if isinstance(reply, BaseException):
@@ -55,15 +49,3 @@ async def settle(client: Client, charges: Sequence[Charge], done_ttl_ms: int) ->
         state, reserved, charged = (v if isinstance(v, int) else 0 for v in reply)
         out.append(Settled(state, reserved, charged))
     return out
-
-
-async def _run(client: Client, charges: Sequence[Charge], done_ttl_ms: int) -> list[object]:
-    futures = [
-        client.call("EVALSHA", SHA, 1, tenant_prefix(c.tenant), c.request_id, c.tokens, done_ttl_ms)
-        for c in charges
-    ]
-    return list(await asyncio.gather(*futures, return_exceptions=True))
-
-
-def _noscript(reply: object) -> bool:
-    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")

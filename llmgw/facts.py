@@ -34,11 +34,11 @@ _HASH_HEX = 16
 MAX_OUTPUT_TOKENS = 1 << 24
 # vLLM refuses an `n` above VLLM_MAX_N_SEQUENCES (16384 by default), so this clamp never reserves
 # less than a served request generates.
+MAX_CHOICES = 16384
 # What a chat template adds around each message and once for the assistant's header, in tokens:
 # Llama 3's markers are ~5, the simulator's (rendered as text) ~13; more here, so the estimate
 # does not fall short for many short messages (an abort before any usage is charged this).
 MESSAGE_TOKENS = 16
-MAX_CHOICES = 16384
 # The reservation: above every limit (a request this large is refused, never admitted), exact as
 # a double (metadata numbers are doubles) and far from overflowing Redis's 64-bit counters.
 MAX_RESERVATION = 10**15
@@ -156,10 +156,9 @@ def output_cap(request: Mapping[str, Any], maximum: int) -> int:
 
 def prompt_tokens(request: Mapping[str, Any], chars_per_token: float, image_tokens: int) -> int:
     """Estimated prompt tokens: characters of text / chars_per_token, plus MESSAGE_TOKENS a chat
-    message; tool definitions and tool calls by the size of their JSON (the chat template renders
-    them into the prompt); each
-    content part without text (an image, audio, a file) as `image_tokens`; token-ID prompts by
-    their length."""
+    message (and once for the assistant's header); tool definitions and tool calls by the size of
+    their JSON (the chat template renders them into the prompt); each content part without text
+    (an image, audio, a file) as `image_tokens`; token-ID prompts by their length."""
     chars = 0
     tokens = 0
     messages = request.get("messages")

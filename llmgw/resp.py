@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
 Reply: TypeAlias = int | bytes | str | list["Reply"] | None
@@ -46,6 +47,31 @@ class Client(Protocol):
     def call(self, *args: Arg) -> asyncio.Future[Reply]: ...
 
     async def close(self) -> None: ...
+
+
+async def evalsha_each(
+    client: Client, source: str, sha: str, calls: Sequence[Sequence[Arg]]
+) -> list[object]:
+    """One EVALSHA of a script per call (numkeys, keys, ARGV), every one written before any
+    reply is awaited; the replies in order, errors among them (not raised). Calls answered
+    NOSCRIPT (Redis restarted or flushed its scripts) run again after SCRIPT LOAD."""
+    replies = await _evalsha(client, sha, calls)
+    missing = [i for i, r in enumerate(replies) if _noscript(r)]
+    if missing:
+        await client.call("SCRIPT", "LOAD", source)
+        again = await _evalsha(client, sha, [calls[i] for i in missing])
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    return replies
+
+
+def _noscript(reply: object) -> bool:
+    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
+
+
+async def _evalsha(client: Client, sha: str, calls: Sequence[Sequence[Arg]]) -> list[object]:
+    futures = [client.call("EVALSHA", sha, *args) for args in calls]
+    return list(await asyncio.gather(*futures, return_exceptions=True))
 
 
 class Resp:

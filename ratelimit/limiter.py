@@ -145,7 +145,7 @@ class Limiter:
                 )
                 if borrowed is not None:
                     states, draws, cap = borrowed[0], borrowed[1], borrowed[2] or cap
-        refusal, refused = self._refusal(states, self._ceilings(checks, policy, fleet))
+        refusal, refused = self._refusal(states, checks, policy, fleet)
         retry_ms = 0
         if refused is not None and refusal in ("requests", "tokens"):
             free_ms = max(s.free_ms for s in states if not s.passed)
@@ -241,10 +241,10 @@ class Limiter:
             return estimate, 0
         windows = [c for c in self.checks(policy, estimate, False) if c.name.startswith("tokens:")]
         ceiling = min(self._ceilings(windows, policy, fleet), default=estimate)
-        if estimate <= ceiling or grant.prompt + grant.sequences > ceiling:
+        cap = grant.cap(ceiling)
+        if estimate <= ceiling or cap < 1:
             return estimate, 0
-        cap = (ceiling - grant.prompt) // grant.sequences
-        return grant.prompt + cap * grant.sequences, cap
+        return grant.cost(cap), cap
 
     def _ceilings(self, checks: list[Check], policy: Policy, fleet: FleetLoad) -> list[int]:
         """The highest limit each check could ever have: its base plus, for a tier that borrows,
@@ -258,10 +258,11 @@ class Limiter:
             out.append(c.limit + int(extra * policy.borrow_share))
         return out
 
-    @staticmethod
     def _refusal(
-        states: list[CheckState], ceilings: list[int]
+        self, states: list[CheckState], checks: list[Check], policy: Policy, fleet: FleetLoad
     ) -> tuple[Refusal | None, KindState | None]:
+        """What refused, judged against the ceilings of the base `checks` (computed only for a
+        refusal on rate limits, not on every decision)."""
         failed = [s for s in states if not s.passed]
         if not failed:
             return None, None
@@ -269,6 +270,7 @@ class Limiter:
         if budget:
             return "insufficient_quota", _kind_state(budget[0])
         # A cost above every limit the window could ever have: waiting cannot help.
+        ceilings = self._ceilings(checks, policy, fleet)
         for s, ceiling in zip(states, ceilings, strict=True):
             if not s.passed and s.check.cost > ceiling:
                 return "too_large", replace(_kind_state(s), limit=ceiling)
@@ -350,15 +352,11 @@ def _room(check: Check, s: CheckState) -> float:
 
 
 def _kind_state(s: CheckState) -> KindState:
-    name = s.check.name
-    known = _NAMES.get(name)
-    if known is None:
-        kind: Kind = "requests" if name.startswith("requests:") else "tokens"
-        known = (kind, Unit(name.split(":", 1)[1]))
+    kind, unit = _NAMES[s.check.name]
     return KindState(
-        kind=known[0],
+        kind=kind,
         limit=s.check.limit,
-        unit=known[1],
+        unit=unit,
         remaining=max(0, s.check.limit - s.used),
         reset_ms=s.reset_ms,
         used=s.used,

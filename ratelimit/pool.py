@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from llmgw import wire
 from llmgw.resp import Arg, Client, Reply, RespError
 from ratelimit.fleet import FleetLoad
-from ratelimit.redis_store import script
+from ratelimit.redis_store import run, script
 from ratelimit.types import UNIT_MS, Kind, Unit
 from ratelimit.windows import SLIDING
 
@@ -136,12 +136,7 @@ class Pool:
         keys: list[Arg] = [1, self.prefix]
         try:
             async with asyncio.timeout(self.deadline_s):
-                try:
-                    return await client.call("EVALSHA", BORROW[1], *keys, *args)
-                except RespError as exc:
-                    if not str(exc).startswith("NOSCRIPT"):
-                        raise
-                    return await client.call("EVAL", BORROW[0], *keys, *args)
+                return await run(client, BORROW, *keys, *args)
         except FAILURES as exc:
             log.warning("borrowing pool unavailable", extra={"error": repr(exc)})
             return None

@@ -31,6 +31,16 @@ def script(name: str, prelude: bool = False) -> tuple[str, str]:
     return source, hashlib.sha1(source.encode()).hexdigest()
 
 
+async def run(client: Client, lua: tuple[str, str], *args: Arg) -> Reply:
+    """EVALSHA of a `script`, and EVAL of its source after a NOSCRIPT (which caches it again)."""
+    try:
+        return await client.call("EVALSHA", lua[1], *args)
+    except RespError as exc:
+        if not str(exc).startswith("NOSCRIPT"):
+            raise
+        return await client.call("EVAL", lua[0], *args)
+
+
 ADMIT = script("admit.lua", prelude=True)
 REPLAY = script("replay.lua")
 REPLICAS = script("replicas.lua")
@@ -88,12 +98,7 @@ class RedisStore:
         return count
 
     async def _run(self, lua: tuple[str, str], *args: Arg) -> Reply:
-        try:
-            return await self.client.call("EVALSHA", lua[1], *args)
-        except RespError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            return await self.client.call("EVAL", lua[0], *args)
+        return await run(self.client, lua, *args)
 
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key as a string (JSON) or a hash; None when absent."""

@@ -46,8 +46,12 @@ SLIDING: dict[Unit, Window] = {
 }
 
 
+_FIXED: dict[Unit, Window] = {unit: Window(ms, ms, rolling=False) for unit, ms in UNIT_MS.items()}
+
+
 def fixed(unit: Unit) -> Window:
-    return Window(UNIT_MS[unit], UNIT_MS[unit], rolling=False)
+    """The fixed window of a unit (hard budgets): one bucket as long as the unit."""
+    return _FIXED[unit]
 
 
 def used(window: Window, counts: Sequence[int], now_ms: int) -> int:
