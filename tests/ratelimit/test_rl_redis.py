@@ -52,6 +52,46 @@ async def test_resp_fails_pending_calls_when_the_connection_drops(redis: int, re
         resp.call("PING")
 
 
+class _Wire(asyncio.Transport):
+    """A transport that records what the client writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        pass
+
+
+async def test_resp_writes_one_turns_commands_at_once_and_reads_replies_cut_anywhere() -> None:
+    client = Resp()
+    wire = _Wire()
+    client.connection_made(wire)
+    calls = [client.call("INCR", "n"), client.call("GET", "k"), client.call("EVAL", "x", 0)]
+    assert wire.writes == []  # nothing leaves before the loop's turn ends
+    await asyncio.sleep(0)
+    assert wire.writes == [encode(("INCR", "n")) + encode(("GET", "k")) + encode(("EVAL", "x", 0))]
+    replies = b":7\r\n$5\r\nhello\r\n*2\r\n:1\r\n*1\r\n$-1\r\n"
+    for i in range(len(replies)):  # one byte at a time: every cut point is seen
+        client.data_received(replies[i : i + 1])
+    assert await asyncio.gather(*calls) == [7, b"hello", [1, [None]]]
+    assert not client.closed
+
+
+async def test_resp_fails_closed_on_a_reply_nobody_asked_for() -> None:
+    client = Resp()
+    client.connection_made(_Wire())
+    pending = client.call("PING")
+    client.data_received(b"+PONG\r\n+EXTRA\r\n")
+    assert await pending == "PONG"
+    assert client.closed
+    with pytest.raises(ConnectionError):
+        client.call("PING")
+
+
 def test_tenant_prefix_keeps_one_hash_tag() -> None:
     assert tenant_prefix("acme") == "llmgw:rl:{acme}"
     assert tenant_prefix("a}b{c") == "llmgw:rl:{a%7Db%7Bc}"
