@@ -7,7 +7,6 @@ the replica's Snowflake sequence and a missing `x-request-id` is filled with a r
 from __future__ import annotations
 
 import hmac
-import json
 import uuid
 from collections.abc import Mapping
 
@@ -29,6 +28,7 @@ MISSING_KEY = Deny(
     "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'api-key: KEY'.",
 )
 BAD_KEY = Deny(401, "invalid_api_key", "Incorrect API key provided.")
+_NO_FACTS = facts.RequestFacts()  # of a body that is not a JSON object
 
 
 def _api_key(headers: Mapping[str, str]) -> str | None:
@@ -128,7 +128,7 @@ class Decider:
             refused = _refuse_body(headers, read, tenant.id)
             if refused is not None:
                 return refused
-        request_facts = facts.RequestFacts()
+        request_facts = _NO_FACTS
         if read.kind == "object":
             if tenant.models is not None and read.has_model and read.model not in tenant.models:
                 return Deny(
@@ -194,12 +194,13 @@ class Decider:
             # Fields the pod must get from the gateway, whatever the client sent: appended to
             # the JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON
             # parser, like this one, keeps the last of duplicate keys).
-            own: dict[str, str | int] = {"cache_salt": self.cache_salt(tenant.cache_group)}
+            # Spelled as json.dumps spells the members, at a fraction of its cost: the salt is
+            # hex and the caps are ints, so nothing needs escaping.
+            suffix = f'"cache_salt": "{self.cache_salt(tenant.cache_group)}"'
             if path != wire.EMBEDDINGS_PATH:
-                own["max_tokens"] = request_facts.max_output
+                suffix += f', "max_tokens": {request_facts.max_output}'
                 if path == wire.CHAT_PATH:  # vLLM's chat reads this one first
-                    own["max_completion_tokens"] = request_facts.max_output
-            suffix = json.dumps(own)[1:-1]
+                    suffix += f', "max_completion_tokens": {request_facts.max_output}'
             metadata[wire.META_BODY_SUFFIX] = suffix if read.empty else f",{suffix}"
         elif tenant.models is not None and path.startswith(wire.MODELS_PATH):
             # The model list the client sees is its allow-list's part (envoy/rewrite.lua).

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +78,8 @@ class RequestFacts:
             wire.META_CHOICES: float(self.n),
             wire.META_MAX_OUTPUT: float(self.max_output),
             wire.META_FIRST_TURN: self.first_turn,
-            wire.META_PREFIX_BLOCKS: "".join(f"{h:016x}" for h in self.prefix_blocks),
+            # One format call for all blocks: a join of an f-string each costs twice as much.
+            wire.META_PREFIX_BLOCKS: ("%016x" * len(self.prefix_blocks)) % self.prefix_blocks,
         }
         if self.model is not None:
             meta[wire.META_MODEL] = self.model
@@ -128,7 +130,7 @@ def from_body(
         n=choices * _prompts(request.get("prompt")),
         max_output=output_cap(request, max_output),
         prompt_tokens=prompt_tokens(request, chars_per_token, image_tokens),
-        prefix_blocks=block_hashes(render(request), max_blocks, cache_group),
+        prefix_blocks=block_hashes(render(request), max_blocks, cache_group) if max_blocks else (),
         first_turn=is_first_turn(request),
     )
 
@@ -235,16 +237,24 @@ def is_first_turn(request: Mapping[str, Any]) -> bool:
     return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
+# Copied for each block: a copy costs less than the constructor (and its keywords) every time.
+_BLOCK_HASH = hashlib.blake2b(digest_size=8)
+
+
 def block_hashes(text: str, max_blocks: int, cache_group: str = "") -> tuple[int, ...]:
     """Chained hashes of the leading full blocks. The cache group enters the first hash: pods
     share cached blocks only within a group (vLLM's cache_salt), so must the router's map."""
     data = text.encode()
-    out: list[int] = []
+    digests: list[bytes] = []
     prev = cache_group.encode()
     for start in range(0, min(len(data) // BLOCK_CHARS, max_blocks) * BLOCK_CHARS, BLOCK_CHARS):
-        prev = hashlib.blake2b(prev + data[start : start + BLOCK_CHARS], digest_size=8).digest()
-        out.append(int.from_bytes(prev, "big"))
-    return tuple(out)
+        block = _BLOCK_HASH.copy()
+        block.update(prev)
+        block.update(data[start : start + BLOCK_CHARS])
+        prev = block.digest()
+        digests.append(prev)
+    # Big-endian 64-bit integers, all in one call.
+    return struct.unpack(f">{len(digests)}Q", b"".join(digests))
 
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
