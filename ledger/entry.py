@@ -36,7 +36,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from llmgw import wire
 from llmgw.facts import RequestFacts
 from llmgw.outcome import Outcome, OutcomeKind
-from llmgw.structs import to_dict
+from llmgw.structs import View
 
 # ResponseFlags field → Envoy's short code (as %RESPONSE_FLAGS% prints it).
 FLAG_CODES = {
@@ -73,7 +73,8 @@ _STREAM_BROKEN = frozenset({"UR", "UC", "LR", "UPE", "SI", "UT", "UMSDR", "DT"})
 
 
 def flags(f: accesslog_pb2.ResponseFlags) -> list[str]:
-    codes = [code for name, code in FLAG_CODES.items() if getattr(f, name)]
+    # Only the flags set (usually none), in field-number order, which is FLAG_CODES' order.
+    codes = [FLAG_CODES[d.name] for d, _ in f.ListFields() if d.name in FLAG_CODES]
     if f.HasField("unauthorized_details"):
         codes.append("UAEX")
     return codes
@@ -98,8 +99,10 @@ def kind_of(status: int, codes: list[str], pod: str, stream_failed: bool = False
     return "refused" if status >= 400 or not pod else "ok"
 
 
-def _namespace(filter_meta: Any, name: str) -> dict[str, Any]:
-    return to_dict(filter_meta[name]) if name in filter_meta else {}
+def _namespace(filter_meta: Any, name: str) -> Mapping[str, Any]:
+    """Values converted as they are read: most of extauthz's keys are not."""
+    found = filter_meta.get(name)
+    return View(found) if found is not None else {}
 
 
 def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:

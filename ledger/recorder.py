@@ -24,6 +24,7 @@ from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.resp import RespError
 from llmgw.serve import finish
+from llmgw.telemetry import Children
 
 log = logging.getLogger("ledger.recorder")
 
@@ -164,13 +165,13 @@ class Recorder:
         for i, o in enumerate(batch):
             result = results.get(i) if results is not None else None
             if o.tenant and o.pod and o.reserved_tokens and not o.quota_checked:
-                metrics.UNCHECKED.labels(o.tenant).inc()  # the rate limiter failed open
+                _UNCHECKED(o.tenant).inc()  # the rate limiter failed open
                 if self.watch is not None:
                     self.watch.unchecked(o)
             if result is None:  # unsettled or no tenant: what admission reserved stays charged
                 charged = o.reserved_tokens if o.tenant else 0
             else:
-                metrics.SETTLEMENTS.labels(_RESULTS.get(result.state, "unknown")).inc()
+                _SETTLEMENTS(_RESULTS.get(result.state, "unknown")).inc()
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged
@@ -181,9 +182,17 @@ class Recorder:
             self.sink.submit(records)
 
 
+_REQUESTS = Children(metrics.REQUESTS)
+_TOKENS = Children(metrics.TOKENS)
+_SETTLEMENTS = Children(metrics.SETTLEMENTS)
+_UNCHECKED = Children(metrics.UNCHECKED)
+_TTFT = Children(metrics.TTFT)
+_DURATION = Children(metrics.DURATION)
+
+
 def _count(o: Outcome) -> None:
     labels = (o.tenant, o.model)
-    metrics.REQUESTS.labels(*labels, o.outcome).inc()
+    _REQUESTS(*labels, o.outcome).inc()
     for kind, n in (
         ("prompt", o.prompt_tokens),
         ("completion", o.completion_tokens),
@@ -191,7 +200,7 @@ def _count(o: Outcome) -> None:
         ("charged", o.charged_tokens),
     ):
         if n:
-            metrics.TOKENS.labels(*labels, kind).inc(n)
+            _TOKENS(*labels, kind).inc(n)
     if o.ttft_ms is not None:
-        metrics.TTFT.labels(*labels).observe(o.ttft_ms / 1000)
-    metrics.DURATION.labels(*labels).observe(o.duration_ms / 1000)
+        _TTFT(*labels).observe(o.ttft_ms / 1000)
+    _DURATION(*labels).observe(o.duration_ms / 1000)

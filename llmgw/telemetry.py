@@ -4,13 +4,14 @@ cheap access to labelled Prometheus counters on the request path."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Generic, TypeVar
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from prometheus_client import Counter
+from prometheus_client.metrics import MetricWrapperBase
 
 from llmgw.config import Strict
 
@@ -58,18 +59,21 @@ def parent_context(
 _TRACE_KEYS = ("traceparent", "tracestate")
 
 
-class Children:
-    """`counter.labels(*values)` remembered per label tuple (values in the counter's label order):
-    prometheus_client's own lookup (validation, a lock, a dict) costs more than the increment on
-    every decision. Holds the same child objects the counter does, so values read through either
-    agree."""
+M = TypeVar("M", bound=MetricWrapperBase)
 
-    def __init__(self, counter: Counter) -> None:
-        self._counter = counter
-        self._children: dict[tuple[str, ...], Counter] = {}
 
-    def __call__(self, *values: str) -> Counter:
+class Children(Generic[M]):
+    """`metric.labels(*values)` remembered per label tuple (values in the metric's label order):
+    prometheus_client's own lookup (validation, a lock, a dict) costs more than the update on
+    every decision. Holds the same child objects the metric does, so values read through either
+    agree; a child is made when first used, as `labels()` would, so no series appears early."""
+
+    def __init__(self, metric: M) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self._counter.labels(*values)
+            child = self._children[values] = self._metric.labels(*values)
         return child

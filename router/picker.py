@@ -26,7 +26,7 @@ llmgw's own Envoy; without it, the model and prompt prefix come from the body.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -199,7 +199,7 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
     ) -> AsyncIterator[pb.ProcessingResponse]:
         mode = NONE  # the gateway's request body mode (protocol_config, first message)
         headers: dict[str, str] = {}
-        authz: dict[str, Any] = {}
+        authz: Mapping[str, Any] = {}
         subset: frozenset[PodId] | None = None
         body = bytearray()
         waiting = False  # the pick waits for the end of the body
@@ -273,7 +273,9 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
             if pod is not None:  # no response headers seen: the request ended some other way
                 self.fleet.release(pod)
 
-    def _request(self, authz: dict[str, Any], headers: dict[str, str], body: bytes) -> PickRequest:
+    def _request(
+        self, authz: Mapping[str, Any], headers: dict[str, str], body: bytes
+    ) -> PickRequest:
         if authz:
             return from_metadata(authz)
         return from_body(body, self.settings, from_headers(headers).session)

@@ -11,10 +11,11 @@ means Envoy retried because our pick failed).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -24,31 +25,50 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from llmgw import wire
-from llmgw.structs import to_dict
-from llmgw.telemetry import parent_context
+from llmgw.structs import View
+from llmgw.telemetry import parent_context, recording
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
 from router.request import from_headers, from_metadata
-from router.types import PickRequest, PodId
+from router.types import Candidate, Pick, PickRequest, PodId
 
 
 def lb_metadata(pods: tuple[PodId, ...]) -> Struct:
-    meta = Struct()
-    meta.update({wire.LB_NAMESPACE: {wire.DESTINATION_ENDPOINT: ",".join(pods)}})
+    meta = Struct()  # set in place: `Struct.update` goes through Python per value
+    lb = meta.fields[wire.LB_NAMESPACE].struct_value
+    lb.fields[wire.DESTINATION_ENDPOINT].string_value = ",".join(pods)
     return meta
 
 
+def header_value(h: base_pb2.HeaderValue) -> str:
+    text: str = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return text
+
+
 def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
-    return {
-        h.key: h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        for h in msg.headers.headers
-    }
+    return {h.key: header_value(h) for h in msg.headers.headers}
 
 
-def authz_metadata(msg: pb.ProcessingRequest) -> dict[str, Any]:
-    """extauthz's namespace as Envoy forwarded it; {} when absent (no extauthz in front)."""
+def header(msg: pb.HttpHeaders, name: str) -> str | None:
+    """One header as `header_map(msg).get(name)` reads it (the last of repeated ones), without
+    decoding the others."""
+    found = None
+    for h in msg.headers.headers:
+        if h.key == name:
+            found = h
+    return header_value(found) if found is not None else None
+
+
+def authz_metadata(msg: pb.ProcessingRequest) -> Mapping[str, Any]:
+    """extauthz's namespace as Envoy forwarded it, values converted as they are read; {} when
+    absent (no extauthz in front)."""
     found = msg.metadata_context.filter_metadata.get(wire.EXTAUTHZ_NAMESPACE)
-    return to_dict(found) if found is not None else {}
+    return View(found) if found is not None else {}
+
+
+# Answers without a pick, built once (grpc serializes what is yielded; nothing mutates these).
+NO_PICK = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+EMPTY_HEADERS = pb.HeadersResponse()
 
 
 class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -56,22 +76,38 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.fleet = fleet
         self.engine = engine
         self.tracer = tracer
+        self.recording = recording(tracer)
 
-    def decide(self, req: PickRequest, parent: Context) -> tuple[Struct | None, PodId | None]:
+    def decide(
+        self, req: PickRequest, parent: Context | None
+    ) -> tuple[Struct | None, PodId | None]:
+        candidates = self.fleet.candidates()
+        result = (
+            self._traced(req, candidates, parent)
+            if self.recording
+            else self.engine.pick(req, candidates)
+        )
+        if isinstance(result, NoPod):
+            return None, None
+        self.fleet.acquire(result.pods[0], req.request_id)
+        return lb_metadata(result.pods), result.pods[0]
+
+    def _traced(
+        self, req: PickRequest, candidates: list[Candidate], parent: Context | None
+    ) -> Pick | NoPod:
         attributes = {
             k: v for k, v in (("tenant.id", req.tenant), ("session.id", req.session)) if v
         }
         with self.tracer.start_as_current_span(
             "router.pick", context=parent, attributes=attributes
         ) as span:
-            result = self.engine.pick(req, self.fleet.candidates())
+            result = self.engine.pick(req, candidates)
             if isinstance(result, NoPod):
                 span.set_attribute("router.no_pod", result.stage)
-                return None, None
-            span.set_attribute("router.pod", result.pods[0])
-            span.set_attribute("router.reason", result.reason)
-        self.fleet.acquire(result.pods[0], req.request_id)
-        return lb_metadata(result.pods), result.pods[0]
+            else:
+                span.set_attribute("router.pod", result.pods[0])
+                span.set_attribute("router.reason", result.reason)
+        return result
 
     async def Process(
         self,
@@ -81,15 +117,23 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         async for msg in request_iterator:
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
-                headers = header_map(msg.request_headers)
-                parent = parent_context(context.invocation_metadata(), headers)
                 authz = authz_metadata(msg)
+                parent: Context | None = None
                 # Envoy's x-request-id names the request in the access log too.
-                rid = headers.get(wire.HEADER_REQUEST_ID)
-                req = from_metadata(authz, rid) if authz else from_headers(headers)
+                if authz and not self.recording:  # only the request ID is read: decode no other
+                    rid = header(msg.request_headers, wire.HEADER_REQUEST_ID)
+                    req = from_metadata(authz, rid)
+                else:
+                    headers = header_map(msg.request_headers)
+                    rid = headers.get(wire.HEADER_REQUEST_ID)
+                    req = from_metadata(authz, rid) if authz else from_headers(headers)
+                    if self.recording:
+                        parent = parent_context(context.invocation_metadata(), headers)
                 meta, _ = self.decide(req, parent)
-                yield pb.ProcessingResponse(
-                    request_headers=pb.HeadersResponse(), dynamic_metadata=meta
+                yield (
+                    NO_PICK
+                    if meta is None
+                    else pb.ProcessingResponse(request_headers=EMPTY_HEADERS, dynamic_metadata=meta)
                 )
             # Envoy sends nothing else in this processing mode; answer anything anyway.
             elif kind == "request_body":
