@@ -73,30 +73,31 @@ def _limit(descriptor: rls_pb2.RateLimitDescriptor) -> Limit | None:
 def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
     roles: list[Role | None] = []
     if request.domain != wire.RATELIMIT_DOMAIN:
-        return Parsed(tuple(None for _ in request.descriptors), None)
+        return Parsed((None,) * len(request.descriptors), None)
     tenant = tier = session = request_id = None
     estimate: int | None = None
     grant: Grant | None = None
     counted = False
-    limits: dict[str, Limit | None] = {"requests": None, "tokens": None}
+    requests_limit = tokens_limit = None
     for descriptor in request.descriptors:
         entries = {e.key: e.value for e in descriptor.entries}
         kind = entries.get(KIND)
-        who = entries.get(wire.META_TENANT)
         role: Role | None = None
-        if who and kind in ("requests", "tokens"):
+        if (kind == "requests" or kind == "tokens") and (who := entries.get(wire.META_TENANT)):
             tenant, tier = who, entries.get(wire.META_TIER, tier or "")
             session = entries.get(wire.META_SESSION, session)
             request_id = entries.get(wire.META_REQUEST_ID, request_id)
             if kind == "requests":
                 counted, role = True, "requests"
-            elif (n := _int(entries.get(wire.META_TOKEN_ESTIMATE))) is not None:
-                estimate, role = n, "tokens"
-                prompt = _int(entries.get(wire.META_TOKEN_PROMPT))
-                choices = _int(entries.get(wire.META_TOKEN_CHOICES))
-                if prompt is not None and choices:
-                    grant = Grant(prompt, choices)
-            limits[kind] = _limit(descriptor)
+                requests_limit = _limit(descriptor)
+            else:
+                tokens_limit = _limit(descriptor)
+                if (n := _int(entries.get(wire.META_TOKEN_ESTIMATE))) is not None:
+                    estimate, role = n, "tokens"
+                    prompt = _int(entries.get(wire.META_TOKEN_PROMPT))
+                    choices = _int(entries.get(wire.META_TOKEN_CHOICES))
+                    if prompt is not None and choices:
+                        grant = Grant(prompt, choices)
         roles.append(role)
     admission = None
     if tenant is not None and (counted or estimate is not None):
@@ -107,8 +108,8 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
             request_id,
             estimate,
             counted,
-            requests_limit=limits["requests"],
-            tokens_limit=limits["tokens"],
+            requests_limit=requests_limit,
+            tokens_limit=tokens_limit,
             grant=grant,
         )
     return Parsed(tuple(roles), admission)

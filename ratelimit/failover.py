@@ -92,6 +92,9 @@ class Failover:
         self._beat: asyncio.Task[None] | None = None
         self._closing = False
         self._closers: set[asyncio.Task[None]] = set()
+        # The loop start() ran on, which every decision runs on: get_running_loop() costs a
+        # getpid() system call per decision on Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def degraded(self) -> bool:
@@ -103,12 +106,13 @@ class Failover:
 
     async def start(self) -> None:
         """Connect now if Redis answers, else start degraded and keep probing."""
+        self._loop = asyncio.get_running_loop()
         try:
             self.redis = await self._connect()
             metrics.DEGRADED.set(0)
         except (*TRANSPORT, RespError) as exc:
             self._degrade(exc)
-        self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+        self._beat = self._loop.create_task(self._heartbeat())
 
     async def close(self) -> None:
         self._closing = True
@@ -164,7 +168,8 @@ class Failover:
         """The script's reply within the deadline, else TimeoutError. The reply's future itself
         fails at the deadline: one timer per call and no task cancellation (asyncio.timeout's
         bookkeeping cost ~3 % of a decision)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # self.redis is set by start() or its probe, on that loop
         deadline = loop.time() + self.deadline_s
         reply_future = redis.send_admit(args)
         timer = loop.call_at(deadline, _expire, reply_future)

@@ -37,6 +37,7 @@ from ratelimit.windows import SLIDING, fixed, state
 
 RETRY_MIN_MS = 1_000
 RETRY_MAX_MS = 30_000
+MAX_PLANS = 1024
 
 
 def overridden(policy: Policy, requests: Limit | None, tokens: Limit | None) -> Policy:
@@ -87,6 +88,11 @@ class Limiter:
         self.stale_after_s = stale_after_s
         self.near_limit_ratio = near_limit_ratio
         self.rng = rng or random.Random()
+        # Per policy object (the limits config hands out the same one while it is current): its
+        # request checks, which never change, and its reserving checks at cost 0 as templates,
+        # so a decision builds only the checks its estimate costs. Keeping the policy makes the
+        # id() key safe (a live object's id is not reused).
+        self._plans: dict[int, tuple[Policy, tuple[Check, ...], tuple[Check, ...]]] = {}
 
     @staticmethod
     def checks(policy: Policy, estimate: int | None, count_request: bool = True) -> list[Check]:
@@ -107,6 +113,20 @@ class Limiter:
             )
         return checks
 
+    def _checks(self, policy: Policy, estimate: int | None, count_request: bool) -> list[Check]:
+        """`checks`, from the policy's cached plan."""
+        plan = self._plans.get(id(policy))
+        if plan is None or plan[0] is not policy:
+            if len(self._plans) >= MAX_PLANS:  # overridden policies are new objects each time
+                self._plans.clear()
+            base = self.checks(policy, 0)
+            requests = tuple(c for c in base if not c.reserve)
+            plan = self._plans[id(policy)] = (policy, requests, tuple(c for c in base if c.reserve))
+        checks = list(plan[1]) if count_request else []
+        if estimate is not None:
+            checks += [Check(c.name, c.window, c.limit, estimate, True, c.caps) for c in plan[2]]
+        return checks
+
     async def admit(self, req: Admission) -> Verdict:
         policy = overridden(self.limits(req.tenant, req.tier), req.requests_limit, req.tokens_limit)
         now_s = self.clock()
@@ -114,7 +134,7 @@ class Limiter:
         fleet = self.fleet()
         load = effective_load(fleet, now_s, self.stale_after_s)
         estimate, fitted = self._fitted(policy, fleet, req.token_estimate, req.grant)
-        checks = self.checks(policy, estimate, req.count_request)
+        checks = self._checks(policy, estimate, req.count_request)
         states: list[CheckState] = []
         draws: tuple[Draw, ...] = ()
         cap = 0
@@ -152,8 +172,10 @@ class Limiter:
             retry_ms = retry_after_ms(
                 policy.retry_base_s, load, free_ms, self.rng.uniform(0.8, 1.2)
             )
-        borrowed_requests = max((d.amount for d in draws if d.kind == "requests"), default=0)
-        borrowed_tokens = max((d.amount for d in draws if d.kind == "tokens"), default=0)
+        borrowed_requests = borrowed_tokens = 0
+        if draws:
+            borrowed_requests = max((d.amount for d in draws if d.kind == "requests"), default=0)
+            borrowed_tokens = max((d.amount for d in draws if d.kind == "tokens"), default=0)
         self._count(req, policy, states, refusal, borrowed_requests, borrowed_tokens)
         if cap and refusal is None:
             metrics.capped(req.tenant, policy.tier).inc()
@@ -336,15 +358,29 @@ def _states(checks: list[Check], outcome: Outcome, shadow: bool) -> list[CheckSt
 
 def _headline(kind: Kind, base: list[Check], states: list[CheckState]) -> KindState | None:
     """What the x-ratelimit-*-{kind} headers report: the per-minute limit (OpenAI's RPM and TPM)
-    at its base amount, without what was borrowed; else the kind's limit closest to exhaustion."""
-    pairs = [(c, s) for c, s in zip(base, states, strict=True) if _NAMES[c.name][0] == kind]
-    pairs = [p for p in pairs if not p[0].name.startswith("budget:")] or pairs
+    at its base amount, without what was borrowed; else the kind's limit closest to exhaustion.
+    Hard budgets only when the kind has no other limit."""
+    rate: list[tuple[Check, CheckState]] = []
+    budget: list[tuple[Check, CheckState]] = []
+    for c, s in zip(base, states, strict=True):
+        if _NAMES[c.name][0] == kind:
+            (budget if c.name.startswith("budget:") else rate).append((c, s))
+    pairs = rate or budget
     if not pairs:
         return None
-    minute = [p for p in pairs if _NAMES[p[0].name][1] is Unit.MINUTE]
-    check, s = (minute or sorted(pairs, key=lambda p: (p[1].passed, _room(p[0], p[1]))))[0]
+    minute = next((p for p in pairs if _NAMES[p[0].name][1] is Unit.MINUTE), None)
+    check, s = minute or min(pairs, key=lambda p: (p[1].passed, _room(p[0], p[1])))
     limit = min(check.limit, s.check.limit)  # a degraded replica enforces only its share
-    return replace(_kind_state(s), limit=limit, remaining=max(0, limit - s.used))
+    own_kind, unit = _NAMES[s.check.name]
+    return KindState(
+        kind=own_kind,
+        limit=limit,
+        unit=unit,
+        remaining=max(0, limit - s.used),
+        reset_ms=s.reset_ms,
+        used=s.used,
+        requested=s.check.cost,
+    )
 
 
 def _room(check: Check, s: CheckState) -> float:

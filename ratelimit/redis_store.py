@@ -144,7 +144,7 @@ def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
     if not isinstance(reply, bytes):
         raise RespError(f"admit.lua returned {reply!r}")
     try:
-        flat = [int(v) for v in reply.split()]
+        flat = list(map(int, reply.split()))
     except ValueError:
         raise RespError(f"admit.lua returned {reply!r}") from None
     if flat[:1] == [2] and len(flat) == 3:  # refused by the breaker: "2 now wait"

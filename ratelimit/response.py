@@ -20,12 +20,23 @@ def go_duration(ms: int) -> str:
         return f"{ms}ms"
     hours, rest = divmod(ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
-    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    whole, frac = divmod(rest, 1000)
+    seconds = f"{whole}.{frac:03d}".rstrip("0") if frac else str(whole)
     if hours:
         return f"{hours}h{minutes}m{seconds}s"
     if minutes:
         return f"{minutes}m{seconds}s"
     return f"{seconds}s"
+
+
+_RATE_HEADERS = {
+    kind: (
+        f"x-ratelimit-limit-{kind}",
+        f"x-ratelimit-remaining-{kind}",
+        f"x-ratelimit-reset-{kind}",
+    )
+    for kind in ("requests", "tokens")
+}
 
 
 def rate_headers(verdict: Verdict) -> Headers:
@@ -35,10 +46,11 @@ def rate_headers(verdict: Verdict) -> Headers:
     out: Headers = []
     for state in (verdict.requests, verdict.tokens):
         if state is not None:
+            limit, remaining, reset = _RATE_HEADERS[state.kind]
             out += [
-                (f"x-ratelimit-limit-{state.kind}", str(state.limit)),
-                (f"x-ratelimit-remaining-{state.kind}", str(state.remaining)),
-                (f"x-ratelimit-reset-{state.kind}", go_duration(state.reset_ms)),
+                (limit, str(state.limit)),
+                (remaining, str(state.remaining)),
+                (reset, go_duration(state.reset_ms)),
             ]
     return out
 

@@ -69,17 +69,17 @@ def state(check: Check, counts: Sequence[int], added: bool, now_ms: int) -> Chec
     w = check.window
     b = w.bucket_ms
     current = now_ms // b
-    passed = used(w, counts, now_ms) + check.cost <= check.limit
-    after = list(counts)
-    if added and check.cost:
-        after[0] += check.cost
+    before = used(w, counts, now_ms)
+    passed = before + check.cost <= check.limit
+    # Adding puts the cost in the newest bucket, one of the N counted whole.
+    cost = check.cost if added else 0
     reset_ms = 0
-    for age, count in enumerate(after):
-        if count > 0:
+    for age, count in enumerate(counts):
+        if count + (cost if age == 0 else 0) > 0:
             reset_ms = (current - age + w.span) * b - now_ms
             break
     free_ms = 0 if passed else _free_ms(check, counts, now_ms)
-    return CheckState(check, used(w, after, now_ms), passed, reset_ms, free_ms)
+    return CheckState(check, before + cost, passed, reset_ms, free_ms)
 
 
 def _free_ms(check: Check, counts: Sequence[int], now_ms: int) -> int:
