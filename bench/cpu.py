@@ -73,6 +73,7 @@ COLUMNS = (
     "postgres",
     "pod",
 )
+FLOOR = "trivial handlers"
 # Where the stack runs for the latency tables: as in the CPU table, then on every core.
 PLACEMENTS = ("stack on 1 core", "unpinned, 2 cores")
 # Limits far above this load: every request is admitted (a 429 would skip the pod and the router).
@@ -338,9 +339,9 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         previous = r.total
     by = {r.label: r for r in rows}
-    if "full chain" not in by or "trivial handlers" not in by:
+    if "full chain" not in by or FLOOR not in by:
         return "\n".join(lines)
-    full, floor = by["full chain"], by["trivial handlers"]
+    full, floor = by["full chain"], by[FLOOR]
     ratio = full.total / floor.total
     lines += [
         "",
@@ -399,6 +400,12 @@ def latency_table(
             f"- {placement}: {a} − {b}, p50: **{added:.2f} ms** (target ≤ {target:g} ms: "
             f"{'met' if added <= target else 'NOT met'})"
         )
+        if (placement, FLOOR) in samples:
+            floor = q(placement, FLOOR, 50) - q(placement, b, 50)
+            lines.append(
+                f"  - of which the floor ({FLOOR}: the same callouts answering at once): "
+                f"{floor:.2f} ms"
+            )
     return "\n".join(lines)
 
 
@@ -457,7 +464,7 @@ def main() -> None:
             try:
                 rows[i] = bench.measure_cpu(label, note, stack)
             finally:
-                if label in ("Envoy alone", "full chain"):
+                if label in ("Envoy alone", "full chain", FLOOR):
                     kept[label] = stack
                     stacks.callback(stack.stop)
                 else:
