@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeAlias, cast
 
 Reply: TypeAlias = int | bytes | str | list["Reply"] | None
@@ -82,7 +82,7 @@ class Resp(asyncio.Protocol):
         self._pending: collections.deque[asyncio.Future[Reply]] = collections.deque()
         self._error: BaseException | None = None
         self._out: list[bytes] = []  # written at the end of this turn of the loop
-        self._buffer = b""  # received, not yet a whole reply
+        self._parser = _Parser(self._reply)
         # Kept: get_running_loop() costs a getpid system call on Python 3.11, once per command.
         self._loop = asyncio.get_running_loop()
         self._lost: asyncio.Future[None] = self._loop.create_future()
@@ -125,6 +125,7 @@ class Resp(asyncio.Protocol):
         return future
 
     async def close(self) -> None:
+        self._flush()  # what was sent before closing still reaches Redis, as written at once
         self._fail(ConnectionError("closed"))
         if self._transport is not None:
             self._transport.close()
@@ -132,7 +133,7 @@ class Resp(asyncio.Protocol):
                 await self._lost
 
     def _flush(self) -> None:
-        if self._error is None and self._transport is not None:
+        if self._out and self._error is None and self._transport is not None:
             self._transport.write(b"".join(self._out))
         self._out.clear()
 
@@ -155,60 +156,88 @@ class Resp(asyncio.Protocol):
             self._lost.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer + data if self._buffer else data
-        pos = 0
         try:
-            while pos < len(buffer):
-                parsed = _parse(buffer, pos)
-                if parsed is None:  # the rest has not arrived yet
-                    break
-                reply, pos = parsed
-                future = self._pending.popleft()
-                if future.done():  # the caller gave up (deadline); the reply is dropped
-                    continue
-                if isinstance(reply, RespError):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
+            self._parser.feed(data)
         except (IndexError, ValueError) as exc:  # not RESP2, or a reply nobody asked for
             self._fail(exc)
             assert self._transport is not None
             self._transport.close()
+
+    def _reply(self, reply: Reply | RespError) -> None:
+        future = self._pending.popleft()
+        if future.done():  # the caller gave up (deadline); the reply is dropped
             return
-        self._buffer = buffer[pos:]
+        if isinstance(reply, RespError):
+            future.set_exception(reply)
+        else:
+            future.set_result(reply)
 
 
-def _parse(buf: bytes, pos: int) -> tuple[Reply | RespError, int] | None:
-    """The reply starting at `pos` and the position after it, or None when it is incomplete."""
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        return None
-    kind, body, after = buf[pos : pos + 1], buf[pos + 1 : end], end + 2
-    if kind == b":":
-        return int(body), after
-    if kind == b"$":
-        size = int(body)
-        if size < 0:
-            return None, after
-        if len(buf) < after + size + 2:
-            return None
-        return buf[after : after + size], after + size + 2
-    if kind == b"*":
-        size = int(body)
-        if size < 0:
-            return None, after
-        items: list[Reply] = []
-        for _ in range(size):
-            parsed = _parse(buf, after)
-            if parsed is None:
-                return None
-            item, after = parsed
-            if isinstance(item, RespError):
-                raise ValueError(f"error inside an array: {item}")
-            items.append(item)
-        return items, after
-    if kind == b"+":
-        return body.decode(), after
-    if kind == b"-":
-        return RespError(body.decode()), after
-    raise ValueError(f"unexpected RESP reply {buf[pos : pos + 32]!r}")
+class _Parser:
+    """RESP2 replies from a byte stream cut anywhere, each handed to `deliver` when whole. The
+    state (a bulk string's size, the arrays still open) survives between chunks, so every byte
+    is read once: a reply of megabytes arriving in pieces costs linear time."""
+
+    def __init__(self, deliver: Callable[[Reply | RespError], None]) -> None:
+        self._deliver = deliver
+        self._buffer = bytearray()
+        self._bulk = -1  # the size of the bulk string awaited; -1: a line is awaited
+        self._arrays: list[tuple[list[Reply], int]] = []  # open arrays: items so far, size
+
+    def feed(self, data: bytes) -> None:
+        buf = self._buffer
+        buf += data
+        pos = 0
+        try:
+            while True:
+                value: Reply | RespError
+                if self._bulk >= 0:
+                    end = pos + self._bulk
+                    if len(buf) < end + 2:
+                        break
+                    value = bytes(memoryview(buf)[pos:end])
+                    pos, self._bulk = end + 2, -1
+                else:
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        break
+                    kind, line, start, pos = buf[pos], buf[pos + 1 : end], pos, end + 2
+                    if kind == _INT:
+                        value = int(line)
+                    elif kind == _BULK:
+                        self._bulk = int(line)
+                        if self._bulk >= 0:
+                            continue
+                        value = None
+                    elif kind == _ARRAY:
+                        size = int(line)
+                        if size > 0:
+                            self._arrays.append(([], size))
+                            continue
+                        value = None if size < 0 else []
+                    elif kind == _SIMPLE:
+                        value = line.decode()
+                    elif kind == _ERROR:
+                        value = RespError(line.decode())
+                    else:
+                        raise ValueError(
+                            f"unexpected RESP reply {bytes(buf[start : start + 32])!r}"
+                        )
+                self._place(value)
+        finally:
+            del buf[:pos]
+
+    def _place(self, value: Reply | RespError) -> None:
+        while self._arrays:
+            if isinstance(value, RespError):
+                raise ValueError(f"error inside an array: {value}")
+            items, size = self._arrays[-1]
+            items.append(value)
+            if len(items) < size:
+                return
+            self._arrays.pop()
+            value = items
+        self._deliver(value)
+
+
+_INT, _BULK, _ARRAY, _SIMPLE, _ERROR = b":$*+-"

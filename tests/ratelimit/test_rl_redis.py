@@ -92,6 +92,30 @@ async def test_resp_fails_closed_on_a_reply_nobody_asked_for() -> None:
         client.call("PING")
 
 
+async def test_resp_reads_large_and_long_replies_arriving_in_pieces(resp: Resp) -> None:
+    big = b"x" * (3 << 20) + b"\r\n" + b"y" * 1000  # CRLF inside a bulk string is data
+    await resp.call("SET", "big", big)
+    await resp.call("RPUSH", "long", *range(20_000))
+    got_big, got_long = await asyncio.gather(
+        resp.call("GET", "big"), resp.call("LRANGE", "long", 0, -1)
+    )
+    assert got_big == big
+    assert got_long == [str(i).encode() for i in range(20_000)]
+
+
+async def test_resp_sends_what_was_called_before_close(redis: int) -> None:
+    client = await Resp.connect("127.0.0.1", redis, 2.0)
+    last = client.call("SET", "said-before-close", "yes")  # queued for this turn of the loop
+    await client.close()
+    with pytest.raises(ConnectionError):
+        await last  # its reply is not read: the connection is closed
+    check = await Resp.connect("127.0.0.1", redis, 2.0)
+    try:
+        assert await check.call("GET", "said-before-close") == b"yes"
+    finally:
+        await check.close()
+
+
 def test_tenant_prefix_keeps_one_hash_tag() -> None:
     assert tenant_prefix("acme") == "llmgw:rl:{acme}"
     assert tenant_prefix("a}b{c") == "llmgw:rl:{a%7Db%7Bc}"
