@@ -50,7 +50,7 @@ async def main(settings: Settings) -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-        bodies.close()
+        await bodies.close()
 
     await serve(NAME, settings.serve, register(service), stop)
 

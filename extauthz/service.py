@@ -6,7 +6,10 @@ constructor are copied once more), and no span is started when tracing is off.""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
@@ -89,6 +92,17 @@ def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
     )
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int) -> None:
+    """A pool worker's first act: SIGTERM when the process that started it dies, however it
+    dies (SIGKILL included), so no worker outlives extauthz; and gone now if it already has."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 class BodyPool:
     """Large bodies are read in a worker process, so that one tenant's megabytes of JSON never
     hold the event loop that decides everyone's requests (`json.loads` holds the GIL: a thread
@@ -99,7 +113,9 @@ class BodyPool:
         self.from_bytes = from_bytes
         # spawn, not fork: this process runs gRPC's threads.
         context = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(workers, mp_context=context)
+        self._pool = ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
+        )
 
     async def start(self) -> None:
         """Start the workers now, not on the first large body."""
@@ -117,8 +133,9 @@ class BodyPool:
             self._pool, read_body, body, self.decider.settings
         )
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    async def close(self) -> None:
+        """Stop the workers and wait until they have exited (a worker mid-body finishes it)."""
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
 
 
 class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]

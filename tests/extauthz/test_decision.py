@@ -455,4 +455,4 @@ async def test_a_body_read_in_the_pool_decides_exactly_as_inline(
                 assert again == inline
         assert await BodyPool(decider, from_bytes=10**9).read(chat()) is None  # small: inline
     finally:
-        pool.close()
+        await pool.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -244,9 +246,33 @@ def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     assert service_cli(["--check-config", str(good)]) == 1
 
 
-def test_python_m_extauthz_serves_and_exits_0_on_sigterm(
-    tmp_path: Path, tenants_file: Path, keys: Keys
-) -> None:
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` now (the body pool's worker, multiprocessing's
+    resource tracker)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rpartition(b")")[2].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                out.add(int(entry))
+    return out
+
+
+def _gone(pids: set[int], within_s: float = 10.0) -> set[int]:
+    """Those of `pids` still alive after waiting up to `within_s`."""
+    deadline = time.monotonic() + within_s
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if os.path.exists(f"/proc/{p}")}
+        time.sleep(0.05)
+    return alive
+
+
+def _start_extauthz(tmp_path: Path, tenants_file: Path) -> tuple[Process, str]:
     port = free_port()
     target = f"127.0.0.1:{port}"
     config = _settings_file(tmp_path, tenants_file, port)
@@ -256,7 +282,16 @@ def test_python_m_extauthz_serves_and_exits_0_on_sigterm(
         grpc_serving(target, "extauthz"),
         tmp_path / "extauthz.log",
     )
-    proc.start(timeout=30)
+    return proc.start(timeout=30), target
+
+
+def test_python_m_extauthz_serves_and_exits_0_on_sigterm(
+    tmp_path: Path, tenants_file: Path, keys: Keys
+) -> None:
+    proc, target = _start_extauthz(tmp_path, tenants_file)
+    assert proc.pid is not None
+    workers = _children(proc.pid)
+    assert workers  # the body pool starts with the service
     try:
         with grpc.insecure_channel(target) as channel:
             reply = Stub(channel).Check(check_request({"api-key": keys.acme}, CHAT), timeout=5)
@@ -267,3 +302,16 @@ def test_python_m_extauthz_serves_and_exits_0_on_sigterm(
         code = proc.stop()
     assert code == 0, proc.log_tail()
     assert keys.acme not in (tmp_path / "extauthz.log").read_text()
+    assert not _gone(workers), "body-pool processes outlived extauthz"
+
+
+def test_no_body_pool_process_outlives_a_killed_extauthz(
+    tmp_path: Path, tenants_file: Path, keys: Keys
+) -> None:
+    proc, _ = _start_extauthz(tmp_path, tenants_file)  # `keys` writes the tenants file
+    assert proc.pid is not None
+    workers = _children(proc.pid)
+    assert workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.stop()
+    assert not _gone(workers), "body-pool processes outlived a SIGKILLed extauthz"
