@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmgw.telemetry import Children
+
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 REQUESTS = Counter(
@@ -92,3 +94,11 @@ BREAKER_RECOVERY_SECONDS = Histogram(
     ["tier"],
     buckets=(5, 15, 30, 60, 120, 300, 600, 1200, 2400, 4800),
 )
+
+# Looked up once per label set (every outcome updates them).
+requests = Children(REQUESTS)
+tokens = Children(TOKENS)
+settlements = Children(SETTLEMENTS)
+unchecked = Children(UNCHECKED)
+ttft = Children(TTFT)
+duration = Children(DURATION)

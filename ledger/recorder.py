@@ -24,7 +24,6 @@ from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.resp import RespError
 from llmgw.serve import finish
-from llmgw.telemetry import Children
 
 log = logging.getLogger("ledger.recorder")
 
@@ -165,13 +164,13 @@ class Recorder:
         for i, o in enumerate(batch):
             result = results.get(i) if results is not None else None
             if o.tenant and o.pod and o.reserved_tokens and not o.quota_checked:
-                _UNCHECKED(o.tenant).inc()  # the rate limiter failed open
+                metrics.unchecked(o.tenant).inc()  # the rate limiter failed open
                 if self.watch is not None:
                     self.watch.unchecked(o)
             if result is None:  # unsettled or no tenant: what admission reserved stays charged
                 charged = o.reserved_tokens if o.tenant else 0
             else:
-                _SETTLEMENTS(_RESULTS.get(result.state, "unknown")).inc()
+                metrics.settlements(_RESULTS.get(result.state, "unknown")).inc()
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged
@@ -182,17 +181,9 @@ class Recorder:
             self.sink.submit(records)
 
 
-_REQUESTS = Children(metrics.REQUESTS)
-_TOKENS = Children(metrics.TOKENS)
-_SETTLEMENTS = Children(metrics.SETTLEMENTS)
-_UNCHECKED = Children(metrics.UNCHECKED)
-_TTFT = Children(metrics.TTFT)
-_DURATION = Children(metrics.DURATION)
-
-
 def _count(o: Outcome) -> None:
     labels = (o.tenant, o.model)
-    _REQUESTS(*labels, o.outcome).inc()
+    metrics.requests(*labels, o.outcome).inc()
     for kind, n in (
         ("prompt", o.prompt_tokens),
         ("completion", o.completion_tokens),
@@ -200,7 +191,7 @@ def _count(o: Outcome) -> None:
         ("charged", o.charged_tokens),
     ):
         if n:
-            _TOKENS(*labels, kind).inc(n)
+            metrics.tokens(*labels, kind).inc(n)
     if o.ttft_ms is not None:
-        _TTFT(*labels).observe(o.ttft_ms / 1000)
-    _DURATION(*labels).observe(o.duration_ms / 1000)
+        metrics.ttft(*labels).observe(o.ttft_ms / 1000)
+    metrics.duration(*labels).observe(o.duration_ms / 1000)

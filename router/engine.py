@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from llmgw.telemetry import Children
 from router import metrics
 from router.plugins.base import Observer
 from router.registry import Profile
@@ -36,7 +35,6 @@ class Engine:
         self._filters = [(f, timers.labels(f.name)) for f in profile.filters]
         self._scorers = [(s, w, timers.labels(s.name)) for s, w in profile.scorers if w > 0]
         self._picker_timer = timers.labels(profile.picker.name)
-        self._picks = Children(metrics.PICKS)
 
     def pick(self, req: PickRequest, cands: list[Candidate]) -> Pick | NoPod:
         clock = time.perf_counter
@@ -64,7 +62,7 @@ class Engine:
         for observer in self._observers:
             observer.observe(req, ordered[0])
         reason = "explore" if explored else "best"
-        self._picks(ordered[0].pod, reason).inc()
+        metrics.picks(ordered[0].pod, reason).inc()
         metrics.PICK_SECONDS.observe(clock() - started)
         return Pick(tuple(c.pod for c in ordered), reason)
 

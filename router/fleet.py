@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
-from prometheus_client import Gauge
 from pydantic import Field
 
 from llmgw import wire
@@ -107,8 +106,6 @@ class Fleet:
         self._models_at: dict[PodId, float] = {}
         self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
         self._probed_at: dict[PodId, float] = {}  # last pick of a pod on probation
-        # Each pod's in-flight gauge: the labelled lookup costs more than the update.
-        self._gauges: dict[PodId, Gauge] = {}
         self.capacity = Capacity()
         self.speeds = Speeds()
 
@@ -125,7 +122,6 @@ class Fleet:
                 self._down_until,
                 self._models_at,
                 self._probed_at,
-                self._gauges,
             )
             for table in tables:
                 table.pop(pod, None)
@@ -193,7 +189,7 @@ class Fleet:
         if pod not in self.in_flight:
             return
         self.in_flight[pod] += 1
-        self._gauge(pod).inc()
+        metrics.in_flight(pod).inc()
         if self._trips.get(pod):
             self._probed_at[pod] = self.clock()
         if request_id:
@@ -220,13 +216,7 @@ class Fleet:
     def release(self, pod: PodId) -> None:
         if self.in_flight.get(pod, 0) > 0:
             self.in_flight[pod] -= 1
-            self._gauge(pod).dec()
-
-    def _gauge(self, pod: PodId) -> Gauge:
-        gauge = self._gauges.get(pod)
-        if gauge is None:
-            gauge = self._gauges[pod] = metrics.IN_FLIGHT.labels(pod)
-        return gauge
+            metrics.in_flight(pod).dec()
 
     def report(self, pod: PodId, status: int) -> None:
         """An upstream reply seen by the router: consecutive 5xx take the pod out for a while."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmgw.telemetry import Children
+
 _FAST = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 
 PICKS = Counter(
@@ -22,3 +24,7 @@ IN_FLIGHT = Gauge("llmgw_router_in_flight", "Requests picked and not finished", 
 SPEED = Gauge("llmgw_router_pod_speed", "Decode speed relative to the fastest pod", ["pod"])
 PICKABLE = Gauge("llmgw_router_pod_pickable", "1 if the pod may be picked", ["pod"])
 FLEET_LOAD = Gauge("llmgw_router_fleet_load", "Fleet load published for quota borrowing")
+
+# Looked up once per label set (the hot path's updates).
+picks = Children(PICKS)
+in_flight = Children(IN_FLIGHT)
