@@ -1,9 +1,10 @@
 """CPU per request per process, and the latency the gateway adds, for every configuration.
 
 One fast fake pod (bench/fakepod.py: raw asyncio, answers at once) behind one stack at a time:
-Envoy alone, + extauthz, + ratelimit, + router, the full chain (+ ledger, with PostgreSQL), and
-the same Envoy configuration with every callout pointed at trivial handlers (bench/trivial.py:
-the floor of three gRPC callouts and an access log). For each, a fixed non-stream load (closed
+Envoy alone, + extauthz, + ratelimit, + router (inside extauthz), the full chain (+ ledger, with
+PostgreSQL), the full chain with the router apart (its own process behind ext_proc), and both
+shapes with every callout pointed at trivial handlers (bench/trivial.py: the floor of two or
+three gRPC callouts and two access logs). For each, a fixed non-stream load (closed
 loop, `--requests` at `--concurrency`) and each process's utime+stime from /proc (all threads,
 and every child process, e.g. PostgreSQL's backends), before and after, divided by requests.
 
@@ -11,10 +12,11 @@ By default the stack (Envoy `--concurrency 1`, services, Redis, PostgreSQL, pod)
 one core and the load generator (this process, bench/loadgen.py) to the other, so req/s is
 "on one core" and the client's CPU is its own; `--no-pin` leaves the scheduler alone.
 
-Then, with Envoy alone and the full chain up side by side: added latency of non-stream requests
-at a low fixed rate (open loop), and time to first token at `--streams` concurrent streams of
-varied length (so that they do not arrive in bursts), each against direct-to-pod, in alternating
-rounds; first with the stack still on one core, then with every process moved to all cores.
+Then, with Envoy alone, the full chain (both router placements) and its trivial floor up side by
+side: added latency of non-stream requests at a low fixed rate (open loop), and time to first
+token at `--streams` concurrent streams of varied length (so that they do not arrive in bursts),
+each against direct-to-pod, in alternating rounds; first with the stack still on one core, then
+with every process moved to all cores.
 
     python -m bench.cpu [--requests 3000] [--concurrency 16] [--rate 20] [--streams 16]
     python -m bench.cpu --only "full chain,trivial handlers"   # those CPU rows, no latency tables
@@ -51,17 +53,31 @@ TICK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
 FULL: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
-# Rows in table order: label, services (None: trivial handlers), what the row adds.
-CONFIGS: list[tuple[str, tuple[ServiceName, ...] | None, str]] = [
-    ("Envoy alone", (), "no callouts"),
-    ("+ extauthz", ("extauthz",), "ext_authz"),
-    ("+ ratelimit", ("extauthz", "ratelimit"), "needs extauthz's metadata for its descriptors"),
-    ("+ router", ("extauthz", "ratelimit", "router"), "ext_proc + access log to router"),
-    ("full chain", FULL, "+ ledger access log, PostgreSQL"),
-    ("trivial handlers", None, "3 callouts + 2 access logs, one process"),
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    services: tuple[ServiceName, ...] | None  # None: trivial handlers
+    note: str  # what the row adds
+    apart: bool = False  # the router in its own process behind ext_proc, not inside extauthz
+
+
+# Rows in table order.
+CONFIGS = [
+    Config("Envoy alone", (), "no callouts"),
+    Config("+ extauthz", ("extauthz",), "ext_authz"),
+    Config(
+        "+ ratelimit", ("extauthz", "ratelimit"), "needs extauthz's metadata for its descriptors"
+    ),
+    Config("+ router", ("extauthz", "ratelimit", "router"), "picks inside extauthz + access log"),
+    Config("full chain", FULL, "+ ledger access log, PostgreSQL"),
+    Config("full chain, router apart", FULL, "router behind ext_proc (python -m router)", True),
+    Config("trivial handlers", None, "2 callouts + 2 access logs: the full chain's shape"),
+    Config("trivial, 3 callouts", None, "+ ext_proc: the router-apart shape", True),
 ]
-# Measured in this order (the trivial floor before the full chain, which stays up after).
-ORDER = [0, 1, 2, 3, 5, 4]
+# Measured in this order (the floors before the full chain, which stays up after).
+ORDER = [0, 1, 2, 3, 5, 7, 6, 4]
 COLUMNS = (
     "envoy",
     "extauthz",
@@ -74,6 +90,7 @@ COLUMNS = (
     "pod",
 )
 FLOOR = "trivial handlers"
+APART, APART_FLOOR = "full chain, router apart", "trivial, 3 callouts"
 # Where the stack runs for the latency tables: as in the CPU table, then on every core.
 PLACEMENTS = ("stack on 1 core", "unpinned, 2 cores")
 # Limits far above this load: every request is admitted (a 429 would skip the pod and the router).
@@ -150,7 +167,7 @@ def self_cpu() -> float:
 
 
 class TrivialStack(Stack):
-    """The same Envoy configuration with all four gRPC services pointed at bench/trivial.py."""
+    """The same Envoy configuration with every gRPC service pointed at bench/trivial.py."""
 
     def _start_services(self) -> None:
         port = free_port()
@@ -161,7 +178,14 @@ class TrivialStack(Stack):
             self.settings.start_timeout
         )
         a = Address(port=port)
-        self.services = Services(extauthz=a, ratelimit=a, router=a, ledger=a)
+        inside = self.settings.router_in_extauthz
+        self.services = Services(
+            extauthz=a,
+            ratelimit=a,
+            router=None if inside else a,
+            ledger=a,
+            router_in_extauthz=inside,
+        )
 
 
 def column(name: str) -> str:
@@ -224,11 +248,13 @@ class Bench:
     def run(self, coro: Any) -> Any:
         return self.runner.run(coro)
 
-    def stack(self, label: str, services: tuple[ServiceName, ...] | None) -> Stack:
+    def stack(self, config: Config) -> Stack:
+        label, services = config.label, config.services
         settings = StackSettings(
             listen=Address(port=0),
             upstreams=(f"{self.pod_address.host}:{self.pod_address.port}",),
             services=services or (),
+            router_in_extauthz=not config.apart,
             ratelimit_limits=self.limits,
             envoy=EnvoySettings(concurrency=1),
         )
@@ -348,9 +374,18 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
         f"- full chain: **{full.total / 1e3:.2f} ms** CPU/request (target ≤ 2.2 ms: "
         f"{'met' if full.total <= 2200 else 'NOT met'}); "
         f"without the pod {(full.total - full.us.get('pod', 0)) / 1e3:.2f} ms",
-        f"- full chain / trivial-handler floor: **{ratio:.2f}×** (target ≤ 1.3×: "
+        f"- full chain / trivial-handler floor of its shape: **{ratio:.2f}×** (target ≤ 1.3×: "
         f"{'met' if ratio <= 1.3 else 'NOT met'}); without the pod "
         f"{(full.total - full.us.get('pod', 0)) / (floor.total - floor.us.get('pod', 0)):.2f}×",
+    ]
+    if APART in by and APART_FLOOR in by:
+        apart, apart_floor = by[APART], by[APART_FLOOR]
+        lines.append(
+            f"- router apart: {apart.total / 1e3:.2f} ms, {apart.total / apart_floor.total:.2f}× "
+            f"its floor ({APART_FLOOR}); the pick inside extauthz saves "
+            f"{apart.total - full.total:,.0f} µs a request"
+        )
+    lines += [
         "- ratelimit alone (without extauthz) is not a configuration: its descriptors are built "
         "from extauthz's metadata, so Envoy would make no rate-limit call at all.",
     ]
@@ -406,6 +441,9 @@ def latency_table(
                 f"  - of which the floor ({FLOOR}: the same callouts answering at once): "
                 f"{floor:.2f} ms"
             )
+        if (placement, APART) in samples:
+            apart = q(placement, APART, 50) - q(placement, b, 50)
+            lines.append(f"  - {APART} (one more exchange): {apart:.2f} ms")
     return "\n".join(lines)
 
 
@@ -435,7 +473,7 @@ def main() -> None:
         "CPU table only, no latency tables",
     )
     args = parser.parse_args()
-    labels = [label for label, _, _ in CONFIGS]
+    labels = [c.label for c in CONFIGS]
     only = set(labels) if args.only is None else {x.strip() for x in args.only.split(",")}
     if unknown := only - set(labels):
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {labels}")
@@ -452,19 +490,20 @@ def main() -> None:
         rows: dict[int, Cpu] = {}
         kept: dict[str, Stack] = {}
         for i in ORDER:
-            label, services, note = CONFIGS[i]
+            config = CONFIGS[i]
+            label = config.label
             if label not in only:
                 continue
             print(f"# {label} ...", file=sys.stderr, flush=True)
             try:
-                stack = bench.stack(label, services)
+                stack = bench.stack(config)
             except StartError as exc:
                 print(f"# {label}: cannot start: {exc}", file=sys.stderr)
                 raise
             try:
-                rows[i] = bench.measure_cpu(label, note, stack)
+                rows[i] = bench.measure_cpu(label, config.note, stack)
             finally:
-                if label in ("Envoy alone", "full chain", FLOOR):
+                if label in ("Envoy alone", "full chain", APART, FLOOR):
                     kept[label] = stack
                     stacks.callback(stack.stop)
                 else:

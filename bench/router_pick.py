@@ -16,15 +16,13 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.facts import block_hashes, render
 from llmgw.telemetry import parent_context
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
-from router.prefix import block_hashes, render
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
-from router.request import from_headers
+from router.runtime import Router
 from router.scrape import parse_metrics
-from router.service import RouterService
-from router.settings import PickSettings
 from router.types import PickRequest, PodMetrics
 
 
@@ -52,24 +50,18 @@ def requests(count: int, rng: random.Random) -> list[tuple[PickRequest, dict[str
     out = []
     for _ in range(count):
         tenant = rng.randrange(8)
-        headers = {
-            "x-llmgw-tenant": f"t{tenant}",
-            "x-llmgw-priority": str(rng.randint(1, 10)),
-            "x-session-id": f"sess_{rng.randrange(500)}",
-            "x-llmgw-model": "m",
-        }
+        headers = {"x-session-id": f"sess_{rng.randrange(500)}"}
         body = {
             "messages": [
                 {"role": "system", "content": systems[tenant]},
                 {"role": "user", "content": f"question {rng.random()} " * 20},
             ]
         }
-        req = from_headers(headers)
         req = PickRequest(
-            model=req.model,
-            tenant=req.tenant,
-            priority=req.priority,
-            session=req.session,
+            model="m",
+            tenant=f"t{tenant}",
+            priority=rng.randint(1, 10),
+            session=headers["x-session-id"],
             prefix_blocks=block_hashes(render(body), 64),
         )
         out.append((req, headers))
@@ -81,15 +73,15 @@ def bench_picks(n_pods: int, picks: int) -> tuple[float, float]:
     fleet = fleet_of(n_pods, rng)
     engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
     tracer = TracerProvider().get_tracer("bench")  # recording spans, no exporter
-    service = RouterService(fleet, engine, tracer, PickSettings())
+    router = Router(fleet, engine, tracer)
     reqs = requests(picks, rng)
     times = []
     for req, headers in reqs:
         t0 = time.perf_counter()
-        _, pod = service.decide(req, parent_context(None, headers))
+        pods = router.pick(req, parent_context(None, headers))
         times.append(time.perf_counter() - t0)
-        if pod is not None:
-            fleet.release(pod)
+        if pods is not None:
+            fleet.release(pods[0])
     times = times[picks // 10 :]  # warm-up
     q = statistics.quantiles(times, n=100)
     return q[49] * 1e3, q[98] * 1e3

@@ -1,10 +1,11 @@
-"""Trivial handlers for Envoy's three callouts and its access log: the floor of the design.
+"""Trivial handlers for Envoy's callouts and its access logs: the floor of the design.
 
 One grpc.aio process on uvloop (llmgw.serve, like the real services) that answers ext_authz OK
-with fixed request facts in metadata (so Envoy builds the same rate-limit descriptors and forwards
-the same namespace to ext_proc), every rate-limit call OK, the ext_proc request-headers message
-with a fixed `envoy.lb` pick, and reads and drops every access-log batch. Nothing is decided,
-nothing is stored: what is left is the gRPC plumbing of three callouts per request.
+with fixed request facts and a fixed pick in metadata (so Envoy builds the same rate-limit
+descriptors and routes by the pick, as with the router inside extauthz), every rate-limit call OK,
+the ext_proc request-headers message (when Envoy makes one: the router apart) with the same pick
+in `envoy.lb`, and reads and drops every access-log batch. Nothing is decided, nothing is stored:
+what is left is the gRPC plumbing of the callouts.
 
     python -m bench.trivial --port 9001 --pick 127.0.0.1:9000
 """
@@ -54,11 +55,11 @@ def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
 
 
 class Auth(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
-    def __init__(self) -> None:
+    def __init__(self, pick: str) -> None:
         self.reply = external_auth_pb2.CheckResponse(
             status=status_pb2.Status(code=code_pb2.OK),
             ok_response=external_auth_pb2.OkHttpResponse(),
-            dynamic_metadata=_struct(FACTS),
+            dynamic_metadata=_struct({**FACTS, wire.DESTINATION_ENDPOINT: pick}),
         )
 
     async def Check(
@@ -104,7 +105,7 @@ class Logs(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
 
 def register(pick: str) -> Any:
     def add(server: grpc.aio.Server) -> None:
-        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(), server)
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(pick), server)
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimit(), server)
         ep_grpc.add_ExternalProcessorServicer_to_server(Pick(pick), server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(Logs(), server)
@@ -115,7 +116,7 @@ def register(pick: str) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--pick", required=True, help="ip:port named in envoy.lb")
+    parser.add_argument("--pick", required=True, help="ip:port picked")
     args = parser.parse_args()
     settings = ServeSettings(port=args.port)
     run(lambda: serve("trivial", settings, register(args.pick)))

@@ -3,7 +3,9 @@
     .venv/bin/python -m deploy.render_k8s > deploy/k8s/envoy-config.yaml
 
 Services are headless, so Envoy's STRICT_DNS clusters resolve every replica; the vLLM pods are
-the headless Service `vllm`. tests/test_k8s.py fails when the file is not this rendering.
+the headless Service `vllm`. The router runs inside extauthz (`--router-in-extauthz`): Envoy
+reads the pick from ext_authz's metadata and sends the router's access log to extauthz.
+tests/test_k8s.py fails when the file is not this rendering.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ RENDER = [
     "extauthz:9001",
     "--ratelimit",
     "ratelimit:9002",
-    "--router",
-    "router:9003",
+    "--router-in-extauthz",  # extauthz holds the router (its PICK): no ext_proc, no router Service
     "--ledger",
     "ledger:9004",
 ]

@@ -7,6 +7,8 @@ import contextlib
 import sys
 from pathlib import Path
 
+import grpc
+
 from extauthz import tenants
 from extauthz.decision import Decider
 from extauthz.service import AuthorizationService, BodyPool, register
@@ -17,6 +19,9 @@ from llmgw import telemetry
 from llmgw.config import load
 from llmgw.serve import command, serve
 from llmgw.tiers import load_tiers
+from router import settings as router_settings
+from router.registry import default_registry
+from router.runtime import Router
 
 NAME = "extauthz"
 
@@ -43,22 +48,42 @@ async def main(settings: Settings) -> None:
     decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
     bodies = BodyPool(decider, settings.decision.pool_body_bytes)
     await bodies.start()
-    service = AuthorizationService(store, decider, tracer, bodies=bodies)
+    router = None
+    if settings.pick:
+        router = Router.from_settings(picking(settings), tracer)
+        await router.start()
+    service = AuthorizationService(store, decider, tracer, bodies=bodies, router=router)
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
+
+    def add(server: grpc.aio.Server) -> None:
+        register(service)(server)
+        if router is not None:  # the router's access log: how its picks ended
+            router.register(server)
 
     async def stop() -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        if router is not None:
+            await router.stop()
         await bodies.close()
 
-    await serve(NAME, settings.serve, register(service), stop)
+    await serve(NAME, settings.serve, add, stop)
+
+
+def picking(settings: Settings) -> router_settings.Settings:
+    """The settings of the router this process holds (only its fleet, plugins, profile and Redis
+    apply: it serves on extauthz's port and traces with extauthz's tracer)."""
+    return router_settings.check(settings.router_config, default_registry())
 
 
 def settings(path: Path | None) -> Settings:
-    """The settings and the files they name (tenants, tier table), all validated."""
+    """The settings and the files they name (tenants, tier table, the router's), all
+    validated."""
     loaded = load(Settings, path, ENV_PREFIX)
     tenants.load(loaded.tenants_file, load_tiers(loaded.tiers_file))
+    if loaded.pick:
+        picking(loaded)
     return loaded
 
 

@@ -22,3 +22,7 @@ POOLED_BODIES = Counter(
     "llmgw_extauthz_pooled_bodies_total",
     "Request bodies large enough to be read in the body pool, off the event loop.",
 )
+PICK_ERRORS = Counter(
+    "llmgw_extauthz_pick_errors_total",
+    "Picks by the router in this process that raised: the request went on without one.",
+)

@@ -1,5 +1,9 @@
 """The gRPC adapter: Envoy's CheckRequest in, the decision out as a CheckResponse.
 
+With a router in this process (settings `pick`), an allowed request's pod is picked here too and
+named in the response's metadata, where Envoy's override_host reads it: the pick needs no gRPC
+exchange of its own. The pick fails open: a router that raises costs the pick, not the request.
+
 Hot path (one call per request): an allowed response is filled in place (messages passed to a
 constructor are copied once more), and no span is started when tracing is off."""
 
@@ -7,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
@@ -29,8 +34,13 @@ from extauthz.body import read as read_body
 from extauthz.decision import Decider
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision
+from llmgw import wire
 from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
+from router.request import from_metadata
+from router.runtime import Router
+
+log = logging.getLogger(__name__)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON = base_pb2.HeaderValueOption(
@@ -92,6 +102,20 @@ def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
     )
 
 
+def add_pick(
+    router: Router, response: external_auth_pb2.CheckResponse, allow: Allow, request_id: str | None
+) -> None:
+    """The router's pods for this request, best first, into the response's metadata."""
+    try:
+        pods = router.pick(from_metadata(allow.metadata, request_id))
+    except Exception:  # fail open, as Envoy does for a router behind ext_proc
+        log.exception("pick failed", extra={"tenant": allow.tenant})
+        metrics.PICK_ERRORS.inc()
+        return
+    if pods is not None:
+        response.dynamic_metadata.fields[wire.DESTINATION_ENDPOINT].string_value = ",".join(pods)
+
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -146,6 +170,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         tracer: trace.Tracer,
         clock: Callable[[], float] = time.time,
         bodies: BodyPool | None = None,
+        router: Router | None = None,
     ) -> None:
         self.store = store
         self.decider = decider
@@ -153,6 +178,13 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.clock = clock
         self.tracing = recording(tracer)
         self.bodies = bodies
+        self.router = router
+
+    def respond(self, decision: Decision, headers: Any) -> external_auth_pb2.CheckResponse:
+        response = to_response(decision)
+        if self.router is not None and isinstance(decision, Allow):
+            add_pick(self.router, response, decision, headers.get(wire.HEADER_REQUEST_ID))
+        return response
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -169,7 +201,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
                 metrics.decisions("allow", decision.tenant).inc()
             else:
                 metrics.decisions(decision.code, decision.tenant or "").inc()
-            return to_response(decision)
+            return self.respond(decision, headers)
         with self.tracer.start_as_current_span(
             "extauthz.check",
             context=parent_context(context.invocation_metadata(), headers),
@@ -190,7 +222,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             span.set_attribute("llmgw.decision", result)
             if tenant:
                 span.set_attribute("tenant.id", tenant)
-            return to_response(decision)
+            return self.respond(decision, headers)
 
 
 def register(service: AuthorizationService) -> Callable[[grpc.aio.Server], None]:

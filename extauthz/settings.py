@@ -76,3 +76,8 @@ class Settings(Strict):
     reload_interval_seconds: float = Field(default=0.25, gt=0, le=0.5)
     decision: DecisionSettings = DecisionSettings()
     sessions: SessionSettings
+    # Pick the pod here as well, with the router in this process (router/runtime.py): its
+    # settings from `router_config` and LLMGW_ROUTER__… overrides, as `python -m router` reads
+    # them. Envoy then makes no ext_proc call (llmgw/envoyconf.py Services.router_in_extauthz).
+    pick: bool = False
+    router_config: Path | None = None

@@ -66,12 +66,13 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
     if args.otlp:
         update["otlp"] = envoyconf.parse_endpoint(args.otlp)
     settings = settings.model_copy(update=update)
+    named = {
+        name: envoyconf.parse_endpoint(getattr(args, name))
+        for name in RENDERED_SERVICES
+        if getattr(args, name)
+    }
     services = envoyconf.Services.model_validate(
-        {
-            name: envoyconf.parse_endpoint(getattr(args, name))
-            for name in RENDERED_SERVICES
-            if getattr(args, name)
-        }
+        {**named, "router_in_extauthz": args.router_in_extauthz}
     )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
     sys.stdout.write(envoyconf.render(settings, _listen(args.listen), pods, services))
@@ -107,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--upstream", action="append", required=True, help="host:port")
     for name in RENDERED_SERVICES:
         render.add_argument(f"--{name}", metavar="HOST:PORT", help=f"the {name} service (gRPC)")
+    render.add_argument(
+        "--router-in-extauthz",
+        action="store_true",
+        help="the router runs inside extauthz (its `pick: true`), not behind ext_proc",
+    )
     render.add_argument("--otlp", metavar="HOST:PORT", help="OpenTelemetry collector (OTLP/gRPC)")
     render.add_argument(
         "--admin", metavar="HOST:PORT", help=f"admin (default 127.0.0.1:{ADMIN_PORT})"

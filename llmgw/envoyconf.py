@@ -9,7 +9,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import jinja2
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from llmgw import wire
 from llmgw.config import Strict
@@ -79,6 +79,9 @@ class Services(Strict):
     ratelimit: Address | None = None
     router: Address | None = None
     ledger: Address | None = None  # the access-log service: outcomes, settlement, usage ledger
+    # The router runs inside extauthz (its settings `pick`): the pick comes in ext_authz's
+    # metadata, the router's access log goes to extauthz, and there is no ext_proc call.
+    router_in_extauthz: bool = False
     # Long enough to mean "down", not "busy": a burst of 1,000 requests queues ~0.5 s of decisions
     # on one core (tests/test_burst.py). extauthz fails closed (503); the rate limiter fails open,
     # so a timeout that fired while it was merely busy would admit unchecked.
@@ -86,6 +89,12 @@ class Services(Strict):
     ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
     log_flush: str = "0.2s"  # access-log batches to the ledger and the router, at least this often
+
+    @model_validator(mode="after")
+    def _one_picker(self) -> Services:
+        if self.router_in_extauthz and (self.extauthz is None or self.router is not None):
+            raise ValueError("router_in_extauthz: needs extauthz, and no router of its own")
+        return self
 
     @property
     def grpc(self) -> list[tuple[str, Address]]:

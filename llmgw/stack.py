@@ -49,6 +49,9 @@ class StackSettings(Strict):
     # without extauthz they count nothing.
     # The ledger settles tokens and keeps the usage ledger, in PostgreSQL.
     services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
+    # With extauthz, the router runs inside it (no ext_proc call: one gRPC exchange fewer a
+    # request), as compose and k8s run it; False: in its own process behind ext_proc.
+    router_in_extauthz: bool = True
     # An existing PostgreSQL server for the ledger; None: start one, its data in `postgres_dir`
     # (None: inside the run's state directory, gone with it).
     database_url: str | None = None
@@ -171,10 +174,7 @@ class Stack:
                 "REDIS__PASSWORD": self.redis_password,
                 "RESERVATION_TTL_S": str(self.settings.ratelimit_reservation_ttl_s),
             },
-            "router": {
-                "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
-                "REDIS_URL": self.redis_url,
-            },
+            "router": self._router_settings(),
             "ledger": {
                 "REDIS__HOST": "127.0.0.1",
                 "REDIS__PORT": str(self.redis_port),
@@ -190,9 +190,25 @@ class Stack:
             settings["ratelimit"]["LIMITS_FILE"] = str(self.limits_file)
             settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
             settings["ledger"]["TIERS_FILE"] = str(self.limits_file)  # each tier's breaker
-        self.services = Services.model_validate(
-            {name: self._start_service(name, settings[name]) for name in self.settings.services}
-        )
+        names = self.settings.services
+        inside = self.settings.router_in_extauthz and {"extauthz", "router"} <= set(names)
+        env: dict[ServiceName, dict[str, str]] = {}
+        if inside:
+            settings["extauthz"]["PICK"] = "true"
+            env["extauthz"] = {f"LLMGW_ROUTER__{k}": v for k, v in self._router_settings().items()}
+            names = tuple(name for name in names if name != "router")
+        addresses = {
+            name: self._start_service(name, settings[name], env.get(name, {})) for name in names
+        }
+        self.services = Services.model_validate({**addresses, "router_in_extauthz": inside})
+        if inside:  # the router's metrics are served by the process that holds it
+            self.metrics["router"] = self.metrics["extauthz"]
+
+    def _router_settings(self) -> dict[str, str]:
+        return {
+            "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
+            "REDIS_URL": self.redis_url,
+        }
 
     def _database(self) -> str:
         """The ledger's database: the one the settings name, else a local server of ours."""
@@ -206,13 +222,15 @@ class Stack:
         self.database_url = server.url
         return self.database_url
 
-    def _start_service(self, name: str, settings: dict[str, str]) -> Address:
-        """`python -m NAME` with its settings as LLMGW_NAME__... overrides; ready when SERVING."""
+    def _start_service(self, name: str, settings: dict[str, str], env: dict[str, str]) -> Address:
+        """`python -m NAME` with its settings as LLMGW_NAME__... overrides (and `env`); ready
+        when SERVING."""
         port, metrics_port = free_port(), free_port()
         settings = {**settings, "SERVE__PORT": str(port), "SERVE__METRICS_PORT": str(metrics_port)}
         if (otlp := self.settings.envoy.otlp) is not None:
             settings["TRACING__OTLP_ENDPOINT"] = f"http://{otlp.host}:{otlp.port}"
-        env = {**os.environ, **{f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}}
+        overrides = {f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}
+        env = {**os.environ, **env, **overrides}
         ready = grpc_serving(f"127.0.0.1:{port}")
         self._process(name, [sys.executable, "-m", name], ready, env).start(
             self.settings.start_timeout
@@ -307,7 +325,8 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
-        """With the password: for the ready file (0600) and the router's environment only."""
+        """With the password: for the ready file (0600) and the router's environment only
+        (extauthz's when it holds the router)."""
         return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
 
     def redis_client(self) -> redis.Redis:

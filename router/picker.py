@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -35,17 +35,18 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from opentelemetry import trace
 from pydantic import Field
 
 from llmgw import facts, structs, wire
 from llmgw.config import Strict
 from llmgw.telemetry import parent_context
-from router.engine import Engine, NoPod
-from router.fleet import Fleet
+from router.engine import NoPod
 from router.request import from_headers, from_metadata
 from router.service import authz_metadata, header_map, lb_metadata
 from router.types import PickRequest, PodId
+
+if TYPE_CHECKING:  # router.settings reads this module's settings; router.runtime reads those
+    from router.runtime import Router
 
 NONE = pm.ProcessingMode.NONE
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -167,12 +168,10 @@ def streamed_body(body: bytes) -> list[pb.ProcessingResponse]:
 
 
 class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(
-        self, fleet: Fleet, engine: Engine, tracer: trace.Tracer, settings: InferencePoolSettings
-    ) -> None:
-        self.fleet = fleet
-        self.engine = engine
-        self.tracer = tracer
+    def __init__(self, router: Router, settings: InferencePoolSettings) -> None:
+        self.fleet = router.fleet
+        self.engine = router.engine
+        self.tracer = router.tracer
         self.settings = settings
 
     def pick(

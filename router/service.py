@@ -1,36 +1,32 @@
-"""The gRPC adapters: Envoy's ext_proc stream in, the pick out as `envoy.lb` dynamic metadata;
-Envoy's access log in, each request's outcome back to the fleet.
+"""The ext_proc adapter: Envoy's ext_proc stream in, the pick out as `envoy.lb` dynamic metadata.
 
 Per request one ext_proc message: the request headers with extauthz's metadata (tenant context and
 request facts). The answer carries `x-gateway-destination-endpoint` = "ip:port,..." best first
 and counts the request in flight on the first pod. When no pod is left the answer carries no
 metadata and Envoy's fallback picks. The outcome comes later, batched, from the access log: the
-picked pod's count in flight drops, and its status feeds pod health (an answer from another pod
-means Envoy retried because our pick failed).
+picked pod's count in flight drops, and its status feeds pod health (router/outcomes.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
-from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
-from opentelemetry import trace
 from opentelemetry.context import Context
 
 from llmgw import wire
 from llmgw.structs import View
-from llmgw.telemetry import parent_context, recording
-from router.engine import Engine, NoPod
-from router.fleet import Fleet
+from llmgw.telemetry import parent_context
 from router.request import from_headers, from_metadata
-from router.types import Candidate, Pick, PickRequest, PodId
+from router.types import PodId
+
+if TYPE_CHECKING:  # router.runtime -> router.settings -> router.picker -> this module
+    from router.runtime import Router
 
 
 def lb_metadata(pods: tuple[PodId, ...]) -> Struct:
@@ -72,68 +68,37 @@ EMPTY_HEADERS = pb.HeadersResponse()
 
 
 class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, fleet: Fleet, engine: Engine, tracer: trace.Tracer) -> None:
-        self.fleet = fleet
-        self.engine = engine
-        self.tracer = tracer
-        self.recording = recording(tracer)
-
-    def decide(
-        self, req: PickRequest, parent: Context | None
-    ) -> tuple[Struct | None, PodId | None]:
-        candidates = self.fleet.candidates()
-        result = (
-            self._traced(req, candidates, parent)
-            if self.recording
-            else self.engine.pick(req, candidates)
-        )
-        if isinstance(result, NoPod):
-            return None, None
-        self.fleet.acquire(result.pods[0], req.request_id)
-        return lb_metadata(result.pods), result.pods[0]
-
-    def _traced(
-        self, req: PickRequest, candidates: list[Candidate], parent: Context | None
-    ) -> Pick | NoPod:
-        attributes = {
-            k: v for k, v in (("tenant.id", req.tenant), ("session.id", req.session)) if v
-        }
-        with self.tracer.start_as_current_span(
-            "router.pick", context=parent, attributes=attributes
-        ) as span:
-            result = self.engine.pick(req, candidates)
-            if isinstance(result, NoPod):
-                span.set_attribute("router.no_pod", result.stage)
-            else:
-                span.set_attribute("router.pod", result.pods[0])
-                span.set_attribute("router.reason", result.reason)
-        return result
+    def __init__(self, router: Router) -> None:
+        self.router = router
 
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        recording = self.router.recording
         async for msg in request_iterator:
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
                 authz = authz_metadata(msg)
                 parent: Context | None = None
                 # Envoy's x-request-id names the request in the access log too.
-                if authz and not self.recording:  # only the request ID is read: decode no other
+                if authz and not recording:  # only the request ID is read: decode no other
                     rid = header(msg.request_headers, wire.HEADER_REQUEST_ID)
                     req = from_metadata(authz, rid)
                 else:
                     headers = header_map(msg.request_headers)
                     rid = headers.get(wire.HEADER_REQUEST_ID)
                     req = from_metadata(authz, rid) if authz else from_headers(headers)
-                    if self.recording:
+                    if recording:
                         parent = parent_context(context.invocation_metadata(), headers)
-                meta, _ = self.decide(req, parent)
+                pods = self.router.pick(req, parent)
                 yield (
                     NO_PICK
-                    if meta is None
-                    else pb.ProcessingResponse(request_headers=EMPTY_HEADERS, dynamic_metadata=meta)
+                    if pods is None
+                    else pb.ProcessingResponse(
+                        request_headers=EMPTY_HEADERS, dynamic_metadata=lb_metadata(pods)
+                    )
                 )
             # Envoy sends nothing else in this processing mode; answer anything anyway.
             elif kind == "request_body":
@@ -146,36 +111,3 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield pb.ProcessingResponse(response_body=pb.BodyResponse())
             elif kind == "response_trailers":
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-
-
-def answered_by(entry: accesslog_pb2.HTTPAccessLogEntry) -> PodId | None:
-    """The pod that answered, None when none did."""
-    sock = entry.common_properties.upstream_remote_address.socket_address
-    return f"{sock.address}:{sock.port_value}" if sock.address else None
-
-
-class OutcomeService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """The router's access log: each picked request's end (by request ID, Envoy's x-request-id)
-    releases its pod and reports how the pod did (a retry elsewhere counts as a 503 of the picked
-    pod). A pick Envoy never used (the client left during the pick) ends by its TTL."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    async def StreamAccessLogs(
-        self,
-        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> als_pb2.StreamAccessLogsResponse:
-        async for message in request_iterator:
-            for entry in message.http_logs.log_entry:
-                picked = self.fleet.finish(entry.request.request_id)
-                if picked is None:  # not picked by this replica (or long ago)
-                    continue
-                answered = answered_by(entry)
-                status = entry.response.response_code.value
-                if answered is not None and answered != picked:
-                    self.fleet.report(picked, 503)
-                elif answered is not None and status:
-                    self.fleet.report(picked, status)
-        return als_pb2.StreamAccessLogsResponse()

@@ -26,11 +26,12 @@ from tests.test_redis_cluster import HOST, PASSWORD, RedisCluster, cluster, redi
 __all__ = ["cluster", "redis_cluster"]  # the fixtures, shared with tests/test_redis_cluster.py
 
 MINUTE = Window(60_000, 10_000)
-# Every service that talks to Redis, and the name of its cluster switch.
+# Every service that talks to Redis, and the name of its cluster switch (extauthz's is its
+# router's: it publishes the fleet load).
 SWITCHES = {
     "ratelimit": "LLMGW_RATELIMIT__REDIS__CLUSTER",
     "ledger": "LLMGW_LEDGER__REDIS__CLUSTER",
-    "router": "LLMGW_ROUTER__REDIS_CLUSTER",
+    "extauthz": "LLMGW_ROUTER__REDIS_CLUSTER",
 }
 
 

@@ -2,6 +2,9 @@
 
 - The file against the Compose specification's JSON schema (vendored: tests/schemas/README.md).
 - Envoy's config for compose is the template's current rendering, has every filter, validates.
+  The router runs inside extauthz (its PICK), as the local stack runs it: no router service, no
+  ext_proc filter; the pick is read from ext_authz's metadata, the router's access log goes to
+  extauthz, and extauthz (started here) scrapes the pods and publishes the fleet load to Redis.
 - Every service built from our image starts here from the compose file's own command,
   environment and mounted files, with the compose hostnames mapped to loopback (a port of ours
   for each `host:port`), and answers the compose health check: a compose file whose services
@@ -35,7 +38,7 @@ import pytest
 import redis
 import yaml
 
-from llmgw import cli, envoyconf, postgres
+from llmgw import cli, envoyconf, postgres, wire
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
 from llmgw.stack import Stack
 from tests.conftest import api_key
@@ -53,10 +56,11 @@ RENDER = {
     "--admin": "0.0.0.0:9901",
     "--extauthz": "extauthz:9001",
     "--ratelimit": "ratelimit:9002",
-    "--router": "router:9003",
     "--ledger": "ledger:9004",
     "--otlp": "otel-collector:4317",
 }
+RENDER_FLAGS = ("--router-in-extauthz",)  # extauthz holds the router (LLMGW_EXTAUTHZ__PICK)
+OURS = ("extauthz", "ratelimit", "ledger")  # the services built from our image
 PODS = ("vllm-0:8000", "vllm-1:8000")
 INTERPOLATION = {
     "LLMGW_SESSION_SECRET": secrets.token_hex(32),
@@ -74,6 +78,7 @@ def render_argv() -> list[str]:
     argv = ["render-envoy"]
     for flag, value in RENDER.items():
         argv += [flag, value]
+    argv += RENDER_FLAGS
     for pod in PODS:
         argv += ["--upstream", pod]
     return argv
@@ -104,11 +109,15 @@ def test_compose_file_follows_the_compose_spec() -> None:
 
 def test_compose_runs_the_whole_product() -> None:
     services = compose()["services"]
-    product = {"envoy", "extauthz", "ratelimit", "router", "ledger", "redis", "postgres"}
+    product = {"envoy", *OURS, "redis", "postgres"}
     product |= {"vllm-0", "vllm-1", "otel-collector", "prometheus", "grafana"}
     assert product <= set(services)
-    for name in ("extauthz", "ratelimit", "router", "ledger"):
-        assert services[name]["image"] == IMAGE and services[name]["command"] == [name]
+    assert {n for n, s in services.items() if s.get("image") == IMAGE} == set(OURS)
+    for name in OURS:
+        assert services[name]["command"] == [name]
+    # Envoy starts once every service of ours and every pod is healthy; no router service.
+    assert "router" not in services
+    assert set(services["envoy"]["depends_on"]) == {*OURS, "vllm-0", "vllm-1"}
     for name in ("vllm-0", "vllm-1"):
         flags = services[name]["command"]
         assert {"--enable-prefix-caching", "--enable-force-include-usage"} <= set(flags)
@@ -122,9 +131,18 @@ def test_compose_runs_the_whole_product() -> None:
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == password  # the health check
     for name in ("ratelimit", "ledger"):
         assert services[name]["environment"][f"LLMGW_{name.upper()}__REDIS__PASSWORD"] == password
-    assert services["router"]["environment"]["LLMGW_ROUTER__REDIS_URL"].startswith(
-        f"redis://:{password}@redis:"
-    )
+    # extauthz holds the router: it picks, scrapes the pods and publishes the fleet load.
+    extauthz = services["extauthz"]["environment"]
+    assert extauthz["LLMGW_EXTAUTHZ__PICK"] == "true"
+    assert json.loads(extauthz["LLMGW_ROUTER__FLEET__PODS"]) == list(PODS)
+    assert extauthz["LLMGW_ROUTER__REDIS_URL"].startswith(f"redis://:{password}@redis:")
+    cluster = services["ratelimit"]["environment"]["LLMGW_RATELIMIT__REDIS__CLUSTER"]
+    assert extauthz["LLMGW_ROUTER__REDIS_CLUSTER"] == cluster  # one switch for every client
+    assert services["extauthz"]["depends_on"]["redis"] == {"condition": "service_healthy"}
+    # Only the router's fleet, plugins, profile and Redis settings apply inside extauthz; a
+    # SERVE__PORT of its own would also leave the health check two ports to choose from.
+    router_keys = [k for k in extauthz if k.startswith("LLMGW_ROUTER__")]
+    assert not [k for k in router_keys if "__SERVE__" in k or "__TRACING__" in k]
     assert any("postgresql/data" in v for v in services["postgres"]["volumes"])
     # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
     # pod around Envoy.
@@ -139,6 +157,9 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     header = (COMPOSE / "docker-compose.yaml").read_text()
     for flag, value in RENDER.items():
         assert f"{flag} {value}" in header, f"the header's render command lacks {flag} {value}"
+    for flag in RENDER_FLAGS:
+        assert f" {flag} " in header, f"the header's render command lacks {flag}"
+    assert "--router " not in header  # no router service to name
     assert cli.main(render_argv()) == 0
     rendered = capsys.readouterr().out
     assert (COMPOSE / "envoy.yaml").read_text() == rendered, (
@@ -147,15 +168,30 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     for needed in (
         "envoy.filters.http.ext_authz",
         "envoy.filters.http.ratelimit",
-        "envoy.filters.http.ext_proc",
         "envoy.access_loggers.http_grpc",
         "envoy.tracers.opentelemetry",
     ):
         assert needed in rendered, needed
+    assert "envoy.filters.http.ext_proc" not in rendered  # the pick is made inside extauthz's Check
     config = yaml.safe_load(rendered)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    for name in ("extauthz", "ratelimit", "router", "ledger", "otel"):
+    assert set(clusters) == {"pods", *OURS, "otel"}
+    for name in (*OURS, "otel"):
         assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
+    # override_host takes the pick from ext_authz's metadata; the router's access log (how each
+    # pick ended) goes to extauthz, which holds the router.
+    policy = clusters["pods"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    sources = policy["typed_config"]["override_host_sources"]
+    assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    logs = {
+        log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"][
+            "grpc_service"
+        ]["envoy_grpc"]["cluster_name"]
+        for log in manager["typed_config"]["access_log"]
+    }
+    assert logs == {"ledger": "ledger", "router": "extauthz"}
     envoyconf.validate(COMPOSE / "envoy.yaml")
 
 
@@ -263,7 +299,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
 def test_every_compose_service_of_ours_starts_here_and_passes_its_health_check(
     started: Started,
 ) -> None:
-    assert set(started.envs) == {"extauthz", "ratelimit", "router", "ledger"}
+    assert set(started.envs) == set(OURS)
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
     for name, env in started.envs.items():
         test = started.spec["services"][name]["healthcheck"]["test"]
@@ -311,6 +347,28 @@ def test_ratelimit_decides_from_redis_with_the_compose_password(started: Started
         time.sleep(0.1)
 
 
+def test_the_router_in_extauthz_scrapes_the_pods_and_publishes_to_redis(started: Started) -> None:
+    """extauthz, given the compose pods and Redis URL, holds a router that finds both pods
+    pickable (their /metrics and /v1/models scraped) and publishes the fleet load to Redis with
+    the compose password; its metrics are extauthz's."""
+    metrics = started.url("extauthz:9101")
+    pods = []
+    for pod in PODS:
+        host, _, pod_port = pod.partition(":")
+        pods.append(f"127.0.0.1:{started.port(host, int(pod_port))}")
+    wanted = [f'llmgw_router_pod_pickable{{pod="{pod}"}} 1.0' for pod in pods]
+    deadline = time.monotonic() + START_TIMEOUT
+    while not all(line in fetch(metrics) for line in wanted):
+        assert time.monotonic() < deadline, f"extauthz's router never found the pods: {wanted}"
+        time.sleep(0.1)
+    port = started.port("redis", 6379)
+    with redis.Redis(port=port, password=INTERPOLATION["REDIS_PASSWORD"]) as client:
+        while (payload := client.get(wire.FLEET_LOAD_KEY)) is None:
+            assert time.monotonic() < deadline, "extauthz's router never published the load"
+            time.sleep(0.1)
+    assert "load" in json.loads(payload)
+
+
 def exported(text: str) -> set[str]:
     """Metric names in a Prometheus exposition, with a histogram's _bucket/_sum/_count."""
     names: set[str] = set()
@@ -354,6 +412,9 @@ def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -
         )
         assert target == f"{host}:{metrics_port}"
         assert any(n.startswith(f"llmgw_{host}_") for n in exported(fetch(started.url(target))))
+    # The router's metrics are served by extauthz, which holds it.
+    extauthz = exported(fetch(started.url("extauthz:9101")))
+    assert "llmgw_router_fleet_load" in extauthz
     for target in targets["vllm"]:
         assert "vllm:num_requests_running" in exported(fetch(started.url(target)))
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
@@ -367,7 +428,7 @@ def test_the_dashboard_names_only_metrics_that_are_exported(started: Started, st
     body = {"model": model, "prompt": "dashboard", "max_tokens": 2}
     assert call("POST", f"{stack.base_url}/completions", body, auth).status == 200
     names = exported(fetch(f"{stack.admin_url}/stats/prometheus"))
-    for target in ("extauthz:9101", "ratelimit:9102", "router:9103", "ledger:9104"):
+    for target in ("extauthz:9101", "ratelimit:9102", "ledger:9104"):  # the router's: extauthz's
         names |= exported(fetch(started.url(target)))
     names |= exported(fetch(started.url(PODS[0])))
 

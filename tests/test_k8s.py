@@ -8,11 +8,16 @@
 - Every service's environment is accepted by that service's own settings schema (unknown keys
   are errors there), probes are gRPC health on the gRPC port, and each service has a PDB and an
   HPA; NetworkPolicies let only Envoy reach the services and only the services reach the stores.
+- The router runs inside extauthz (its PICK), as the local stack runs it: no router Deployment,
+  Service or policy, no ext_proc filter; extauthz's router settings are accepted by the router's
+  own schema, name the headless Service `vllm` and Redis, and the policies let extauthz reach
+  both. The InferencePool example (inference-pool/) stays a standalone router, in picker mode.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +26,15 @@ import pytest
 import yaml
 
 from deploy.render_k8s import configmap, rendered
-from llmgw import config, envoyconf
+from extauthz.__main__ import picking
+from llmgw import config, envoyconf, wire
+from router.settings import redis_address
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
-SERVICES = {"extauthz": 9001, "ratelimit": 9002, "router": 9003, "ledger": 9004}
-STORES = {"redis": {"ratelimit", "router", "ledger"}, "postgres": {"ledger"}}
+SERVICES = {"extauthz": 9001, "ratelimit": 9002, "ledger": 9004}
+# extauthz reaches Redis for the router it holds: the fleet load it publishes.
+STORES = {"redis": {"ratelimit", "extauthz", "ledger"}, "postgres": {"ledger"}}
 
 
 def docs() -> list[dict[str, Any]]:
@@ -94,8 +102,26 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     assert mounted == envoy_yaml
     (tmp_path / "envoy.yaml").write_text(mounted)
     envoyconf.validate(tmp_path / "envoy.yaml")
-    for needed in ("ext_authz", "ratelimit.v3.RateLimit", "ext_proc", "http_grpc"):
+    for needed in ("ext_authz", "ratelimit.v3.RateLimit", "http_grpc"):
         assert needed in mounted
+    # The router is extauthz's: no ext_proc call; the pick is read from ext_authz's metadata and
+    # the router's access log goes to extauthz.
+    assert "envoy.filters.http.ext_proc" not in mounted
+    config = yaml.safe_load(mounted)
+    assert "router" not in {c["name"] for c in config["static_resources"]["clusters"]}
+    pods = next(c for c in config["static_resources"]["clusters"] if c["name"] == "pods")
+    policy = pods["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    sources = policy["typed_config"]["override_host_sources"]
+    assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    logs = {
+        log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"][
+            "grpc_service"
+        ]["envoy_grpc"]["cluster_name"]
+        for log in manager["typed_config"]["access_log"]
+    }
+    assert logs == {"ledger": "ledger", "router": "extauthz"}
     # Every cluster names a Service of the manifests on one of its ports.
     services = {d["metadata"]["name"]: d for d in docs() if d["kind"] == "Service"}
     for cluster in yaml.safe_load(mounted)["static_resources"]["clusters"]:
@@ -169,11 +195,11 @@ def test_redis_asks_for_the_password_every_client_gets_from_one_secret() -> None
     for name in ("ratelimit", "ledger"):
         var = next(v for v in container(name)["env"] if v["name"].endswith("__REDIS__PASSWORD"))
         assert var["valueFrom"] == ref, name
-    router = container("router")["env"]
-    names = [v["name"] for v in router]
-    assert router[names.index("REDIS_PASSWORD")]["valueFrom"] == ref
+    extauthz = container("extauthz")["env"]  # the router in it publishes the fleet load
+    names = [v["name"] for v in extauthz]
+    assert extauthz[names.index("REDIS_PASSWORD")]["valueFrom"] == ref
     assert names.index("REDIS_PASSWORD") < names.index("LLMGW_ROUTER__REDIS_URL")  # defined first
-    url = router[names.index("LLMGW_ROUTER__REDIS_URL")]["value"]
+    url = extauthz[names.index("LLMGW_ROUTER__REDIS_URL")]["value"]
     assert url == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
     secrets = yaml.safe_load_all((K8S / "examples" / "secrets.yaml").read_text())
     assert (
@@ -217,6 +243,64 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
         rules = ingress_from(store)
         assert len(rules) == 1 and rules[0][0] == clients
     assert ({"anyone"}, {8080}) in ingress_from("envoy")
+    # The pods: Envoy's requests and the scrapes of the router in extauthz; Prometheus.
+    port = workload("vllm")["spec"]["template"]["spec"]["containers"][0]["ports"][0]
+    assert ingress_from("vllm") == [
+        ({"envoy", "extauthz"}, {port["containerPort"]}),
+        ({"monitoring"}, {port["containerPort"]}),
+    ]
+    # Every policy selects a workload of the manifests (none is left for a removed router).
+    names = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for d in docs()
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    for policy in (d for d in docs() if d["kind"] == "NetworkPolicy"):
+        selected = policy["spec"]["podSelector"].get("matchLabels", {})
+        assert not selected or selected["app.kubernetes.io/name"] in names, policy
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule["from"]:
+                if "podSelector" in peer:
+                    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] in names
+
+
+def test_extauthz_holds_the_router_and_there_is_no_router_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the local stack runs it: extauthz picks (PICK), with router settings the router's own
+    schema and plugin profile accept (read as extauthz reads them), pods from the headless
+    Service `vllm` and the fleet load published to the `redis` Service."""
+    kinds = (
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    )
+    assert not [d for d in docs() if d["kind"] in kinds and d["metadata"]["name"] == "router"]
+    env = env_of("extauthz")
+    from extauthz.settings import Settings
+
+    settings = config.load(Settings, None, "LLMGW_EXTAUTHZ", env)
+    assert settings.pick is True
+    # Only the router's fleet, plugins, profile and Redis settings apply inside extauthz; a
+    # SERVE__PORT of its own would also leave the image's health check two ports to choose from.
+    router_keys = [k for k in env if k.startswith("LLMGW_ROUTER__")]
+    assert router_keys and not [k for k in router_keys if "__SERVE__" in k or "__TRACING__" in k]
+    for key in [k for k in os.environ if k.startswith("LLMGW_ROUTER__")]:
+        monkeypatch.delenv(key)
+    for key in router_keys:
+        monkeypatch.setenv(key, env[key])
+    router = picking(settings)  # extauthz's own reading: schema, plugins and profile
+    vllm = find("Service", "vllm")
+    assert vllm["spec"]["clusterIP"] == "None"  # every pod resolved
+    assert router.fleet.dns is not None and router.fleet.dns.name == "vllm"
+    assert router.fleet.dns.port in {p["port"] for p in vllm["spec"]["ports"]}
+    assert router.redis_url is not None
+    host, port, password = redis_address(router.redis_url)
+    assert host == "redis" and password
+    assert port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
+    assert router.redis_cluster is False
 
 
 def test_the_inference_pool_example_points_at_the_router_in_picker_mode() -> None:

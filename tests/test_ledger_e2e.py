@@ -330,9 +330,11 @@ def stack_ledger_idle(stack: Stack) -> bool:
     return "llmgw_ledger_unsettled 0.0" in text
 
 
-def test_the_request_path_is_three_exchanges(ledger_stack: Stack) -> None:
-    """One ext_authz check, one rate-limit call and one ext_proc message per request, streams
-    included; everything after the answer travels in the batched access log."""
+def test_the_request_path_is_two_exchanges(ledger_stack: Stack) -> None:
+    """One ext_authz check (which picks the pod too: the router runs inside extauthz) and one
+    rate-limit call per request, streams included, and no ext_proc; everything after the answer
+    travels in the batched access log."""
+    assert ledger_stack.services.router_in_extauthz
     key = add_tenant(ledger_stack, "lg-path", "standard")
     names = (
         "http.openai.ext_authz.ok",
@@ -345,4 +347,4 @@ def test_the_request_path_is_three_exchanges(ledger_stack: Stack) -> None:
     assert {r.status for r in replies} == {200}
     recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})  # the logs arrived
     after = ledger_stack.envoy_stats()
-    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 6, 6, 6]
+    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 6, 0, 0]

@@ -56,13 +56,19 @@ def upstreams(stack: Stack, request_ids: list[str]) -> list[str]:
     raise AssertionError(f"requests missing from the access log: {set(request_ids) - set(found)}")
 
 
-def router_picks(stack: Stack, pod: str) -> float:
+def router_metric(stack: Stack, name: str, pod: str) -> float:
+    """The router's metric `name` for `pod`, summed over its other labels (served by extauthz
+    when the router runs inside it)."""
     with urllib.request.urlopen(stack.metrics["router"], timeout=5) as resp:
         text = resp.read().decode()
-    prefix = f'llmgw_router_picks_total{{pod="{pod}"'
+    prefix = f'{name}{{pod="{pod}"'
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
     )
+
+
+def router_picks(stack: Stack, pod: str) -> float:
+    return router_metric(stack, "llmgw_router_picks_total", pod)
 
 
 def converse(stacks: list[Stack], turns: int, session: str | None = None) -> tuple[str, list[str]]:
@@ -151,14 +157,52 @@ async def test_a_failing_pod_stops_receiving_picks_and_no_request_fails(own_stac
     assert router_picks(own_stack, bad_id) - marks[0] <= 3 + 6
 
 
-async def test_killing_the_router_mid_load_fails_no_request(own_stack: Stack) -> None:
-    router = next(p for p in own_stack.processes if p.name == "router")
+async def test_picks_inside_extauthz_end_with_their_requests_refused_ones_too(
+    own_stack: Stack,
+) -> None:
+    """The router inside extauthz picks before the rate limiter admits: a refused request was
+    counted in flight on a pod, and its access-log entry (sent to extauthz) releases it."""
+    assert own_stack.services.router_in_extauthz
+    pods = [f"{p.host}:{p.port}" for p in own_stack.pods]
+    picks_before = sum(router_picks(own_stack, pod) for pod in pods)
+    headers = {"authorization": f"Bearer {api_key(own_stack, 'free')}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with aiohttp.ClientSession(headers=headers) as session:
+
+        async def one() -> int:
+            async with session.post(f"{own_stack.base_url}/chat/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        statuses = await asyncio.gather(*(one() for _ in range(200)))  # 4x the tier's 50/s
+    assert statuses.count(429) >= 100 and statuses.count(200) >= 20, statuses
+    picks = sum(router_picks(own_stack, pod) for pod in pods) - picks_before
+    assert picks >= len(statuses)  # the refused ones too: else this would test nothing
+    deadline = time.monotonic() + 5.0  # entries flush every 0.2 s
+    while any(router_metric(own_stack, "llmgw_router_in_flight", pod) for pod in pods):
+        assert time.monotonic() < deadline, "picks still in flight after their requests ended"
+        await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+def apart_stack(tmp_path: Path) -> Iterator[Stack]:
+    """The router in its own process behind ext_proc, as compose and k8s run it."""
+    settings = stack_settings(pods=3).model_copy(update={"router_in_extauthz": False})
+    with Stack(settings, tmp_path / "stack") as running:
+        yield running
+
+
+async def test_killing_the_router_apart_mid_load_fails_no_request(apart_stack: Stack) -> None:
+    router = next(p for p in apart_stack.processes if p.name == "router")
+    pods = [f"{p.host}:{p.port}" for p in apart_stack.pods]
+    before = sum(router_picks(apart_stack, pod) for pod in pods)
 
     async def kill(done: int) -> None:
         if done == 40:
+            assert sum(router_picks(apart_stack, pod) for pod in pods) - before >= 30
             router.kill()
 
-    done, failures = await load(own_stack, 3.0, 8, kill)
+    done, failures = await load(apart_stack, 3.0, 8, kill)
     assert router.popen is not None and router.popen.poll() is not None
     assert done > 80 and failures == []
 

@@ -17,6 +17,7 @@ import grpc
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 from google.protobuf import json_format
 from google.rpc import code_pb2
@@ -32,7 +33,13 @@ from llmgw import wire
 from llmgw.facts import MESSAGE_TOKENS
 from llmgw.procs import Process, free_port, grpc_serving
 from llmgw.reload import RELOADS
+from router.engine import Engine
+from router.fleet import Fleet, FleetSettings
+from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
+from router.runtime import Router
+from router.types import PodMetrics
 from tests.extauthz.conftest import SECRET, TIERS_YAML, Keys, make_decider
+from tests.router.test_service import log_entry, send_log
 
 Stub: Any = external_auth_pb2_grpc.AuthorizationStub
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -65,32 +72,74 @@ CHAT = json.dumps(
 ).encode()
 
 
+PODS = ["10.0.0.1:8000", "10.0.0.2:8000"]
+
+
 class Running:
-    def __init__(self, stub: Any, store: TenantsStore, spans: InMemorySpanExporter) -> None:
-        self.stub = stub
+    def __init__(
+        self, channel: grpc.aio.Channel, store: TenantsStore, spans: InMemorySpanExporter
+    ) -> None:
+        self.stub = Stub(channel)
+        self.logs = als_pb2_grpc.AccessLogServiceStub(channel)
         self.store = store
         self.spans = spans
 
 
-@pytest.fixture
-async def running(tenants_file: Path, tiers_file: Path, keys: Keys) -> AsyncIterator[Running]:
+async def _running(
+    tenants_file: Path, tiers_file: Path, router: Router | None
+) -> AsyncIterator[Running]:
     store = tenants_store(tenants_file, tiers_file)
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    service = AuthorizationService(store, make_decider(), provider.get_tracer("test"))
+    tracer = provider.get_tracer("test")
+    if router is not None:
+        router.tracer = tracer
+    service = AuthorizationService(store, make_decider(), tracer, router=router)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     register(service)(server)
+    if router is not None:
+        router.register(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     watcher = asyncio.create_task(store.watch(0.25))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Running(Stub(channel), store, spans)
+            yield Running(channel, store, spans)
     finally:
         watcher.cancel()
         await server.stop(0)
         provider.shutdown()
+
+
+@pytest.fixture
+async def running(tenants_file: Path, tiers_file: Path, keys: Keys) -> AsyncIterator[Running]:
+    async for r in _running(tenants_file, tiers_file, None):
+        yield r
+
+
+def make_router() -> Router:
+    fleet = Fleet(FleetSettings(capacity=10, stale_after=60))
+    fleet.set_pods(PODS)
+    for pod in PODS:
+        fleet.snapshots[pod] = PodMetrics(
+            pod, fleet.clock(), ok=True, models=frozenset({"llama-3-8b"})
+        )
+    engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
+    return Router(fleet, engine, TracerProvider().get_tracer("unused"))
+
+
+@pytest.fixture
+def router() -> Router:
+    return make_router()
+
+
+@pytest.fixture
+async def picking(
+    tenants_file: Path, tiers_file: Path, keys: Keys, router: Router
+) -> AsyncIterator[Running]:
+    async for r in _running(tenants_file, tiers_file, router):
+        yield r
 
 
 def header_map(options: object) -> dict[str, str]:
@@ -212,6 +261,54 @@ async def test_revocation_and_new_keys_apply_within_two_seconds(
     assert reply.status.code == code_pb2.OK
 
 
+def picked(reply: external_auth_pb2.CheckResponse) -> str | None:
+    field = reply.dynamic_metadata.fields.get(wire.DESTINATION_ENDPOINT)
+    return field.string_value if field is not None else None
+
+
+async def test_the_router_inside_picks_and_hears_how_the_pick_ended(
+    picking: Running, router: Router, keys: Keys
+) -> None:
+    """The pick rides in ext_authz's metadata (override_host reads it there), counts in flight
+    until its access-log entry arrives on the same server, and a denial picks nothing."""
+    headers = {"api-key": keys.acme, "x-request-id": "req-pick"}
+    reply = await picking.stub.Check(check_request(headers, CHAT))
+    assert reply.status.code == code_pb2.OK
+    pods = picked(reply)
+    assert pods is not None and sorted(pods.split(",")) == PODS
+    first = pods.split(",")[0]
+    assert router.fleet.in_flight == {first: 1, **{p: 0 for p in PODS if p != first}}
+    (span,) = [s for s in picking.spans.get_finished_spans() if s.name == "router.pick"]
+    assert span.attributes is not None and span.attributes["tenant.id"] == "acme"
+
+    await send_log(picking.logs, log_entry("req-pick", first, 200))
+    assert router.fleet.in_flight == dict.fromkeys(PODS, 0)
+
+    denied = await picking.stub.Check(check_request({"api-key": "sk-llmgw-nope"}, CHAT))
+    assert denied.status.code == code_pb2.UNAUTHENTICATED
+    assert picked(denied) is None and router.fleet.in_flight == dict.fromkeys(PODS, 0)
+
+
+async def test_a_router_that_raises_costs_the_pick_not_the_request(
+    picking: Running, router: Router, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("plugin bug")
+
+    monkeypatch.setattr(router.engine, "pick", broken)
+    before = metrics.PICK_ERRORS._value.get()
+    reply = await picking.stub.Check(check_request({"api-key": keys.acme}, CHAT))
+    assert reply.status.code == code_pb2.OK
+    assert picked(reply) is None  # Envoy's fallback policy picks
+    assert json_format.MessageToDict(reply.dynamic_metadata)[wire.META_TENANT] == "acme"
+    assert metrics.PICK_ERRORS._value.get() == before + 1
+
+
+async def test_without_a_router_inside_nothing_is_picked(running: Running, keys: Keys) -> None:
+    reply = await running.stub.Check(check_request({"api-key": keys.acme}, CHAT))
+    assert reply.status.code == code_pb2.OK and picked(reply) is None
+
+
 def _tiers(tmp_path: Path) -> Path:
     path = tmp_path / "tiers.yaml"
     path.write_text(TIERS_YAML)
@@ -242,6 +339,18 @@ def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     _tiers(tmp_path).write_text("tiers: {}")  # the tier table lacks the tier a tenant names
     assert service_cli(["--check-config", str(good)]) == 1
     _settings_file(tmp_path, tenants_file, 0)
+    # With the router inside, the router's settings file is checked too.
+    router_file = tmp_path / "router.yaml"
+    router_file.write_text(yaml.safe_dump({"fleet": {"pods": ["127.0.0.1:1"]}}))
+    picking = tmp_path / "picking.yaml"
+    picking.write_text(
+        yaml.safe_dump(
+            {**yaml.safe_load(good.read_text()), "pick": True, "router_config": str(router_file)}
+        )
+    )
+    assert service_cli(["--check-config", str(picking)]) == 0
+    router_file.write_text(yaml.safe_dump({"profile": {"picker": "no-such-plugin"}}))
+    assert service_cli(["--check-config", str(picking)]) == 1
     tenants_file.write_text("tenants: [{id: 1}]")  # the tenants file it names is checked too
     assert service_cli(["--check-config", str(good)]) == 1
 

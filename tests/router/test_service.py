@@ -24,7 +24,8 @@ from llmgw import facts, procs, wire
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
-from router.service import OutcomeService, RouterService
+from router.runtime import Router
+from router.service import RouterService
 from router.types import PodMetrics
 from tests.router.conftest import FakePod, metrics_text
 
@@ -112,10 +113,11 @@ async def serve() -> AsyncIterator[Starter]:
 
     async def start(fleet: Fleet) -> Served:
         engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
-        service = RouterService(fleet, engine, trace.get_tracer("test"))
+        router = Router(fleet, engine, trace.get_tracer("test"))
+        service = RouterService(router)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(OutcomeService(fleet), server)
+        router.register(server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
