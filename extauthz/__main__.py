@@ -16,7 +16,7 @@ from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
 from extauthz.store import tenants_store
 from llmgw import telemetry
-from llmgw.config import load
+from llmgw.config import ConfigError, load
 from llmgw.serve import command, serve
 from llmgw.tiers import load_tiers
 from router import settings as router_settings
@@ -74,7 +74,10 @@ async def main(settings: Settings) -> None:
 def picking(settings: Settings) -> router_settings.Settings:
     """The settings of the router this process holds (only its fleet, plugins, profile and Redis
     apply: it serves on extauthz's port and traces with extauthz's tracer)."""
-    return router_settings.check(settings.router_config, default_registry())
+    held = router_settings.check(settings.router_config, default_registry())
+    if held.inference_pool.enabled:
+        raise ConfigError("inference_pool: only `python -m router` speaks the picker protocol")
+    return held
 
 
 def settings(path: Path | None) -> Settings:

@@ -39,6 +39,7 @@ from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
 from router.request import from_metadata
 from router.runtime import Router
+from router.types import endpoints
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +103,17 @@ def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
     )
 
 
-def add_pick(
-    router: Router, response: external_auth_pb2.CheckResponse, allow: Allow, request_id: str | None
-) -> None:
-    """The router's pods for this request, best first, into the response's metadata."""
+def add_pick(router: Router, response: external_auth_pb2.CheckResponse, allow: Allow) -> None:
+    """The router's pods for this request, best first, into the response's metadata (the
+    request ID in the facts is Envoy's x-request-id, which its access log carries too)."""
     try:
-        pods = router.pick(from_metadata(allow.metadata, request_id))
-    except Exception:  # fail open, as Envoy does for a router behind ext_proc
+        pods = router.pick(from_metadata(allow.metadata))
+    except Exception:  # a router bug costs the pick (Envoy's fallback picks), never the request
         log.exception("pick failed", extra={"tenant": allow.tenant})
         metrics.PICK_ERRORS.inc()
         return
     if pods is not None:
-        response.dynamic_metadata.fields[wire.DESTINATION_ENDPOINT].string_value = ",".join(pods)
+        response.dynamic_metadata.fields[wire.DESTINATION_ENDPOINT].string_value = endpoints(pods)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -180,10 +180,10 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.bodies = bodies
         self.router = router
 
-    def respond(self, decision: Decision, headers: Any) -> external_auth_pb2.CheckResponse:
+    def respond(self, decision: Decision) -> external_auth_pb2.CheckResponse:
         response = to_response(decision)
         if self.router is not None and isinstance(decision, Allow):
-            add_pick(self.router, response, decision, headers.get(wire.HEADER_REQUEST_ID))
+            add_pick(self.router, response, decision)
         return response
 
     async def Check(
@@ -201,7 +201,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
                 metrics.decisions("allow", decision.tenant).inc()
             else:
                 metrics.decisions(decision.code, decision.tenant or "").inc()
-            return self.respond(decision, headers)
+            return self.respond(decision)
         with self.tracer.start_as_current_span(
             "extauthz.check",
             context=parent_context(context.invocation_metadata(), headers),
@@ -222,7 +222,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             span.set_attribute("llmgw.decision", result)
             if tenant:
                 span.set_attribute("tenant.id", tenant)
-            return self.respond(decision, headers)
+            return self.respond(decision)
 
 
 def register(service: AuthorizationService) -> Callable[[grpc.aio.Server], None]:

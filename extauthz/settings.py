@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from extauthz.types import TenantView
 from llmgw import facts
@@ -81,3 +81,9 @@ class Settings(Strict):
     # them. Envoy then makes no ext_proc call (llmgw/envoyconf.py Services.router_in_extauthz).
     pick: bool = False
     router_config: Path | None = None
+
+    @model_validator(mode="after")
+    def _router_config_picks(self) -> Settings:
+        if self.router_config is not None and not self.pick:
+            raise ValueError("router_config: set pick: true, or the router's settings do nothing")
+        return self

@@ -36,7 +36,8 @@ class Engine:
         self._scorers = [(s, w, timers.labels(s.name)) for s, w in profile.scorers if w > 0]
         self._picker_timer = timers.labels(profile.picker.name)
 
-    def pick(self, req: PickRequest, cands: list[Candidate]) -> Pick | NoPod:
+    def pick(self, req: PickRequest, cands: list[Candidate], observe: bool = True) -> Pick | NoPod:
+        """The pick; with `observe`, the observers learn it now (else: `observe` later)."""
         clock = time.perf_counter
         started = clock()
         if not cands:
@@ -59,12 +60,17 @@ class Engine:
         t0 = clock()
         ordered, explored = self.profile.picker.pick(cands, totals)
         self._picker_timer.observe(clock() - t0)
-        for observer in self._observers:
-            observer.observe(req, ordered[0])
+        if observe:
+            self.observe(req, ordered[0])
         reason = "explore" if explored else "best"
         metrics.picks(ordered[0].pod, reason).inc()
         metrics.PICK_SECONDS.observe(clock() - started)
         return Pick(tuple(c.pod for c in ordered), reason)
+
+    def observe(self, req: PickRequest, chosen: Candidate) -> None:
+        """The plugins that learn from picks (the prefix index) learn that `chosen` got `req`."""
+        for observer in self._observers:
+            observer.observe(req, chosen)
 
     @staticmethod
     def _none(stage: str) -> NoPod:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from llmgw import wire
 from llmgw.config import Strict
@@ -57,6 +57,13 @@ from router.types import Candidate, PodId, PodMetrics
 
 log = logging.getLogger(__name__)
 MAX_COOLDOWN_DOUBLINGS = 4
+
+
+def split_hostport(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"pod {target!r} is not host:port")
+    return host.strip("[]"), int(port)
 
 
 class DnsTarget(Strict):
@@ -80,16 +87,19 @@ class FleetSettings(Strict):
     error_cooldown: float = Field(default=2.0, gt=0)
     publish_interval: float = Field(default=1.0, gt=0)
     publish_ttl: float = Field(default=10.0, gt=0)
-    # A pick whose outcome never arrives (the client left before Envoy used it, a lost access-log
-    # batch) stops counting as in flight after this long.
-    in_flight_ttl: float = Field(default=900.0, gt=0)
+    # A pick counts as in flight until its outcome arrives, or for this long: it only has to
+    # cover the time until the pod's own counts (running, waiting; scraped every
+    # `scrape_interval`) show the request, and past that it counts twice. The bound matters
+    # with several replicas: Check calls are spread over them, but each Envoy worker's
+    # access-log stream goes to one, so most outcomes reach a replica that did not pick.
+    in_flight_ttl: float = Field(default=10.0, gt=0)
 
-
-def split_hostport(target: str) -> tuple[str, int]:
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"pod {target!r} is not host:port")
-    return host.strip("[]"), int(port)
+    @field_validator("pods")
+    @classmethod
+    def _host_ports(cls, pods: list[str]) -> list[str]:
+        for pod in pods:  # refused here, not when the fleet first resolves (a crash at start)
+            split_hostport(pod)
+        return pods
 
 
 class Fleet:
@@ -184,6 +194,21 @@ class Fleet:
             for pod, snap in self.snapshots.items()
         ]
 
+    def candidate(self, pod: PodId) -> Candidate | None:
+        """One pod as `candidates()` shows it; None if it is not in the fleet."""
+        snap = self.snapshots.get(pod)
+        if snap is None:
+            return None
+        now = self.clock()
+        return Candidate.of(
+            snap,
+            snap.ok and self._usable(pod, now),
+            snap.ok and now - snap.at <= self.settings.stale_after,
+            self.in_flight[pod],
+            self.settings.capacities.get(pod, self.settings.capacity),
+            self.speeds.current.get(pod, 1.0),
+        )
+
     def acquire(self, pod: PodId, request_id: str | None = None) -> None:
         """Count a pick in flight; with a request ID, until `finish(request_id)` (or the TTL)."""
         if pod not in self.in_flight:
@@ -242,8 +267,16 @@ class Fleet:
     # Scraping.
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> None:
+        """Every pod once. A scrape that fails in a way no pod should cause is logged and counts
+        as a failed scrape of that pod: one pod's page never stops the others' scrapes."""
         pods = list(self.snapshots)
-        await asyncio.gather(*(self._scrape(session, pod) for pod in pods))
+        results = await asyncio.gather(
+            *(self._scrape(session, pod) for pod in pods), return_exceptions=True
+        )
+        for pod, result in zip(pods, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("scrape failed", extra={"pod": pod, "error": repr(result)})
+                metrics.SCRAPE_ERRORS.labels(pod).inc()
 
     async def _scrape(self, session: aiohttp.ClientSession, pod: PodId) -> None:
         s = self.settings

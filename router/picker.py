@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -35,18 +35,15 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from pydantic import Field
 
 from llmgw import facts, structs, wire
-from llmgw.config import Strict
 from llmgw.telemetry import parent_context
 from router.engine import NoPod
 from router.request import from_headers, from_metadata
+from router.runtime import Router
 from router.service import authz_metadata, header_map, lb_metadata
-from router.types import PickRequest, PodId
-
-if TYPE_CHECKING:  # router.settings reads this module's settings; router.runtime reads those
-    from router.runtime import Router
+from router.settings import InferencePoolSettings
+from router.types import PickRequest, PodId, endpoints
 
 NONE = pm.ProcessingMode.NONE
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -54,14 +51,6 @@ BODY_CHUNK = 62_000  # bytes per streamed body answer, as the reference picker s
 NO_POD = "No model server can take this request now; please retry."
 # The picker's health services, beside the server's own ("").
 HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
-
-
-class InferencePoolSettings(Strict):
-    """`LLMGW_ROUTER__INFERENCE_POOL__ENABLED=true`: speak the picker protocol."""
-
-    enabled: bool = False
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)  # longer bodies: a 413
-    max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed
 
 
 def subset_hint(msg: pb.ProcessingRequest) -> frozenset[PodId] | None:
@@ -140,7 +129,7 @@ def too_large(limit: int) -> pb.ProcessingResponse:
 
 def destination(pods: tuple[PodId, ...]) -> pb.CommonResponse:
     """The pick as a request header, the same value as the `envoy.lb` metadata."""
-    value = ",".join(pods).encode()
+    value = endpoints(pods).encode()
     header = base_pb2.HeaderValue(key=wire.DESTINATION_ENDPOINT, raw_value=value)
     return pb.CommonResponse(
         header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(header=header)]),

@@ -130,6 +130,8 @@ class PrefixIndex:
         over = lru.total + blocks - capacity
         if over <= 0:
             return float("inf")
+        if over >= lru.total:  # all of it: a prompt as large as the cache (O(1), not a walk)
+            return self.clock() - next(reversed(lru.entries.values())).used
         used = float("-inf")
         for entry in lru.entries.values():
             used = entry.used

@@ -2,13 +2,20 @@
 publisher), the engine, and the pick that counts a request in flight.
 
 `python -m router` serves it behind ext_proc (router/service.py, router/picker.py); extauthz holds
-one to pick inside its own Check, which saves the request path a gRPC exchange (extauthz/pick.py).
-Either way the outcomes come back on the access log (router/service.py OutcomeService).
+one to pick inside its own Check, which saves the request path a gRPC exchange
+(extauthz/service.py). Either way the outcomes come back on the access log (router/outcomes.py).
+
+What a pick teaches the plugins that learn (the prefix index: this pod now caches this prompt)
+is true only once the pod has served the request. Inside extauthz the pick comes before the rate
+limiter, so a refused request would teach it a lie, and a tenant over its limit could rewrite
+every pod's index for free. So a pick with a request ID is observed when its outcome says a pod
+answered it (`served`), on that pod.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -24,30 +31,32 @@ from router.registry import default_registry
 from router.settings import Settings, redis_address
 from router.types import Candidate, Pick, PickRequest, PodId
 
+# Picks waiting for their outcome before the plugins learn from them; the oldest are dropped
+# (their outcome went to another replica, or was lost).
+MAX_UNSERVED = 65_536
+
 
 class Router:
-    def __init__(self, fleet: Fleet, engine: Engine, tracer: trace.Tracer) -> None:
+    def __init__(
+        self, fleet: Fleet, engine: Engine, tracer: trace.Tracer, redis: RedisLink | None = None
+    ) -> None:
         self.fleet = fleet
         self.engine = engine
         self.tracer = tracer
         self.recording = recording(tracer)
+        self._redis = redis  # where the fleet load is published
         self._tasks: list[asyncio.Task[None]] = []
-        self._redis: RedisLink | None = None
+        self._unserved: OrderedDict[str, PickRequest] = OrderedDict()
 
     @classmethod
     def from_settings(cls, settings: Settings, tracer: trace.Tracer) -> Router:
         engine = Engine(default_registry().build(settings.plugins, settings.profile))
-        router = cls(Fleet(settings.fleet), engine, tracer)
+        redis = None
         if settings.redis_url is not None:
             host, port, password = redis_address(settings.redis_url)
-            router._redis = RedisLink(
-                host,
-                port,
-                settings.fleet.publish_interval,
-                password,
-                cluster=settings.redis_cluster,
-            )
-        return router
+            interval = settings.fleet.publish_interval
+            redis = RedisLink(host, port, interval, password, cluster=settings.redis_cluster)
+        return cls(Fleet(settings.fleet), engine, tracer, redis)
 
     async def start(self) -> None:
         """Resolve the pods, then keep resolving, scraping and publishing until `stop`."""
@@ -68,24 +77,39 @@ class Router:
             await self._redis.close()
 
     def register(self, server: grpc.aio.Server) -> None:
-        """The access log that tells the fleet how each picked request ended."""
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(OutcomeService(self.fleet), server)
+        """The access log that tells the router how each picked request ended."""
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(OutcomeService(self), server)
 
     def pick(self, req: PickRequest, parent: Context | None = None) -> tuple[PodId, ...] | None:
         """The pods best first, the first counted in flight; None: no pod (Envoy's fallback)."""
         candidates = self.fleet.candidates()
+        later = req.request_id is not None  # observed when served; without an ID, now
         result = (
-            self._traced(req, candidates, parent)
+            self._traced(req, candidates, parent, later)
             if self.recording
-            else self.engine.pick(req, candidates)
+            else self.engine.pick(req, candidates, observe=not later)
         )
         if isinstance(result, NoPod):
             return None
         self.fleet.acquire(result.pods[0], req.request_id)
+        if req.request_id is not None:
+            self._unserved[req.request_id] = req
+            if len(self._unserved) > MAX_UNSERVED:
+                self._unserved.popitem(last=False)
         return result.pods
 
+    def ended(self, request_id: str, served_by: PodId | None) -> None:
+        """The request's outcome: `served_by` the pod that answered it well (None: none did,
+        e.g. refused before any pod), which learns it as the pick's observers would have."""
+        req = self._unserved.pop(request_id, None)
+        if req is None or served_by is None:
+            return
+        chosen = self.fleet.candidate(served_by)
+        if chosen is not None:
+            self.engine.observe(req, chosen)
+
     def _traced(
-        self, req: PickRequest, candidates: list[Candidate], parent: Context | None
+        self, req: PickRequest, candidates: list[Candidate], parent: Context | None, later: bool
     ) -> Pick | NoPod:
         attributes = {
             k: v for k, v in (("tenant.id", req.tenant), ("session.id", req.session)) if v
@@ -93,7 +117,7 @@ class Router:
         with self.tracer.start_as_current_span(
             "router.pick", context=parent, attributes=attributes
         ) as span:
-            result = self.engine.pick(req, candidates)
+            result = self.engine.pick(req, candidates, observe=not later)
             if isinstance(result, NoPod):
                 span.set_attribute("router.no_pod", result.stage)
             else:

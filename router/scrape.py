@@ -110,17 +110,19 @@ async def scrape_metrics(
     at: float,
     models: frozenset[str],
 ) -> PodMetrics:
-    """One scrape; any failure or non-200 reply gives a snapshot with ok=False."""
+    """One scrape; any failure, non-200 reply or page the parser cannot read gives a snapshot
+    with ok=False."""
     try:
         async with session.get(
             f"http://{pod}/metrics", timeout=aiohttp.ClientTimeout(total=seconds)
         ) as resp:
             if resp.status != 200:
                 return PodMetrics(pod, at, ok=False, models=models)
-            text = await resp.text()
-    except (TimeoutError, aiohttp.ClientError, OSError):
+            # Lines the parser reads are ASCII; a stray byte elsewhere must not fail the scrape.
+            text = (await resp.read()).decode("utf-8", "replace")
+        p = parse_metrics(text)
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         return PodMetrics(pod, at, ok=False, models=models)
-    p = parse_metrics(text)
     return PodMetrics(
         pod,
         at,

@@ -10,7 +10,7 @@ picked pod's count in flight drops, and its status feeds pod health (router/outc
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -23,16 +23,14 @@ from llmgw import wire
 from llmgw.structs import View
 from llmgw.telemetry import parent_context
 from router.request import from_headers, from_metadata
-from router.types import PodId
-
-if TYPE_CHECKING:  # router.runtime -> router.settings -> router.picker -> this module
-    from router.runtime import Router
+from router.runtime import Router
+from router.types import PodId, endpoints
 
 
 def lb_metadata(pods: tuple[PodId, ...]) -> Struct:
     meta = Struct()  # set in place: `Struct.update` goes through Python per value
     lb = meta.fields[wire.LB_NAMESPACE].struct_value
-    lb.fields[wire.DESTINATION_ENDPOINT].string_value = ",".join(pods)
+    lb.fields[wire.DESTINATION_ENDPOINT].string_value = endpoints(pods)
     return meta
 
 

@@ -12,11 +12,18 @@ from llmgw.config import ConfigError, Strict, load
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import TracingSettings
 from router.fleet import FleetSettings
-from router.picker import InferencePoolSettings
 from router.plugins.base import PluginError
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, PluginSpec, ProfileSpec, Registry
 
 ENV_PREFIX = "LLMGW_ROUTER"
+
+
+class InferencePoolSettings(Strict):
+    """`LLMGW_ROUTER__INFERENCE_POOL__ENABLED=true`: speak the picker protocol."""
+
+    enabled: bool = False
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)  # longer bodies: a 413
+    max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed
 
 
 class Settings(Strict):

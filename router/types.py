@@ -100,3 +100,8 @@ class Pick:
 
     pods: tuple[PodId, ...]
     reason: str
+
+
+def endpoints(pods: tuple[PodId, ...]) -> str:
+    """The pick as the endpoint picker protocol writes it: "ip:port,ip:port", best first."""
+    return ",".join(pods)

@@ -186,7 +186,7 @@ async def test_picks_inside_extauthz_end_with_their_requests_refused_ones_too(
 
 @pytest.fixture
 def apart_stack(tmp_path: Path) -> Iterator[Stack]:
-    """The router in its own process behind ext_proc, as compose and k8s run it."""
+    """The router in its own process behind ext_proc (`python -m router`)."""
     settings = stack_settings(pods=3).model_copy(update={"router_in_extauthz": False})
     with Stack(settings, tmp_path / "stack") as running:
         yield running

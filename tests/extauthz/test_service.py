@@ -351,6 +351,15 @@ def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     assert service_cli(["--check-config", str(picking)]) == 0
     router_file.write_text(yaml.safe_dump({"profile": {"picker": "no-such-plugin"}}))
     assert service_cli(["--check-config", str(picking)]) == 1
+    router_file.write_text(yaml.safe_dump({"fleet": {"pods": ["no-port"]}}))  # else: exit at start
+    assert service_cli(["--check-config", str(picking)]) == 1
+    router_file.write_text(yaml.safe_dump({"inference_pool": {"enabled": True}}))  # ignored here
+    assert service_cli(["--check-config", str(picking)]) == 1
+    router_file.write_text("{}")
+    assert service_cli(["--check-config", str(picking)]) == 0
+    ignored = {**yaml.safe_load(picking.read_text()), "pick": False}
+    picking.write_text(yaml.safe_dump(ignored))  # a router_config that nothing reads
+    assert service_cli(["--check-config", str(picking)]) == 1
     tenants_file.write_text("tenants: [{id: 1}]")  # the tenants file it names is checked too
     assert service_cli(["--check-config", str(good)]) == 1
 

@@ -95,10 +95,12 @@ class FakePod:
     models: list[str] = field(default_factory=lambda: ["m"])
     pod: str = ""
     hits: int = 0
+    tail: bytes = b""  # raw bytes after the text (not necessarily UTF-8)
 
     async def metrics(self, _: web.Request) -> web.Response:
         self.hits += 1
-        return web.Response(status=self.status, text=self.text)
+        body = self.text.encode() + self.tail
+        return web.Response(status=self.status, body=body, content_type="text/plain")
 
     async def v1_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})

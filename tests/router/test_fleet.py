@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 import pytest
@@ -11,6 +12,7 @@ import redis.asyncio
 
 from llmgw import wire
 from llmgw.link import RedisLink
+from router import scrape
 from router.fleet import DnsTarget, Fleet, FleetSettings
 from router.scrape import parse_metrics
 from router.types import PodMetrics
@@ -297,3 +299,26 @@ def test_after_a_cooldown_a_pod_gets_one_probe_until_it_answers() -> None:
     fleet.finish("lost")
     fleet.acquire("a:1", "x")
     assert fleet.pickable("a:1", clock.now)  # answered well: no probation
+
+
+async def test_one_pods_unreadable_page_stops_no_scrape(
+    fake_pods: list[FakePod], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stray non-UTF-8 byte on a page is read past; a scrape that fails in a way no page
+    should cause counts as that pod's failed scrape, and the others' scrapes go on (one pod's
+    page once ended the scrape loop, and every pod went stale for good)."""
+    a, b, c = fake_pods
+    a.tail = b"# \xff\xfe\n"
+    fleet = Fleet(FleetSettings(pods=[p.pod for p in fake_pods], scrape_timeout=1.0))
+    fleet.set_pods(await fleet.resolve())
+    real = scrape.scrape_metrics
+
+    async def broken(session: Any, pod: str, *args: Any) -> Any:
+        if pod == b.pod:
+            raise RuntimeError("a bug")
+        return await real(session, pod, *args)
+
+    monkeypatch.setattr("router.fleet.scrape_metrics", broken)
+    async with aiohttp.ClientSession() as session:
+        await fleet.scrape_once(session)
+    assert {p: s.ok for p, s in fleet.snapshots.items()} == {a.pod: True, b.pod: False, c.pod: True}

@@ -322,3 +322,18 @@ def test_picker_explores_only_among_near_equal_pods_and_at_most_max_ties() -> No
     assert min(firsts.values()) > 100  # a real spread, not a token one
     clear = [1.0, 0.5, 0.4, 0.3, 0.2, 0.1]
     assert {p.pick(cands, clear)[0][0].pod for _ in range(100)} == {"0"}
+
+
+def test_a_prompt_larger_than_the_cache_evicts_all_without_walking_it() -> None:
+    """What a prompt would evict, in seconds since its newest entry was used: a prompt as large
+    as the cache evicts everything, answered without a walk over the pod's entries (a 2M-token
+    prompt walked every pod's whole LRU: 165 ms of a pick at 256 pods)."""
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    for i in range(50):
+        clock.now = 1000.0 + i
+        index.record("a", (i,), None, 1, capacity=100)
+    clock.now = 1100.0
+    assert index.idle_evicted("a", 10, 100) == float("inf")  # 60 of 100: fits
+    assert index.idle_evicted("a", 60, 100) == pytest.approx(100.0 - 9)  # the 10 oldest go
+    assert index.idle_evicted("a", 10**6, 100) == pytest.approx(100.0 - 49)  # all of them

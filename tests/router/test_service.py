@@ -23,6 +23,7 @@ from opentelemetry import trace
 from llmgw import facts, procs, wire
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
+from router.plugins.prefix_affinity import PrefixAffinity
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
 from router.runtime import Router
 from router.service import RouterService
@@ -231,6 +232,40 @@ async def test_forwarded_facts_give_model_and_prefix(serve: Starter) -> None:
     assert destination(reply) == "10.0.0.2:8000"  # the only pod serving "big"
     await call.done_writing()
     assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_only_an_answered_pick_teaches_the_prefix_index(serve: Starter) -> None:
+    """Inside extauthz the pick precedes the rate limiter: a refused request (no pod answered),
+    or one its pod failed, must not make the router believe that pod caches its prompt (a
+    tenant over its limit could rewrite every pod's index for free). An answered one does, on
+    the pod that answered it."""
+    fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"])
+    service, stub, log = await serve(fleet)
+    (index,) = [
+        s.index for s, _ in service.router.engine.profile.scorers if isinstance(s, PrefixAffinity)
+    ]
+    body = {"model": "m", "messages": [{"role": "system", "content": "policy " * 400}]}
+    request_facts = facts.from_body(
+        body, chars_per_token=4, image_tokens=0, max_output=16, max_blocks=64, model="m"
+    )
+    blocks = request_facts.prefix_blocks
+    assert len(blocks) > 32
+
+    async def pick(request_id: str) -> str:
+        call = stub.Process()
+        await call.write(headers_msg(dict(request_facts.to_metadata()), request_id=request_id))
+        picked = (destination(await call.read()) or "").split(",")[0]
+        await call.done_writing()
+        return picked
+
+    refused, failed = await pick("refused"), await pick("failed")
+    await send_log(log, log_entry("refused", None, 429), log_entry("failed", failed, 503))
+    served = await pick("served")
+    assert index.match(blocks) == {}  # nothing served yet
+    other = next(p for p in fleet.snapshots if p != served)
+    await send_log(log, log_entry("served", other, 200))  # Envoy retried it on the other pod
+    assert index.match(blocks) == {other: len(blocks)}
+    assert refused and fleet.in_flight == dict.fromkeys(fleet.snapshots, 0)
 
 
 async def test_no_pod_left_answers_without_metadata(serve: Starter) -> None:
