@@ -32,8 +32,9 @@ from router.settings import Settings, redis_address
 from router.types import Candidate, Pick, PickRequest, PodId
 
 # Picks waiting for their outcome before the plugins learn from them; the oldest are dropped
-# (their outcome went to another replica, or was lost).
-MAX_UNSERVED = 65_536
+# (their outcome went to another replica, or was lost). Each holds up to 64 block hashes
+# (~2.5 KB): at most ~40 MB.
+MAX_UNSERVED = 16_384
 
 
 class Router:

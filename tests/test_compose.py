@@ -42,6 +42,7 @@ from llmgw import cli, envoyconf, postgres, wire
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
 from llmgw.stack import Stack
 from tests.conftest import api_key
+from tests.envoy_config import grpc_loggers, pick_sources
 from tests.http import call
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,18 +181,9 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
         assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
     # override_host takes the pick from ext_authz's metadata; the router's access log (how each
     # pick ended) goes to extauthz, which holds the router.
-    policy = clusters["pods"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
-    assert policy["name"] == "envoy.load_balancing_policies.override_host"
-    sources = policy["typed_config"]["override_host_sources"]
+    sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    logs = {
-        log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"][
-            "grpc_service"
-        ]["envoy_grpc"]["cluster_name"]
-        for log in manager["typed_config"]["access_log"]
-    }
-    assert logs == {"ledger": "ledger", "router": "extauthz"}
+    assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
     envoyconf.validate(COMPOSE / "envoy.yaml")
 
 

@@ -9,6 +9,7 @@ import yaml
 
 from llmgw import cli, envoyconf
 from llmgw.envoyconf import Address, EnvoySettings
+from tests.envoy_config import grpc_loggers, http_filters, pick_sources
 
 
 def render_and_validate(tmp_path: Path, settings: EnvoySettings, pods: list[Address]) -> dict:  # type: ignore[type-arg]
@@ -89,24 +90,6 @@ def test_parse_endpoint_rejects(spec: str) -> None:
         envoyconf.parse_endpoint(spec)
 
 
-def _filters(config: dict) -> list[str]:  # type: ignore[type-arg]
-    (listener,) = config["static_resources"]["listeners"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return [f["name"] for f in hcm["http_filters"]]
-
-
-def _loggers(config: dict) -> dict[str, str]:  # type: ignore[type-arg]
-    (listener,) = config["static_resources"]["listeners"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return {
-        log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"][
-            "grpc_service"
-        ]["envoy_grpc"]["cluster_name"]
-        for log in hcm["access_log"]
-        if log["name"] == "envoy.access_loggers.http_grpc"
-    }
-
-
 def test_the_router_inside_extauthz_makes_no_ext_proc_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -120,21 +103,16 @@ def test_the_router_inside_extauthz_makes_no_ext_proc_call(
         path.write_text(capsys.readouterr().out)
         envoyconf.validate(path)
         configs[name] = yaml.safe_load(path.read_text())
-    sources = {
-        name: cluster(c)["load_balancing_policy"]["policies"][0]["typed_extension_config"][
-            "typed_config"
-        ]["override_host_sources"]
-        for name, c in configs.items()
-    }
+    sources = {name: pick_sources(c) for name, c in configs.items()}
     endpoint = [{"key": "x-gateway-destination-endpoint"}]
     assert sources["inside"] == [
         {"metadata": {"key": "envoy.filters.http.ext_authz", "path": endpoint}}
     ]
     assert sources["apart"] == [{"metadata": {"key": "envoy.lb", "path": endpoint}}]
-    assert "envoy.filters.http.ext_proc" not in _filters(configs["inside"])
-    assert "envoy.filters.http.ext_proc" in _filters(configs["apart"])
-    assert _loggers(configs["inside"]) == {"router": "extauthz"}
-    assert _loggers(configs["apart"]) == {"router": "router"}
+    assert "envoy.filters.http.ext_proc" not in http_filters(configs["inside"])
+    assert "envoy.filters.http.ext_proc" in http_filters(configs["apart"])
+    assert grpc_loggers(configs["inside"]) == {"router": "extauthz"}
+    assert grpc_loggers(configs["apart"]) == {"router": "router"}
     no_extauthz = ["render-envoy", "--upstream", "vllm-0:8000", "--insecure-no-auth"]
     for argv in ([*base, "--router", "r:9003"], no_extauthz):
         assert cli.main([*argv, "--router-in-extauthz"]) != 0

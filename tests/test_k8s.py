@@ -29,6 +29,7 @@ from deploy.render_k8s import configmap, rendered
 from extauthz.__main__ import picking
 from llmgw import config, envoyconf, wire
 from router.settings import redis_address
+from tests.envoy_config import grpc_loggers, pick_sources
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
@@ -109,19 +110,9 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     assert "envoy.filters.http.ext_proc" not in mounted
     config = yaml.safe_load(mounted)
     assert "router" not in {c["name"] for c in config["static_resources"]["clusters"]}
-    pods = next(c for c in config["static_resources"]["clusters"] if c["name"] == "pods")
-    policy = pods["load_balancing_policy"]["policies"][0]["typed_extension_config"]
-    assert policy["name"] == "envoy.load_balancing_policies.override_host"
-    sources = policy["typed_config"]["override_host_sources"]
+    sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    logs = {
-        log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"][
-            "grpc_service"
-        ]["envoy_grpc"]["cluster_name"]
-        for log in manager["typed_config"]["access_log"]
-    }
-    assert logs == {"ledger": "ledger", "router": "extauthz"}
+    assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
     # Every cluster names a Service of the manifests on one of its ports.
     services = {d["metadata"]["name"]: d for d in docs() if d["kind"] == "Service"}
     for cluster in yaml.safe_load(mounted)["static_resources"]["clusters"]:

@@ -1,0 +1,35 @@
+"""Reading a rendered Envoy config (parsed YAML) in tests: how the pick and its outcomes travel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Config = dict[str, Any]
+
+
+def _manager(config: Config) -> Any:
+    (listener,) = config["static_resources"]["listeners"]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def http_filters(config: Config) -> list[str]:
+    return [f["name"] for f in _manager(config)["http_filters"]]
+
+
+def grpc_loggers(config: Config) -> dict[str, str]:
+    """Each gRPC access log's name → the cluster it is sent to."""
+    return {
+        log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"][
+            "grpc_service"
+        ]["envoy_grpc"]["cluster_name"]
+        for log in _manager(config)["access_log"]
+        if log["name"] == "envoy.access_loggers.http_grpc"
+    }
+
+
+def pick_sources(config: Config) -> list[Any]:
+    """Where the pods cluster's override_host policy reads the pick."""
+    pods = next(c for c in config["static_resources"]["clusters"] if c["name"] == "pods")
+    policy = pods["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    return policy["typed_config"]["override_host_sources"]  # type: ignore[no-any-return]
