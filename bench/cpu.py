@@ -1,10 +1,11 @@
 """CPU per request per process, and the latency the gateway adds, for every configuration.
 
 One fast fake pod (bench/fakepod.py: raw asyncio, answers at once) behind one stack at a time:
-Envoy alone, + extauthz, + ratelimit, + router (inside extauthz), the full chain (+ ledger, with
-PostgreSQL), the full chain with the router apart (its own process behind ext_proc), and both
-shapes with every callout pointed at trivial handlers (bench/trivial.py: the floor of two or
-three gRPC callouts and two access logs). For each, a fixed non-stream load (closed
+Envoy alone, + extauthz, + ratelimit and + router (both inside extauthz), the full chain (+ ledger,
+with PostgreSQL), the full chain with the rate limiter apart (its own process behind Envoy's
+rate-limit filter), and with the router apart too (behind ext_proc), and each shape with every
+callout pointed at trivial handlers (bench/trivial.py: the floor of one, two or three gRPC
+callouts and two access logs). For each, a fixed non-stream load (closed
 loop, `--requests` at `--concurrency`) and each process's utime+stime from /proc (all threads,
 and every child process, e.g. PostgreSQL's backends), before and after, divided by requests.
 
@@ -19,7 +20,7 @@ each against direct-to-pod, in alternating rounds; first with the stack still on
 with every process moved to all cores.
 
     python -m bench.cpu [--requests 3000] [--concurrency 16] [--rate 20] [--streams 16]
-    python -m bench.cpu --only "full chain,trivial handlers"   # those CPU rows, no latency tables
+    python -m bench.cpu --only "full chain;trivial handlers"   # those CPU rows, no latency tables
 """
 
 from __future__ import annotations
@@ -60,24 +61,35 @@ class Config:
     label: str
     services: tuple[ServiceName, ...] | None  # None: trivial handlers
     note: str  # what the row adds
-    apart: bool = False  # the router in its own process behind ext_proc, not inside extauthz
+    # In processes of their own behind their own callouts, not inside extauthz.
+    apart: tuple[ServiceName, ...] = ()
 
 
 # Rows in table order.
 CONFIGS = [
     Config("Envoy alone", (), "no callouts"),
     Config("+ extauthz", ("extauthz",), "ext_authz"),
-    Config(
-        "+ ratelimit", ("extauthz", "ratelimit"), "needs extauthz's metadata for its descriptors"
-    ),
+    Config("+ ratelimit", ("extauthz", "ratelimit"), "admits inside extauthz, Redis"),
     Config("+ router", ("extauthz", "ratelimit", "router"), "picks inside extauthz + access log"),
     Config("full chain", FULL, "+ ledger access log, PostgreSQL"),
-    Config("full chain, router apart", FULL, "router behind ext_proc (python -m router)", True),
-    Config("trivial handlers", None, "2 callouts + 2 access logs: the full chain's shape"),
-    Config("trivial, 3 callouts", None, "+ ext_proc: the router-apart shape", True),
+    Config(
+        "full chain, ratelimit apart",
+        FULL,
+        "rate-limit call (python -m ratelimit)",
+        ("ratelimit",),
+    ),
+    Config(
+        "full chain, both apart",
+        FULL,
+        "+ ext_proc call (python -m router)",
+        ("ratelimit", "router"),
+    ),
+    Config("trivial handlers", None, "1 callout + 2 access logs: the full chain's shape"),
+    Config("trivial, 2 callouts", None, "+ rate limit: the ratelimit-apart shape", ("ratelimit",)),
+    Config("trivial, 3 callouts", None, "+ ext_proc: both apart", ("ratelimit", "router")),
 ]
 # Measured in this order (the floors before the full chain, which stays up after).
-ORDER = [0, 1, 2, 3, 5, 7, 6, 4]
+ORDER = [0, 1, 2, 3, 5, 6, 8, 9, 7, 4]
 COLUMNS = (
     "envoy",
     "extauthz",
@@ -90,7 +102,8 @@ COLUMNS = (
     "pod",
 )
 FLOOR = "trivial handlers"
-APART, APART_FLOOR = "full chain, router apart", "trivial, 3 callouts"
+APART, APART_FLOOR = "full chain, ratelimit apart", "trivial, 2 callouts"
+BOTH_APART, BOTH_APART_FLOOR = "full chain, both apart", "trivial, 3 callouts"
 # Where the stack runs for the latency tables: as in the CPU table, then on every core.
 PLACEMENTS = ("stack on 1 core", "unpinned, 2 cores")
 # Limits far above this load: every request is admitted (a 429 would skip the pod and the router).
@@ -178,13 +191,14 @@ class TrivialStack(Stack):
             self.settings.start_timeout
         )
         a = Address(port=port)
-        inside = self.settings.router_in_extauthz
+        picks, admits = self.settings.router_in_extauthz, self.settings.ratelimit_in_extauthz
         self.services = Services(
             extauthz=a,
-            ratelimit=a,
-            router=None if inside else a,
+            ratelimit=None if admits else a,
+            router=None if picks else a,
             ledger=a,
-            router_in_extauthz=inside,
+            router_in_extauthz=picks,
+            ratelimit_in_extauthz=admits,
         )
 
 
@@ -254,7 +268,8 @@ class Bench:
             listen=Address(port=0),
             upstreams=(f"{self.pod_address.host}:{self.pod_address.port}",),
             services=services or (),
-            router_in_extauthz=not config.apart,
+            router_in_extauthz="router" not in config.apart,
+            ratelimit_in_extauthz="ratelimit" not in config.apart,
             ratelimit_limits=self.limits,
             envoy=EnvoySettings(concurrency=1),
         )
@@ -378,13 +393,14 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
         f"{'met' if ratio <= 1.3 else 'NOT met'}); without the pod "
         f"{(full.total - full.us.get('pod', 0)) / (floor.total - floor.us.get('pod', 0)):.2f}×",
     ]
-    if APART in by and APART_FLOOR in by:
-        apart, apart_floor = by[APART], by[APART_FLOOR]
-        lines.append(
-            f"- router apart: {apart.total / 1e3:.2f} ms, {apart.total / apart_floor.total:.2f}× "
-            f"its floor ({APART_FLOOR}); the pick inside extauthz saves "
-            f"{apart.total - full.total:,.0f} µs a request"
-        )
+    for label, floor_label in ((APART, APART_FLOOR), (BOTH_APART, BOTH_APART_FLOOR)):
+        if label in by and floor_label in by:
+            apart, apart_floor = by[label], by[floor_label]
+            lines.append(
+                f"- {label}: {apart.total / 1e3:.2f} ms, "
+                f"{apart.total / apart_floor.total:.2f}× its floor ({floor_label}); inside "
+                f"extauthz saves {apart.total - full.total:,.0f} µs a request"
+            )
     lines += [
         "- ratelimit alone (without extauthz) is not a configuration: its descriptors are built "
         "from extauthz's metadata, so Envoy would make no rate-limit call at all.",
@@ -474,7 +490,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     labels = [c.label for c in CONFIGS]
-    only = set(labels) if args.only is None else {x.strip() for x in args.only.split(",")}
+    only = set(labels) if args.only is None else {x.strip() for x in args.only.split(";")}
     if unknown := only - set(labels):
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {labels}")
     pin = pinning(not args.no_pin)

@@ -45,6 +45,7 @@ FACTS: dict[str, Any] = {
     wire.META_MAX_OUTPUT: 8.0,
     wire.META_FIRST_TURN: True,
     wire.META_PREFIX_BLOCKS: "",
+    wire.META_DECIDED: True,  # the admission's answer, with the rate limiter inside extauthz
 }
 
 

@@ -3,8 +3,9 @@
     .venv/bin/python -m deploy.render_k8s > deploy/k8s/envoy-config.yaml
 
 Services are headless, so Envoy's STRICT_DNS clusters resolve every replica; the vLLM pods are
-the headless Service `vllm`. The router runs inside extauthz (`--router-in-extauthz`): Envoy
-reads the pick from ext_authz's metadata and sends the router's access log to extauthz.
+the headless Service `vllm`. The router and the rate limiter run inside extauthz
+(`--router-in-extauthz --ratelimit-in-extauthz`): Envoy reads the pick and the admission from
+ext_authz's answer and sends the router's access log to extauthz.
 tests/test_k8s.py fails when the file is not this rendering.
 """
 
@@ -26,9 +27,8 @@ RENDER = [
     "vllm:8000",
     "--extauthz",
     "extauthz:9001",
-    "--ratelimit",
-    "ratelimit:9002",
     "--router-in-extauthz",  # extauthz holds the router (its PICK): no ext_proc, no router Service
+    "--ratelimit-in-extauthz",  # and the rate limiter (its ADMIT): no rate-limit call or Service
     "--ledger",
     "ledger:9004",
 ]

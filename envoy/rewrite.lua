@@ -7,13 +7,14 @@
 -- output cap the pod respects is the one the token reservation holds.
 -- extauthz has checked that the body is one JSON object; only the trailing "}" is touched.
 --
--- A tenant's hard budget with less left than the request's estimate lowers the cap: the ratelimit
--- service says so in {{ wire.RATELIMIT_NAMESPACE }}/{{ wire.META_OUTPUT_CAP }} (this filter runs
--- after it), and that cap follows extauthz's members, so it is the last and the one the pod uses.
+-- A tenant's hard budget with less left than the request's estimate lowers the cap: the rate
+-- limiter says so in {{ services.admission_namespace }}/{{ wire.META_OUTPUT_CAP }} (this filter
+-- runs after it), and that cap follows extauthz's members, so it is the last and the one the pod
+-- uses.
 
 local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"
 local SUFFIX = "{{ wire.META_BODY_SUFFIX }}"
-local ADMISSION = "{{ wire.RATELIMIT_NAMESPACE }}"
+local ADMISSION = "{{ services.admission_namespace }}"
 local OUTPUT_CAP = "{{ wire.META_OUTPUT_CAP }}"
 local CLOSE = string.byte("}")
 local ALLOWED = "{{ wire.META_ALLOWED_MODELS }}"

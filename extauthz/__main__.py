@@ -19,6 +19,8 @@ from llmgw import telemetry
 from llmgw.config import ConfigError, load
 from llmgw.serve import command, serve
 from llmgw.tiers import load_tiers
+from ratelimit import settings as ratelimit_settings
+from ratelimit.runtime import RateLimiter
 from router import settings as router_settings
 from router.registry import default_registry
 from router.runtime import Router
@@ -48,11 +50,17 @@ async def main(settings: Settings) -> None:
     decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
     bodies = BodyPool(decider, settings.decision.pool_body_bytes)
     await bodies.start()
+    limiter = None
+    if settings.admit:
+        limiter = RateLimiter(admitting(settings))
+        await limiter.start()
     router = None
     if settings.pick:
         router = Router.from_settings(picking(settings), tracer)
         await router.start()
-    service = AuthorizationService(store, decider, tracer, bodies=bodies, router=router)
+    service = AuthorizationService(
+        store, decider, tracer, bodies=bodies, router=router, limiter=limiter
+    )
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
 
     def add(server: grpc.aio.Server) -> None:
@@ -66,6 +74,8 @@ async def main(settings: Settings) -> None:
             await watcher
         if router is not None:
             await router.stop()
+        if limiter is not None:
+            await limiter.stop()
         await bodies.close()
 
     await serve(NAME, settings.serve, add, stop)
@@ -80,13 +90,21 @@ def picking(settings: Settings) -> router_settings.Settings:
     return held
 
 
+def admitting(settings: Settings) -> ratelimit_settings.Settings:
+    """The settings of the rate limiter this process holds (its serve and tracing do not apply:
+    it decides inside extauthz's Check)."""
+    return ratelimit_settings.check(settings.ratelimit_config)
+
+
 def settings(path: Path | None) -> Settings:
-    """The settings and the files they name (tenants, tier table, the router's), all
-    validated."""
+    """The settings and the files they name (tenants, tier table, the router's and the rate
+    limiter's), all validated."""
     loaded = load(Settings, path, ENV_PREFIX)
     tenants.load(loaded.tenants_file, load_tiers(loaded.tiers_file))
     if loaded.pick:
         picking(loaded)
+    if loaded.admit:
+        admitting(loaded)
     return loaded
 
 

@@ -26,3 +26,7 @@ PICK_ERRORS = Counter(
     "llmgw_extauthz_pick_errors_total",
     "Picks by the router in this process that raised: the request went on without one.",
 )
+ADMIT_ERRORS = Counter(
+    "llmgw_extauthz_admit_errors_total",
+    "Admissions by the rate limiter in this process that raised: the request went on admitted.",
+)

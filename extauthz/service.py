@@ -1,8 +1,12 @@
 """The gRPC adapter: Envoy's CheckRequest in, the decision out as a CheckResponse.
 
-With a router in this process (settings `pick`), an allowed request's pod is picked here too and
-named in the response's metadata, where Envoy's override_host reads it: the pick needs no gRPC
-exchange of its own. The pick fails open: a router that raises costs the pick, not the request.
+With a rate limiter in this process (settings `admit`), an allowed request is admitted here too:
+a refusal is the denial (429, or the breaker's 503) with the limiter's body and headers, an
+admission adds its x-ratelimit-* headers to the response and what it decided to the metadata
+(the ledger and envoy/rewrite.lua read it there). With a router (settings `pick`), an admitted
+request's pod is picked too and named in the metadata, where Envoy's override_host reads it.
+Neither needs a gRPC exchange of its own. Both fail open: a limiter or router that raises costs
+the admission or the pick, not the request (Redis down is the limiter's own degraded mode).
 
 Hot path (one call per request): an allowed response is filled in place (messages passed to a
 constructor are copied once more), and no span is started when tracing is off."""
@@ -37,6 +41,10 @@ from extauthz.types import Allow, Decision
 from llmgw import wire
 from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
+from ratelimit import admission
+from ratelimit import response as limits
+from ratelimit.runtime import RateLimiter
+from ratelimit.types import Verdict
 from router.request import from_metadata
 from router.runtime import Router
 from router.types import endpoints
@@ -48,7 +56,12 @@ _JSON = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", value="application/json"),
     append_action=_OVERWRITE,
 )
-_DENY_GRPC = {401: code_pb2.UNAUTHENTICATED}  # every other denial: PERMISSION_DENIED
+# Every other denial: PERMISSION_DENIED.
+_DENY_GRPC = {
+    401: code_pb2.UNAUTHENTICATED,
+    429: code_pb2.RESOURCE_EXHAUSTED,
+    503: code_pb2.UNAVAILABLE,
+}
 
 
 def _add_headers(
@@ -101,6 +114,43 @@ def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
             body=decision.body().decode(),
         ),
     )
+
+
+def refused(allow: Allow, verdict: Verdict) -> external_auth_pb2.CheckResponse:
+    """The limiter's refusal as the denial, as the rate-limit filter would have sent it; with
+    the request's facts in the metadata all the same, for the access log (Envoy keeps a denied
+    check's metadata; it adds no headers to the request it refuses)."""
+    headers, body = limits.refusal(verdict)
+    code = limits.status(verdict)
+    response = external_auth_pb2.CheckResponse()
+    response.status.code = _DENY_GRPC[code]
+    denied = response.denied_response
+    denied.status.code = code
+    _add_headers(denied.headers, limits.rate_headers(verdict))
+    _add_headers(denied.headers, headers)
+    denied.body = body.decode()
+    _fill(response.dynamic_metadata, allow.metadata)
+    _fill(response.dynamic_metadata, limits.metadata(verdict))
+    return response
+
+
+async def admit(limiter: RateLimiter, allow: Allow) -> Verdict | None:
+    """The limiter's verdict on an allowed request; None: not decided (admitted, fail-open)."""
+    request = admission.from_metadata(allow.metadata)
+    if request is None:
+        return None
+    try:
+        return await limiter.limiter.admit(request)
+    except Exception:  # a limiter bug costs the admission, never the request
+        log.exception("admission failed", extra={"tenant": allow.tenant})
+        metrics.ADMIT_ERRORS.inc()
+        return None
+
+
+def add_admission(response: external_auth_pb2.CheckResponse, verdict: Verdict) -> None:
+    """An admission's headers to the client and what was decided to the metadata."""
+    _add_headers(response.ok_response.response_headers_to_add, limits.rate_headers(verdict))
+    _fill(response.dynamic_metadata, limits.metadata(verdict))
 
 
 def add_pick(router: Router, response: external_auth_pb2.CheckResponse, allow: Allow) -> None:
@@ -171,6 +221,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         clock: Callable[[], float] = time.time,
         bodies: BodyPool | None = None,
         router: Router | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.store = store
         self.decider = decider
@@ -179,10 +230,18 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.tracing = recording(tracer)
         self.bodies = bodies
         self.router = router
+        self.limiter = limiter
 
-    def respond(self, decision: Decision) -> external_auth_pb2.CheckResponse:
+    async def respond(self, decision: Decision) -> external_auth_pb2.CheckResponse:
+        if not isinstance(decision, Allow):
+            return to_response(decision)
+        verdict = await admit(self.limiter, decision) if self.limiter is not None else None
+        if verdict is not None and verdict.refusal is not None:
+            return refused(decision, verdict)  # before the pick: a refused request holds no pod
         response = to_response(decision)
-        if self.router is not None and isinstance(decision, Allow):
+        if verdict is not None:
+            add_admission(response, verdict)
+        if self.router is not None:
             add_pick(self.router, response, decision)
         return response
 
@@ -201,7 +260,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
                 metrics.decisions("allow", decision.tenant).inc()
             else:
                 metrics.decisions(decision.code, decision.tenant or "").inc()
-            return self.respond(decision)
+            return await self.respond(decision)
         with self.tracer.start_as_current_span(
             "extauthz.check",
             context=parent_context(context.invocation_metadata(), headers),
@@ -222,7 +281,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             span.set_attribute("llmgw.decision", result)
             if tenant:
                 span.set_attribute("tenant.id", tenant)
-            return self.respond(decision)
+            return await self.respond(decision)
 
 
 def register(service: AuthorizationService) -> Callable[[grpc.aio.Server], None]:

@@ -81,9 +81,18 @@ class Settings(Strict):
     # them. Envoy then makes no ext_proc call (llmgw/envoyconf.py Services.router_in_extauthz).
     pick: bool = False
     router_config: Path | None = None
+    # Admit here as well, with the rate limiter in this process (ratelimit/runtime.py): its
+    # settings from `ratelimit_config` and LLMGW_RATELIMIT__… overrides, as `python -m ratelimit`
+    # reads them. Envoy then makes no rate-limit call (Services.ratelimit_in_extauthz).
+    admit: bool = False
+    ratelimit_config: Path | None = None
 
     @model_validator(mode="after")
-    def _router_config_picks(self) -> Settings:
+    def _configs_used(self) -> Settings:
         if self.router_config is not None and not self.pick:
             raise ValueError("router_config: set pick: true, or the router's settings do nothing")
+        if self.ratelimit_config is not None and not self.admit:
+            raise ValueError(
+                "ratelimit_config: set admit: true, or the rate limiter's settings do nothing"
+            )
         return self

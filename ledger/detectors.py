@@ -118,9 +118,9 @@ class _Episode:
 
 
 def _server_error(o: Outcome) -> bool:
-    # The gateway's own refusals (RL: the rate-limit filter, which also enforces the tenant
-    # breaker) are not the fleet failing: scaling out would not help.
-    return o.status >= 500 and "RL" not in o.flags.split(",")
+    # The gateway's own refusals (the rate limiter, which also enforces the tenant breaker) are
+    # not the fleet failing: scaling out would not help.
+    return o.status >= 500 and not o.by_gateway
 
 
 def _quota_refused(o: Outcome) -> bool:

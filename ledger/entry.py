@@ -111,7 +111,8 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     filter_meta = common.metadata.filter_metadata
     authz = _namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE)
     usage = _namespace(filter_meta, wire.USAGE_NAMESPACE)
-    admission = _namespace(filter_meta, wire.RATELIMIT_NAMESPACE)
+    # The limiter's answer: the rate-limit filter's, or ext_authz's with the limiter inside it.
+    admission = _namespace(filter_meta, wire.RATELIMIT_NAMESPACE) or authz
     request_id = str(authz.get(wire.META_REQUEST_ID) or entry.request.request_id)
     if not request_id:
         return None

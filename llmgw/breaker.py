@@ -79,7 +79,7 @@ class BreakerSpec(Strict):
 
     def weight(self, o: Outcome) -> tuple[float, str]:
         """What an outcome adds to the score, and its cause (the status, or "stream")."""
-        if "RL" in o.flags.split(","):
+        if o.by_gateway:
             return 0.0, str(o.status)  # the gateway's own refusal: see SEED_WEIGHTS
         if o.outcome == "upstream_error" and o.status < 500 and o.status != 0:
             return self.weights.get("500", 0.0), STREAM_FAILED

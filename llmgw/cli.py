@@ -72,7 +72,11 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
         if getattr(args, name)
     }
     services = envoyconf.Services.model_validate(
-        {**named, "router_in_extauthz": args.router_in_extauthz}
+        {
+            **named,
+            "router_in_extauthz": args.router_in_extauthz,
+            "ratelimit_in_extauthz": args.ratelimit_in_extauthz,
+        }
     )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
     sys.stdout.write(envoyconf.render(settings, _listen(args.listen), pods, services))
@@ -112,6 +116,12 @@ def parser() -> argparse.ArgumentParser:
         "--router-in-extauthz",
         action="store_true",
         help="the router runs inside extauthz (its `pick: true`), not behind ext_proc",
+    )
+    render.add_argument(
+        "--ratelimit-in-extauthz",
+        action="store_true",
+        help="the rate limiter runs inside extauthz (its `admit: true`), not behind Envoy's "
+        "rate-limit filter",
     )
     render.add_argument("--otlp", metavar="HOST:PORT", help="OpenTelemetry collector (OTLP/gRPC)")
     render.add_argument(

@@ -82,6 +82,10 @@ class Services(Strict):
     # The router runs inside extauthz (its settings `pick`): the pick comes in ext_authz's
     # metadata, the router's access log goes to extauthz, and there is no ext_proc call.
     router_in_extauthz: bool = False
+    # The rate limiter runs inside extauthz (its settings `admit`): a refusal is ext_authz's
+    # denial, an admission's headers and metadata come with ext_authz's answer, and there is no
+    # rate-limit call.
+    ratelimit_in_extauthz: bool = False
     # Long enough to mean "down", not "busy": a burst of 1,000 requests queues ~0.5 s of decisions
     # on one core (tests/test_burst.py). extauthz fails closed (503); the rate limiter fails open,
     # so a timeout that fired while it was merely busy would admit unchecked.
@@ -94,7 +98,14 @@ class Services(Strict):
     def _one_picker(self) -> Services:
         if self.router_in_extauthz and (self.extauthz is None or self.router is not None):
             raise ValueError("router_in_extauthz: needs extauthz, and no router of its own")
+        if self.ratelimit_in_extauthz and (self.extauthz is None or self.ratelimit is not None):
+            raise ValueError("ratelimit_in_extauthz: needs extauthz, and no ratelimit of its own")
         return self
+
+    @property
+    def admission_namespace(self) -> str:
+        """Where the limiter's answer (wire.META_DECIDED, ...) is in the dynamic metadata."""
+        return wire.EXTAUTHZ_NAMESPACE if self.ratelimit_in_extauthz else wire.RATELIMIT_NAMESPACE
 
     @property
     def grpc(self) -> list[tuple[str, Address]]:

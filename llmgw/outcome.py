@@ -17,6 +17,11 @@ OutcomeKind = Literal["ok", "aborted", "upstream_error", "refused"]
 OUTCOME_KINDS: tuple[OutcomeKind, ...] = ("ok", "aborted", "upstream_error", "refused")
 
 
+# Envoy's flags on a refusal by the gateway itself, before any pod: the rate-limit filter's (RL),
+# ext_authz's (UAEX: a bad key, or the rate limiter inside extauthz, the tenant breaker's 503 too).
+GATEWAY_FLAGS = frozenset({"RL", "UAEX"})
+
+
 class Outcome(BaseModel):
     """One request's outcome. Token counts are what the pod reported (usage), or for a stream
     cut short, the prompt estimate plus the tokens that reached the client."""
@@ -53,6 +58,11 @@ class Outcome(BaseModel):
     duration_ms: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
+
+    @property
+    def by_gateway(self) -> bool:
+        """Refused by the gateway's own decision (the fleet did not fail: see GATEWAY_FLAGS)."""
+        return not GATEWAY_FLAGS.isdisjoint(self.flags.split(","))
 
 
 # The columns `llmgw usage --json` prints, in this order (any others may follow).

@@ -52,6 +52,9 @@ class StackSettings(Strict):
     # With extauthz, the router runs inside it (no ext_proc call: one gRPC exchange fewer a
     # request), as compose and k8s run it; False: in its own process behind ext_proc.
     router_in_extauthz: bool = True
+    # With extauthz, the rate limiter runs inside it too (no rate-limit call: another exchange
+    # fewer); False: in its own process behind Envoy's rate-limit filter.
+    ratelimit_in_extauthz: bool = True
     # An existing PostgreSQL server for the ledger; None: start one, its data in `postgres_dir`
     # (None: inside the run's state directory, gone with it).
     database_url: str | None = None
@@ -191,18 +194,33 @@ class Stack:
             settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
             settings["ledger"]["TIERS_FILE"] = str(self.limits_file)  # each tier's breaker
         names = self.settings.services
-        inside = self.settings.router_in_extauthz and {"extauthz", "router"} <= set(names)
-        env: dict[ServiceName, dict[str, str]] = {}
-        if inside:
-            settings["extauthz"]["PICK"] = "true"
-            env["extauthz"] = {f"LLMGW_ROUTER__{k}": v for k, v in self._router_settings().items()}
-            names = tuple(name for name in names if name != "router")
+        held: list[ServiceName] = []  # run inside extauthz, not as processes of their own
+        if "extauthz" in names:
+            held += [n for n in ("router", "ratelimit") if n in names and self._inside(n)]
+        held_env: dict[str, str] = {}
+        for name in held:
+            settings["extauthz"]["PICK" if name == "router" else "ADMIT"] = "true"
+            prefix = f"LLMGW_{name.upper()}__"
+            held_env |= {prefix + k: v for k, v in settings[name].items()}
         addresses = {
-            name: self._start_service(name, settings[name], env.get(name, {})) for name in names
+            name: self._start_service(name, settings[name], held_env if name == "extauthz" else {})
+            for name in names
+            if name not in held
         }
-        self.services = Services.model_validate({**addresses, "router_in_extauthz": inside})
-        if inside:  # the router's metrics are served by the process that holds it
-            self.metrics["router"] = self.metrics["extauthz"]
+        self.services = Services.model_validate(
+            {
+                **addresses,
+                "router_in_extauthz": "router" in held,
+                "ratelimit_in_extauthz": "ratelimit" in held,
+            }
+        )
+        for name in held:  # their metrics are served by the process that holds them
+            self.metrics[name] = self.metrics["extauthz"]
+
+    def _inside(self, name: ServiceName) -> bool:
+        if name == "router":
+            return self.settings.router_in_extauthz
+        return name == "ratelimit" and self.settings.ratelimit_in_extauthz
 
     def _router_settings(self) -> dict[str, str]:
         return {

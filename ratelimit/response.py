@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from llmgw import wire
+from llmgw.facts import MetaValue
 from ratelimit.types import KindState, Verdict
 
 Headers = list[tuple[str, str]]
@@ -78,6 +80,27 @@ def circuit_open(verdict: Verdict) -> tuple[Headers, bytes]:
         ("x-should-retry", "true" if wait <= SDK_LONGEST_WAIT_MS else "false"),
     ]
     return headers, json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+def metadata(verdict: Verdict) -> dict[str, MetaValue]:
+    """That the limiter decided (the ledger counts admissions without it: fail-open), what the
+    admission drew from the borrowing pool, the output cap a hard budget lowered it to (Envoy
+    writes it into the body: envoy/rewrite.lua), and whether the tenant's breaker refused it."""
+    fields: dict[str, MetaValue] = {wire.META_DECIDED: True}
+    if verdict.borrowed_requests or verdict.borrowed_tokens:
+        fields[wire.META_BORROWED_REQUESTS] = float(verdict.borrowed_requests)
+        fields[wire.META_BORROWED_TOKENS] = float(verdict.borrowed_tokens)
+    if verdict.output_cap:
+        fields[wire.META_OUTPUT_CAP] = float(verdict.output_cap)
+    if verdict.refusal == "circuit_open":
+        fields[wire.META_CIRCUIT_OPEN] = True
+    return fields
+
+
+def status(verdict: Verdict) -> int:
+    """The HTTP status of a refusal: the breaker's is a 503 (the tenant's requests are failing),
+    every other a 429."""
+    return 503 if verdict.refusal == "circuit_open" else 429
 
 
 def refusal(verdict: Verdict) -> tuple[Headers, bytes]:

@@ -20,13 +20,12 @@ from llmgw.telemetry import parent_context, recording
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
-from ratelimit.response import rate_headers, refusal
+from ratelimit.response import metadata, rate_headers, refusal
 from ratelimit.types import KindState, Unit, Verdict
 
 Code = rls_pb2.RateLimitResponse.Code
 _Response = rls_pb2.RateLimitResponse
 _Struct = struct_pb2.Struct
-_Value = struct_pb2.Value
 _OK = Code.OK
 _TRUE = struct_pb2.Value(bool_value=True)
 _DECIDED = struct_pb2.Struct(fields={wire.META_DECIDED: _TRUE})  # the common case, built once
@@ -88,18 +87,12 @@ def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitRes
 
 
 def _metadata(verdict: Verdict) -> struct_pb2.Struct:
-    """That this service decided (the ledger counts admissions without it: fail-open), what the
-    admission drew from the borrowing pool, the output cap a hard budget lowered it to (Envoy
-    writes it into the body: envoy/rewrite.lua), and whether the tenant's breaker refused it."""
-    fields = {wire.META_DECIDED: _TRUE}
-    if verdict.borrowed_requests or verdict.borrowed_tokens:
-        fields[wire.META_BORROWED_REQUESTS] = _Value(number_value=verdict.borrowed_requests)
-        fields[wire.META_BORROWED_TOKENS] = _Value(number_value=verdict.borrowed_tokens)
-    if verdict.output_cap:
-        fields[wire.META_OUTPUT_CAP] = _Value(number_value=verdict.output_cap)
-    if verdict.refusal == "circuit_open":  # Envoy's reply mapper makes this refusal a 503
-        fields[wire.META_CIRCUIT_OPEN] = _TRUE
-    return _Struct(fields=fields) if len(fields) > 1 else _DECIDED
+    fields = metadata(verdict)
+    if len(fields) == 1:
+        return _DECIDED
+    struct = _Struct()
+    struct.update(fields)
+    return struct
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]

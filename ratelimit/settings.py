@@ -6,9 +6,12 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr
 
-from llmgw.config import Strict
+from llmgw.config import Strict, load
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import TracingSettings
+from llmgw.tiers import load_tiers
+
+ENV_PREFIX = "LLMGW_RATELIMIT"
 
 
 class RedisSettings(Strict):
@@ -46,3 +49,10 @@ class Settings(Strict):
     # as if it had none (its reservation stays charged): keep it above the longest stream.
     reservation_ttl_s: float = Field(default=3600.0, gt=0)
     near_limit_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+def check(path: Path | None) -> Settings:
+    """The settings (file + environment) and the tier table they name, both validated."""
+    loaded = load(Settings, path, ENV_PREFIX)
+    load_tiers(loaded.limits_file)
+    return loaded

@@ -16,7 +16,10 @@ NO_POD = Counter(
 )
 PICK_SECONDS = Histogram("llmgw_router_pick_seconds", "Time to decide a pick", buckets=_FAST)
 PLUGIN_SECONDS = Histogram(
-    "llmgw_router_plugin_seconds", "Time spent in each plugin per pick", ["plugin"], buckets=_FAST
+    "llmgw_router_plugin_seconds",
+    "Time spent in each plugin per pick, in one pick of 16 (router/engine.py TIMED_EVERY)",
+    ["plugin"],
+    buckets=_FAST,
 )
 SCRAPE_AGE = Gauge("llmgw_router_scrape_age_seconds", "Age of the last good scrape", ["pod"])
 SCRAPE_ERRORS = Counter("llmgw_router_scrape_errors_total", "Failed scrapes", ["pod"])

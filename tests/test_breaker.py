@@ -150,6 +150,8 @@ def outcome(status: int, flags: str = "", kind: str = "") -> Outcome:
         (0, "DC", "aborted", 0.0),
         (200, "DC", "aborted", 0.0),
         (503, "RL", "", 0.0),  # the breaker's own refusal
+        (429, "UAEX", "", 0.0),  # both, by the rate limiter inside extauthz
+        (503, "UAEX", "", 0.0),
     ],
 )
 def test_weights(status: int, flags: str, kind: str, weight: float) -> None:

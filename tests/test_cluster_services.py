@@ -26,13 +26,13 @@ from tests.test_redis_cluster import HOST, PASSWORD, RedisCluster, cluster, redi
 __all__ = ["cluster", "redis_cluster"]  # the fixtures, shared with tests/test_redis_cluster.py
 
 MINUTE = Window(60_000, 10_000)
-# Every service that talks to Redis, and the name of its cluster switch (extauthz's is its
-# router's: it publishes the fleet load).
-SWITCHES = {
-    "ratelimit": "LLMGW_RATELIMIT__REDIS__CLUSTER",
-    "ledger": "LLMGW_LEDGER__REDIS__CLUSTER",
-    "extauthz": "LLMGW_ROUTER__REDIS_CLUSTER",
-}
+# Every Redis client of the deployments: its service and the name of its cluster switch
+# (extauthz holds two: the rate limiter's counters, the router's fleet load).
+SWITCHES = (
+    ("ledger", "LLMGW_LEDGER__REDIS__CLUSTER"),
+    ("extauthz", "LLMGW_RATELIMIT__REDIS__CLUSTER"),
+    ("extauthz", "LLMGW_ROUTER__REDIS_CLUSTER"),
+)
 
 
 class Collected:
@@ -144,15 +144,15 @@ def test_one_variable_switches_every_redis_client_of_compose_to_the_cluster() ->
     for given, expected in (({}, "false"), ({"REDIS_CLUSTER": "true"}, "true")):
         variables = {**test_compose.INTERPOLATION, **given}
         switches = {
-            name: test_compose.interpolate(services[name]["environment"][var], variables)
-            for name, var in SWITCHES.items()
+            var: test_compose.interpolate(services[name]["environment"][var], variables)
+            for name, var in SWITCHES
         }
-        assert switches == dict.fromkeys(SWITCHES, expected)
+        assert switches == {var: expected for _, var in SWITCHES}
 
 
 def test_every_redis_client_of_k8s_has_the_cluster_switch_set_alike() -> None:
     switches = {
-        name: next(v["value"] for v in test_k8s.container(name)["env"] if v["name"] == var)
-        for name, var in SWITCHES.items()
+        var: next(v["value"] for v in test_k8s.container(name)["env"] if v["name"] == var)
+        for name, var in SWITCHES
     }
-    assert switches == dict.fromkeys(SWITCHES, "false")
+    assert switches == {var: "false" for _, var in SWITCHES}

@@ -41,6 +41,7 @@ import yaml
 from llmgw import cli, envoyconf, postgres, wire
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
 from llmgw.stack import Stack
+from ratelimit.redis_store import REPLICAS_KEY
 from tests.conftest import api_key
 from tests.envoy_config import grpc_loggers, pick_sources
 from tests.http import call
@@ -56,12 +57,12 @@ RENDER = {
     "--listen": "0.0.0.0:8080",
     "--admin": "0.0.0.0:9901",
     "--extauthz": "extauthz:9001",
-    "--ratelimit": "ratelimit:9002",
     "--ledger": "ledger:9004",
     "--otlp": "otel-collector:4317",
 }
-RENDER_FLAGS = ("--router-in-extauthz",)  # extauthz holds the router (LLMGW_EXTAUTHZ__PICK)
-OURS = ("extauthz", "ratelimit", "ledger")  # the services built from our image
+# extauthz holds the router and the rate limiter (LLMGW_EXTAUTHZ__PICK, __ADMIT).
+RENDER_FLAGS = ("--router-in-extauthz", "--ratelimit-in-extauthz")
+OURS = ("extauthz", "ledger")  # the services built from our image
 PODS = ("vllm-0:8000", "vllm-1:8000")
 INTERPOLATION = {
     "LLMGW_SESSION_SECRET": secrets.token_hex(32),
@@ -130,20 +131,24 @@ def test_compose_runs_the_whole_product() -> None:
     password = "${REDIS_PASSWORD:?set REDIS_PASSWORD (openssl rand -hex 16)}"
     assert redis[redis.index("--requirepass") + 1] == password
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == password  # the health check
-    for name in ("ratelimit", "ledger"):
-        assert services[name]["environment"][f"LLMGW_{name.upper()}__REDIS__PASSWORD"] == password
+    assert services["ledger"]["environment"]["LLMGW_LEDGER__REDIS__PASSWORD"] == password
     # extauthz holds the router: it picks, scrapes the pods and publishes the fleet load.
     extauthz = services["extauthz"]["environment"]
     assert extauthz["LLMGW_EXTAUTHZ__PICK"] == "true"
     assert json.loads(extauthz["LLMGW_ROUTER__FLEET__PODS"]) == list(PODS)
     assert extauthz["LLMGW_ROUTER__REDIS_URL"].startswith(f"redis://:{password}@redis:")
-    cluster = services["ratelimit"]["environment"]["LLMGW_RATELIMIT__REDIS__CLUSTER"]
+    # ... and the rate limiter: it admits in each Check, its counters in the same Redis.
+    assert extauthz["LLMGW_EXTAUTHZ__ADMIT"] == "true"
+    assert extauthz["LLMGW_RATELIMIT__REDIS__HOST"] == "redis"
+    assert extauthz["LLMGW_RATELIMIT__REDIS__PASSWORD"] == password
+    cluster = services["ledger"]["environment"]["LLMGW_LEDGER__REDIS__CLUSTER"]
     assert extauthz["LLMGW_ROUTER__REDIS_CLUSTER"] == cluster  # one switch for every client
+    assert extauthz["LLMGW_RATELIMIT__REDIS__CLUSTER"] == cluster
     assert services["extauthz"]["depends_on"]["redis"] == {"condition": "service_healthy"}
     # Only the router's fleet, plugins, profile and Redis settings apply inside extauthz; a
     # SERVE__PORT of its own would also leave the health check two ports to choose from.
-    router_keys = [k for k in extauthz if k.startswith("LLMGW_ROUTER__")]
-    assert not [k for k in router_keys if "__SERVE__" in k or "__TRACING__" in k]
+    held = [k for k in extauthz if k.startswith(("LLMGW_ROUTER__", "LLMGW_RATELIMIT__"))]
+    assert not [k for k in held if "__SERVE__" in k or "__TRACING__" in k]
     assert any("postgresql/data" in v for v in services["postgres"]["volumes"])
     # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
     # pod around Envoy.
@@ -160,7 +165,7 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
         assert f"{flag} {value}" in header, f"the header's render command lacks {flag} {value}"
     for flag in RENDER_FLAGS:
         assert f" {flag} " in header, f"the header's render command lacks {flag}"
-    assert "--router " not in header  # no router service to name
+    assert "--router " not in header and "--ratelimit " not in header  # no such services
     assert cli.main(render_argv()) == 0
     rendered = capsys.readouterr().out
     assert (COMPOSE / "envoy.yaml").read_text() == rendered, (
@@ -168,12 +173,13 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     )
     for needed in (
         "envoy.filters.http.ext_authz",
-        "envoy.filters.http.ratelimit",
         "envoy.access_loggers.http_grpc",
         "envoy.tracers.opentelemetry",
     ):
         assert needed in rendered, needed
-    assert "envoy.filters.http.ext_proc" not in rendered  # the pick is made inside extauthz's Check
+    # The pick and the admission are made inside extauthz's Check.
+    assert "envoy.filters.http.ext_proc" not in rendered
+    assert "envoy.filters.http.ratelimit" not in rendered
     config = yaml.safe_load(rendered)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert set(clusters) == {"pods", *OURS, "otel"}
@@ -326,17 +332,23 @@ def test_the_ledger_reaches_postgresql_with_the_compose_credentials(started: Sta
         time.sleep(0.1)
 
 
-def test_ratelimit_decides_from_redis_with_the_compose_password(started: Started) -> None:
-    """The compose Redis refuses a client without its password; ratelimit, given it, is not
-    degraded (a wrong or missing password would leave it on in-process counters)."""
+def test_the_limiter_in_extauthz_decides_from_redis_with_the_compose_password(
+    started: Started,
+) -> None:
+    """The compose Redis refuses a client without its password; the rate limiter in extauthz,
+    given it, beats in Redis's replica set and is not degraded (a wrong or missing password
+    would leave it on in-process counters)."""
     port = started.port("redis", 6379)
     with redis.Redis(port=port) as anonymous, pytest.raises(redis.AuthenticationError):
         anonymous.ping()
-    metrics = started.url("ratelimit:9102")
+    metrics = started.url("extauthz:9101")
     deadline = time.monotonic() + START_TIMEOUT
-    while "llmgw_ratelimit_degraded 0.0" not in fetch(metrics):
-        assert time.monotonic() < deadline, "ratelimit never reached Redis"
-        time.sleep(0.1)
+    with redis.Redis(port=port, password=INTERPOLATION["REDIS_PASSWORD"]) as client:
+        while not client.zcard(REPLICAS_KEY) or "llmgw_ratelimit_degraded 0.0" not in fetch(
+            metrics
+        ):
+            assert time.monotonic() < deadline, "the rate limiter never reached Redis"
+            time.sleep(0.1)
 
 
 def test_the_router_in_extauthz_scrapes_the_pods_and_publishes_to_redis(started: Started) -> None:
@@ -420,7 +432,7 @@ def test_the_dashboard_names_only_metrics_that_are_exported(started: Started, st
     body = {"model": model, "prompt": "dashboard", "max_tokens": 2}
     assert call("POST", f"{stack.base_url}/completions", body, auth).status == 200
     names = exported(fetch(f"{stack.admin_url}/stats/prometheus"))
-    for target in ("extauthz:9101", "ratelimit:9102", "ledger:9104"):  # the router's: extauthz's
+    for target in ("extauthz:9101", "ledger:9104"):  # the router's and limiter's: extauthz's
         names |= exported(fetch(started.url(target)))
     names |= exported(fetch(started.url(PODS[0])))
 

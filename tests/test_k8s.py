@@ -8,10 +8,11 @@
 - Every service's environment is accepted by that service's own settings schema (unknown keys
   are errors there), probes are gRPC health on the gRPC port, and each service has a PDB and an
   HPA; NetworkPolicies let only Envoy reach the services and only the services reach the stores.
-- The router runs inside extauthz (its PICK), as the local stack runs it: no router Deployment,
-  Service or policy, no ext_proc filter; extauthz's router settings are accepted by the router's
-  own schema, name the headless Service `vllm` and Redis, and the policies let extauthz reach
-  both. The InferencePool example (inference-pool/) stays a standalone router, in picker mode.
+- The router and the rate limiter run inside extauthz (its PICK and ADMIT), as the local stack
+  runs them: no router or ratelimit Deployment, Service or policy, no ext_proc or rate-limit
+  filter; extauthz's router and rate-limit settings are accepted by their own schemas, name the
+  headless Service `vllm` and Redis, and the policies let extauthz reach both. The InferencePool
+  example (inference-pool/) stays a standalone router, in picker mode.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ import pytest
 import yaml
 
 from deploy.render_k8s import configmap, rendered
-from extauthz.__main__ import picking
+from extauthz.__main__ import admitting, picking
 from llmgw import config, envoyconf, wire
 from router.settings import redis_address
 from tests.envoy_config import grpc_loggers, pick_sources
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
-SERVICES = {"extauthz": 9001, "ratelimit": 9002, "ledger": 9004}
-# extauthz reaches Redis for the router it holds: the fleet load it publishes.
-STORES = {"redis": {"ratelimit", "extauthz", "ledger"}, "postgres": {"ledger"}}
+SERVICES = {"extauthz": 9001, "ledger": 9004}
+# extauthz reaches Redis for the rate limiter and the router it holds: quotas, the fleet load.
+STORES = {"redis": {"extauthz", "ledger"}, "postgres": {"ledger"}}
 
 
 def docs() -> list[dict[str, Any]]:
@@ -103,11 +104,12 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     assert mounted == envoy_yaml
     (tmp_path / "envoy.yaml").write_text(mounted)
     envoyconf.validate(tmp_path / "envoy.yaml")
-    for needed in ("ext_authz", "ratelimit.v3.RateLimit", "http_grpc"):
+    for needed in ("ext_authz", "http_grpc"):
         assert needed in mounted
-    # The router is extauthz's: no ext_proc call; the pick is read from ext_authz's metadata and
-    # the router's access log goes to extauthz.
+    # The router and the rate limiter are extauthz's: no ext_proc or rate-limit call; the pick
+    # is read from ext_authz's metadata and the router's access log goes to extauthz.
     assert "envoy.filters.http.ext_proc" not in mounted
+    assert "ratelimit.v3.RateLimit" not in mounted
     config = yaml.safe_load(mounted)
     assert "router" not in {c["name"] for c in config["static_resources"]["clusters"]}
     sources = pick_sources(config)
@@ -183,7 +185,7 @@ def test_redis_asks_for_the_password_every_client_gets_from_one_secret() -> None
     args = redis["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"  # expanded by Kubernetes
     assert "grep -q PONG" in " ".join(redis["readinessProbe"]["exec"]["command"])  # not NOAUTH
-    for name in ("ratelimit", "ledger"):
+    for name in ("extauthz", "ledger"):  # the rate limiter in extauthz keeps the counters
         var = next(v for v in container(name)["env"] if v["name"].endswith("__REDIS__PASSWORD"))
         assert var["valueFrom"] == ref, name
     extauthz = container("extauthz")["env"]  # the router in it publishes the fleet load
@@ -326,3 +328,30 @@ def test_the_inference_pool_example_points_at_the_router_in_picker_mode() -> Non
     assert settings.fleet.dns is not None and settings.fleet.dns.port == port
     assert box["readinessProbe"]["grpc"] == {"port": settings.serve.port, "service": "readiness"}
     assert box["livenessProbe"]["grpc"] == {"port": settings.serve.port, "service": "liveness"}
+
+
+def test_extauthz_holds_the_rate_limiter_and_there_is_no_ratelimit_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the local stack runs it: extauthz admits (ADMIT), with rate-limit settings the rate
+    limiter's own schema accepts (read as extauthz reads them), its counters in the `redis`
+    Service with the shared password, and the same cluster switch as the router's."""
+    kinds = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+    assert not [d for d in docs() if d["kind"] in kinds and d["metadata"]["name"] == "ratelimit"]
+    env = env_of("extauthz")
+    from extauthz.settings import Settings
+
+    settings = config.load(Settings, None, "LLMGW_EXTAUTHZ", env)
+    assert settings.admit is True
+    held = [k for k in env if k.startswith("LLMGW_RATELIMIT__")]
+    assert held and not [k for k in held if "__SERVE__" in k or "__TRACING__" in k]
+    for key in [k for k in os.environ if k.startswith("LLMGW_RATELIMIT__")]:
+        monkeypatch.delenv(key)
+    for key in held:
+        monkeypatch.setenv(key, env[key])
+    limiter = admitting(settings)  # extauthz's own reading
+    assert limiter.redis.host == "redis"
+    assert limiter.redis.port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
+    assert limiter.redis.password is not None
+    assert str(limiter.redis.cluster).lower() == env["LLMGW_ROUTER__REDIS_CLUSTER"]
+    assert limiter.replicas >= 2  # degraded mode assumes at least the HPA's minimum

@@ -330,21 +330,26 @@ def stack_ledger_idle(stack: Stack) -> bool:
     return "llmgw_ledger_unsettled 0.0" in text
 
 
-def test_the_request_path_is_two_exchanges(ledger_stack: Stack) -> None:
-    """One ext_authz check (which picks the pod too: the router runs inside extauthz) and one
-    rate-limit call per request, streams included, and no ext_proc; everything after the answer
-    travels in the batched access log."""
+def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
+    """One ext_authz check per request, streams included, which admits and picks the pod too
+    (the rate limiter and the router run inside extauthz): no rate-limit call, no ext_proc;
+    everything after the answer travels in the batched access log. The admission is there all
+    the same: its x-ratelimit-* headers reach the client."""
     assert ledger_stack.services.router_in_extauthz
+    assert ledger_stack.services.ratelimit_in_extauthz
     key = add_tenant(ledger_stack, "lg-path", "standard")
     names = (
         "http.openai.ext_authz.ok",
         "cluster.ratelimit.upstream_rq_total",
+        "http.openai.ratelimit.ok",
         "http.openai.ext_proc.streams_started",
         "http.openai.ext_proc.stream_msgs_sent",
     )
     before = ledger_stack.envoy_stats()
     replies = [chat(ledger_stack, key, max_tokens=3, stream=i % 2 == 0) for i in range(6)]
     assert {r.status for r in replies} == {200}
+    remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in replies]
+    assert remaining == sorted(remaining, reverse=True) and len(set(remaining)) == 6
     recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})  # the logs arrived
     after = ledger_stack.envoy_stats()
-    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 6, 0, 0]
+    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 0, 0, 0, 0]

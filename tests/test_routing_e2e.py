@@ -157,12 +157,13 @@ async def test_a_failing_pod_stops_receiving_picks_and_no_request_fails(own_stac
     assert router_picks(own_stack, bad_id) - marks[0] <= 3 + 6
 
 
-async def test_picks_inside_extauthz_end_with_their_requests_refused_ones_too(
+async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
     own_stack: Stack,
 ) -> None:
-    """The router inside extauthz picks before the rate limiter admits: a refused request was
-    counted in flight on a pod, and its access-log entry (sent to extauthz) releases it."""
-    assert own_stack.services.router_in_extauthz
+    """The rate limiter inside extauthz admits before the router picks: a burst 4x the tier's
+    rate picks exactly the admitted requests (a refused one holds no pod and teaches the prefix
+    index nothing), and every pick is released by its access-log entry."""
+    assert own_stack.services.router_in_extauthz and own_stack.services.ratelimit_in_extauthz
     pods = [f"{p.host}:{p.port}" for p in own_stack.pods]
     picks_before = sum(router_picks(own_stack, pod) for pod in pods)
     headers = {"authorization": f"Bearer {api_key(own_stack, 'free')}"}
@@ -177,7 +178,7 @@ async def test_picks_inside_extauthz_end_with_their_requests_refused_ones_too(
         statuses = await asyncio.gather(*(one() for _ in range(200)))  # 4x the tier's 50/s
     assert statuses.count(429) >= 100 and statuses.count(200) >= 20, statuses
     picks = sum(router_picks(own_stack, pod) for pod in pods) - picks_before
-    assert picks >= len(statuses)  # the refused ones too: else this would test nothing
+    assert picks == statuses.count(200)
     deadline = time.monotonic() + 5.0  # entries flush every 0.2 s
     while any(router_metric(own_stack, "llmgw_router_in_flight", pod) for pod in pods):
         assert time.monotonic() < deadline, "picks still in flight after their requests ended"

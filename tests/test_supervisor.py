@@ -215,7 +215,7 @@ def test_every_child_is_restarted_under_load_and_requests_survive(
     # Every child the stack runs (generic: children added to the stack are covered too), Envoy
     # last because its gap breaks the client connections of the other kills' accounting.
     children = sorted(info["processes"], key=lambda name: name == "envoy")
-    assert {"redis", "pod-0", "pod-1", "extauthz", "ratelimit", "envoy"} <= set(children)
+    assert {"redis", "pod-0", "pod-1", "extauthz", "ledger", "envoy"} <= set(children)
 
     kills: list[Kill] = []
     with Load(info["base_url"], key, model) as load:

@@ -105,6 +105,7 @@ def test_a_fleet_5xx_burst_needs_the_count_and_the_ratio_and_not_the_gateways_re
     errors = {"outcome": "upstream_error", "status": 503, "pod": POD_A}
     d.observe(0, [*requests(500, pod=POD_A), *requests(19, 500, **errors)])  # 19 < 20
     d.observe(0, requests(50, 600, outcome="upstream_error", status=503, flags="RL"))
+    d.observe(0, requests(50, 650, outcome="upstream_error", status=503, flags="UAEX"))
     assert d.evaluate(0, {}) == []
     d.observe(1, requests(1, 700, **errors))  # 20 of 570 (3.5 % < 5 %)
     assert d.evaluate(1, {}) == []

@@ -1,0 +1,72 @@
+"""The rate limiter as a part any process can hold: the tier table (hot reload), the Redis store
+with its failover, the fleet view borrowing reads, and the limiter that decides.
+
+`python -m ratelimit` serves it behind Envoy's rate-limit filter (ratelimit/service.py); extauthz
+holds one to admit inside its own Check, which saves the request path a gRPC exchange
+(extauthz/service.py). Either way the ledger settles the reservations from the access log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from llmgw import wire
+from llmgw.config import reveal
+from llmgw.reload import Reloading
+from ratelimit.failover import Failover
+from ratelimit.fleet import FleetView
+from ratelimit.limiter import Limiter
+from ratelimit.limits import reload_limits
+from ratelimit.pool import Pool
+from ratelimit.settings import Settings
+
+
+class RateLimiter:
+    def __init__(self, settings: Settings) -> None:
+        path = settings.limits_file
+        self.settings = settings
+        self.limits = Reloading(
+            "tiers", [path] if path else [], lambda last: reload_limits(path, last)
+        )
+        redis = settings.redis
+        self.store = store = Failover(
+            redis.host,
+            redis.port,
+            replicas=settings.replicas,
+            deadline_s=redis.deadline_ms / 1000,
+            probe_interval_s=redis.probe_interval_s,
+            connect_timeout_s=redis.connect_timeout_s,
+            password=reveal(redis.password),
+            cluster=redis.cluster,
+        )
+        fleet = FleetView(
+            lambda: store.get_fleet(wire.FLEET_LOAD_KEY), time.time, settings.fleet.cache_s
+        )
+        self.limiter = Limiter(
+            lambda tenant, tier: self.limits.current.policy(tenant, tier),
+            store,
+            fleet.snapshot,
+            time.time,
+            reservation_ttl_s=settings.reservation_ttl_s,
+            stale_after_s=settings.fleet.stale_after_s,
+            near_limit_ratio=settings.near_limit_ratio,
+            pool=Pool(
+                lambda: None if store.redis is None else store.redis.client,
+                deadline_s=redis.deadline_ms / 1000,
+            ),
+        )
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect to Redis (degraded until it answers), then watch the tier table."""
+        await self.store.start()
+        self._watcher = asyncio.create_task(self.limits.watch(self.settings.reload_interval_s))
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await self.store.close()

@@ -1,0 +1,159 @@
+"""The rate limiter inside extauthz (settings `admit`): a real redis-server, real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.service.auth.v3 import external_auth_pb2
+from google.protobuf import json_format
+from google.rpc import code_pb2
+from opentelemetry.sdk.trace import TracerProvider
+
+from extauthz import metrics
+from extauthz.service import AuthorizationService, register
+from extauthz.store import tenants_store
+from llmgw import wire
+from llmgw.procs import Process, bin_path, free_port, redis_ping
+from ratelimit.runtime import RateLimiter
+from ratelimit.settings import RedisSettings, Settings
+from router.runtime import Router
+from tests.extauthz.conftest import Keys, make_decider
+from tests.extauthz.test_service import CHAT, PODS, Stub, check_request, header_map, make_router
+
+# The custom tier "gold" (globex) at 3 requests a minute: the fourth is refused.
+LIMITS = "tiers:\n  gold: {requests: {minute: 3}, tokens: {minute: 900000}}\n"
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[int]:
+    port = free_port()
+    argv = [bin_path("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(tmp_path)]
+    proc = Process("redis", argv, redis_ping("127.0.0.1", port), tmp_path / "redis.log").start()
+    yield port
+    proc.stop()
+
+
+class Admitting:
+    def __init__(self, stub: object, limiter: RateLimiter, router: Router) -> None:
+        self.stub = stub
+        self.limiter = limiter
+        self.router = router
+
+
+async def _admitting(
+    tmp_path: Path, tenants_file: Path, tiers_file: Path, redis_port: int
+) -> AsyncIterator[Admitting]:
+    limits = tmp_path / "limits.yaml"
+    limits.write_text(LIMITS)
+    redis = RedisSettings(port=redis_port, deadline_ms=200, connect_timeout_s=0.2)
+    limiter = RateLimiter(Settings(limits_file=limits, redis=redis))
+    await limiter.start()
+    router = make_router()
+    store = tenants_store(tenants_file, tiers_file)
+    tracer = TracerProvider().get_tracer("test")
+    service = AuthorizationService(store, make_decider(), tracer, router=router, limiter=limiter)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    register(service)(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield Admitting(Stub(channel), limiter, router)
+    finally:
+        await server.stop(0)
+        await limiter.stop()
+
+
+@pytest.fixture
+async def admitting(
+    tmp_path: Path, tenants_file: Path, tiers_file: Path, keys: Keys, redis: int
+) -> AsyncIterator[Admitting]:
+    async for a in _admitting(tmp_path, tenants_file, tiers_file, redis):
+        yield a
+
+
+def check(key: str, request_id: str) -> external_auth_pb2.CheckRequest:
+    return check_request({"api-key": key, "x-request-id": request_id}, CHAT)
+
+
+async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
+    admitting: Admitting, keys: Keys
+) -> None:
+    replies = await asyncio.gather(
+        *(admitting.stub.Check(check(keys.globex, f"r{i}")) for i in range(40))  # type: ignore[attr-defined]
+    )
+    admitted = [r for r in replies if r.status.code == code_pb2.OK]
+    refused = [r for r in replies if r.status.code != code_pb2.OK]
+    assert len(admitted) == 3 and len(refused) == 37  # a burst of 40 against 3 a minute
+
+    for reply in admitted:
+        rate = header_map(reply.ok_response.response_headers_to_add)
+        assert rate["x-ratelimit-limit-requests"] == "3"
+        assert int(rate["x-ratelimit-remaining-requests"]) in (0, 1, 2)
+        meta = json_format.MessageToDict(reply.dynamic_metadata)
+        assert meta[wire.META_DECIDED] is True and meta[wire.DESTINATION_ENDPOINT]
+    # Only the admitted hold a pod in flight: a refusal is decided before the pick.
+    assert sum(admitting.router.fleet.in_flight.values()) == 3
+
+    for reply in refused:
+        assert reply.status.code == code_pb2.RESOURCE_EXHAUSTED
+        denied = reply.denied_response
+        assert denied.status.code == 429
+        error = json.loads(denied.body)["error"]
+        assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+        headers = header_map(denied.headers)
+        assert headers["content-type"] == "application/json"
+        assert headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(headers["retry-after"]) >= 1
+        # The access log still learns whose request it refused (and the ledger releases nothing).
+        meta = json_format.MessageToDict(reply.dynamic_metadata)
+        assert meta[wire.META_TENANT] == "globex" and meta[wire.META_DECIDED] is True
+        assert wire.DESTINATION_ENDPOINT not in meta
+
+
+async def test_a_tenants_own_limit_reaches_the_limiter_inside(
+    admitting: Admitting, keys: Keys
+) -> None:
+    """acme's rpm override in the tenants file (100) replaces its tier's."""
+    reply = await admitting.stub.Check(check(keys.acme, "acme-1"))  # type: ignore[attr-defined]
+    assert reply.status.code == code_pb2.OK
+    assert header_map(reply.ok_response.response_headers_to_add)["x-ratelimit-limit-requests"] == (
+        "100"
+    )
+
+
+async def test_a_limiter_that_raises_costs_the_admission_not_the_request(
+    admitting: Admitting, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_: object) -> None:
+        raise RuntimeError("limiter bug")
+
+    monkeypatch.setattr(admitting.limiter.limiter, "admit", broken)
+    before = metrics.ADMIT_ERRORS._value.get()
+    reply = await admitting.stub.Check(check(keys.globex, "bug-1"))  # type: ignore[attr-defined]
+    assert reply.status.code == code_pb2.OK
+    meta = json_format.MessageToDict(reply.dynamic_metadata)
+    assert wire.META_DECIDED not in meta  # the ledger sees an admission nobody checked
+    assert meta[wire.DESTINATION_ENDPOINT]
+    assert metrics.ADMIT_ERRORS._value.get() == before + 1
+
+
+async def test_with_redis_down_the_limiter_inside_still_decides_within_its_deadline(
+    tmp_path: Path, tenants_file: Path, tiers_file: Path, keys: Keys
+) -> None:
+    """No Redis at all: the limiter's degraded mode (in-process counts) decides, within the
+    deadline, so extauthz never stalls; the tier's 3 a minute still holds on this replica."""
+    async for a in _admitting(tmp_path, tenants_file, tiers_file, free_port()):
+        started = time.monotonic()
+        replies = [await a.stub.Check(check(keys.globex, f"d{i}")) for i in range(6)]  # type: ignore[attr-defined]
+        assert time.monotonic() - started < 5
+        codes = [r.status.code for r in replies]
+        assert codes == [code_pb2.OK] * 3 + [code_pb2.RESOURCE_EXHAUSTED] * 3
+        assert sorted(a.router.fleet.in_flight) == PODS
