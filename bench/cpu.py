@@ -5,7 +5,10 @@ Envoy alone, + extauthz, + ratelimit and + router (both inside extauthz), the fu
 with PostgreSQL), the full chain with the rate limiter apart (its own process behind Envoy's
 rate-limit filter), and with the router apart too (behind ext_proc), and each shape with every
 callout pointed at trivial handlers (bench/trivial.py: the floor of one, two or three gRPC
-callouts and two access logs). For each, a fixed non-stream load (closed
+callouts and two access logs); last, the floor of the full chain's shape again, each Check held
+idle until it runs at the full chain's req/s. In a closed loop a faster stack is also a cheaper one
+per request (each process wakes for more requests at a time), so that row is the floor the full
+chain's own work is measured against. For each, a fixed non-stream load (closed
 loop, `--requests` at `--concurrency`) and each process's utime+stime from /proc (all threads,
 and every child process, e.g. PostgreSQL's backends), before and after, divided by requests.
 
@@ -63,6 +66,7 @@ class Config:
     note: str  # what the row adds
     # In processes of their own behind their own callouts, not inside extauthz.
     apart: tuple[ServiceName, ...] = ()
+    paced: bool = False  # trivial handlers held idle to the full chain's req/s
 
 
 # Rows in table order.
@@ -87,9 +91,16 @@ CONFIGS = [
     Config("trivial handlers", None, "1 callout + 2 access logs: the full chain's shape"),
     Config("trivial, 2 callouts", None, "+ rate limit: the ratelimit-apart shape", ("ratelimit",)),
     Config("trivial, 3 callouts", None, "+ ext_proc: both apart", ("ratelimit", "router")),
+    Config(
+        "trivial, at the full chain's rate",
+        None,
+        "1 callout, each Check held idle: no more CPU, fewer requests a wakeup",
+        paced=True,
+    ),
 ]
-# Measured in this order (the floors before the full chain, which stays up after).
-ORDER = [0, 1, 2, 3, 5, 6, 8, 9, 7, 4]
+# Measured in this order (the floors before the full chain, which stays up after; the paced
+# floor after it, at its req/s).
+ORDER = [0, 1, 2, 3, 5, 6, 8, 9, 7, 4, 10]
 COLUMNS = (
     "envoy",
     "extauthz",
@@ -104,6 +115,8 @@ COLUMNS = (
 FLOOR = "trivial handlers"
 APART, APART_FLOOR = "full chain, ratelimit apart", "trivial, 2 callouts"
 BOTH_APART, BOTH_APART_FLOOR = "full chain, both apart", "trivial, 3 callouts"
+PACED = "trivial, at the full chain's rate"
+INDEX = {c.label: i for i, c in enumerate(CONFIGS)}
 # Where the stack runs for the latency tables: as in the CPU table, then on every core.
 PLACEMENTS = ("stack on 1 core", "unpinned, 2 cores")
 # Limits far above this load: every request is admitted (a 429 would skip the pod and the router).
@@ -182,10 +195,15 @@ def self_cpu() -> float:
 class TrivialStack(Stack):
     """The same Envoy configuration with every gRPC service pointed at bench/trivial.py."""
 
+    def __init__(self, settings: StackSettings, state_dir: Path, delay_ms: float = 0.0) -> None:
+        super().__init__(settings, state_dir)
+        self.delay_ms = delay_ms
+
     def _start_services(self) -> None:
         port = free_port()
         argv = [sys.executable, "-m", "bench.trivial", "--port", str(port)]
         argv += ["--pick", ",".join(f"{p.host}:{p.port}" for p in self.pods)]
+        argv += ["--check-delay-ms", str(self.delay_ms)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self._process("trivial", argv, grpc_serving(f"127.0.0.1:{port}"), env).start(
             self.settings.start_timeout
@@ -217,6 +235,10 @@ class Cpu:
     client_us: float = 0.0
     grpc_calls: float = 0.0
     errors: int = 0
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.elapsed
 
     @property
     def total(self) -> float:
@@ -262,7 +284,7 @@ class Bench:
     def run(self, coro: Any) -> Any:
         return self.runner.run(coro)
 
-    def stack(self, config: Config) -> Stack:
+    def stack(self, config: Config, delay_ms: float = 0.0) -> Stack:
         label, services = config.label, config.services
         settings = StackSettings(
             listen=Address(port=0),
@@ -274,9 +296,10 @@ class Bench:
             envoy=EnvoySettings(concurrency=1),
         )
         state = self.tmp / label.replace(" ", "_").replace("+", "plus")
-        kind = TrivialStack if services is None else Stack
         with self.pin.for_children():
-            return kind(settings, state).start()
+            if services is None:
+                return TrivialStack(settings, state, delay_ms).start()
+            return Stack(settings, state).start()
 
     def target(self, stack: Stack) -> Target:
         # Platinum; the trivial handlers accept any key, but Envoy refuses one not shaped as ours.
@@ -372,7 +395,7 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
     ]
     previous: float | None = None
     for i, r in enumerate(rows):
-        cells = [f"{r.label} ({r.note})", f"{r.requests / r.elapsed:,.0f}"]
+        cells = [f"{r.label} ({r.note})", f"{r.rps:,.0f}"]
         cells += [us(r.us.get(c)) for c in present]
         delta = r.total - previous if previous is not None and 0 < i < 5 else None
         cells += [f"**{r.total:,.0f}**", "—" if delta is None else f"{delta:+,.0f}"]
@@ -393,6 +416,14 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
         f"{'met' if ratio <= 1.3 else 'NOT met'}); without the pod "
         f"{(full.total - full.us.get('pod', 0)) / (floor.total - floor.us.get('pod', 0)):.2f}×",
     ]
+    if PACED in by:
+        paced = by[PACED]
+        lines.append(
+            f"- full chain / the same floor at its req/s ({paced.rps:,.0f} against "
+            f"{full.rps:,.0f}): **{full.total / paced.total:.2f}×**; the floor itself costs "
+            f"{paced.total / floor.total:.2f}× as much a request there as at its own "
+            f"{floor.rps:,.0f} req/s"
+        )
     for label, floor_label in ((APART, APART_FLOOR), (BOTH_APART, BOTH_APART_FLOOR)):
         if label in by and floor_label in by:
             apart, apart_floor = by[label], by[floor_label]
@@ -485,7 +516,7 @@ def main() -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin stack and client")
     parser.add_argument(
         "--only",
-        help="comma-separated configurations to measure (e.g. 'full chain,trivial handlers'); "
+        help="';'-separated configurations to measure (e.g. 'full chain;trivial handlers'); "
         "CPU table only, no latency tables",
     )
     args = parser.parse_args()
@@ -510,9 +541,17 @@ def main() -> None:
             label = config.label
             if label not in only:
                 continue
+            delay_ms = 0.0
+            if config.paced:
+                full, floor = rows.get(INDEX["full chain"]), rows.get(INDEX[FLOOR])
+                if full is None or floor is None:
+                    continue  # nothing to pace it to
+                # The wait that slows each request's round trip to the full chain's.
+                in_flight_ms = args.concurrency * 1e3
+                delay_ms = max(0.0, in_flight_ms / full.rps - in_flight_ms / floor.rps)
             print(f"# {label} ...", file=sys.stderr, flush=True)
             try:
-                stack = bench.stack(config)
+                stack = bench.stack(config, delay_ms)
             except StartError as exc:
                 print(f"# {label}: cannot start: {exc}", file=sys.stderr)
                 raise

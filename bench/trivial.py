@@ -5,14 +5,17 @@ with fixed request facts and a fixed pick in metadata (so Envoy builds the same 
 descriptors and routes by the pick, as with the router inside extauthz), every rate-limit call OK,
 the ext_proc request-headers message (when Envoy makes one: the router apart) with the same pick
 in `envoy.lb`, and reads and drops every access-log batch. Nothing is decided, nothing is stored:
-what is left is the gRPC plumbing of the callouts.
+what is left is the gRPC plumbing of the callouts. With `--check-delay-ms`, each ext_authz Check
+is answered only after that idle wait (no CPU): the floor run at a slower configuration's rate,
+where every process wakes for fewer requests at a time (bench/cpu.py).
 
-    python -m bench.trivial --port 9001 --pick 127.0.0.1:9000
+    python -m bench.trivial --port 9001 --pick 127.0.0.1:9000 [--check-delay-ms 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,7 +59,8 @@ def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
 
 
 class Auth(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
-    def __init__(self, pick: str) -> None:
+    def __init__(self, pick: str, delay_s: float) -> None:
+        self.delay_s = delay_s
         self.reply = external_auth_pb2.CheckResponse(
             status=status_pb2.Status(code=code_pb2.OK),
             ok_response=external_auth_pb2.OkHttpResponse(),
@@ -66,6 +70,8 @@ class Auth(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: Any
     ) -> external_auth_pb2.CheckResponse:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         return self.reply
 
 
@@ -104,9 +110,9 @@ class Logs(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         return als_pb2.StreamAccessLogsResponse()
 
 
-def register(pick: str) -> Any:
+def register(pick: str, delay_s: float) -> Any:
     def add(server: grpc.aio.Server) -> None:
-        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(pick), server)
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(pick, delay_s), server)
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimit(), server)
         ep_grpc.add_ExternalProcessorServicer_to_server(Pick(pick), server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(Logs(), server)
@@ -118,9 +124,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--pick", required=True, help="ip:port picked")
+    parser.add_argument("--check-delay-ms", type=float, default=0.0, help="idle wait per Check")
     args = parser.parse_args()
     settings = ServeSettings(port=args.port)
-    run(lambda: serve("trivial", settings, register(args.pick)))
+    run(lambda: serve("trivial", settings, register(args.pick, args.check_delay_ms / 1000)))
 
 
 if __name__ == "__main__":

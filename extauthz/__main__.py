@@ -59,7 +59,13 @@ async def main(settings: Settings) -> None:
         router = Router.from_settings(picking(settings), tracer)
         await router.start()
     service = AuthorizationService(
-        store, decider, tracer, bodies=bodies, router=router, limiter=limiter
+        store,
+        decider,
+        tracer,
+        bodies=bodies,
+        router=router,
+        limiter=limiter,
+        admit_timeout_s=settings.admit_timeout_ms / 1000,
     )
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
 
@@ -92,8 +98,17 @@ def picking(settings: Settings) -> router_settings.Settings:
 
 def admitting(settings: Settings) -> ratelimit_settings.Settings:
     """The settings of the rate limiter this process holds (its serve and tracing do not apply:
-    it decides inside extauthz's Check)."""
-    return ratelimit_settings.check(settings.ratelimit_config)
+    it decides inside extauthz's Check). Its tier table is extauthz's: a tier is defined once,
+    and a limiter on another table would put a tenant's custom tier on the default one."""
+    held = ratelimit_settings.check(settings.ratelimit_config)
+    if held.limits_file is None:
+        return held.model_copy(update={"limits_file": settings.tiers_file})
+    if settings.tiers_file is None or held.limits_file.resolve() != settings.tiers_file.resolve():
+        raise ConfigError(
+            f"the rate limiter's limits_file ({held.limits_file}) is not extauthz's tiers_file "
+            f"({settings.tiers_file}): one tier table for both (leave limits_file unset)"
+        )
+    return held
 
 
 def settings(path: Path | None) -> Settings:

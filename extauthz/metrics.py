@@ -28,5 +28,8 @@ PICK_ERRORS = Counter(
 )
 ADMIT_ERRORS = Counter(
     "llmgw_extauthz_admit_errors_total",
-    "Admissions by the rate limiter in this process that raised: the request went on admitted.",
+    "Admissions by the rate limiter in this process that raised (cause error) or ran over "
+    "admit_timeout_ms (cause timeout): the request went on unchecked.",
+    ["cause"],
 )
+admit_errors = Children(ADMIT_ERRORS)

@@ -42,7 +42,8 @@ from llmgw import wire
 from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
 from ratelimit import admission
-from ratelimit import response as limits
+from ratelimit import metrics as ratelimit_metrics
+from ratelimit.response import admission_metadata, rate_headers, refusal, refusal_status
 from ratelimit.runtime import RateLimiter
 from ratelimit.types import Verdict
 from router.request import from_metadata
@@ -117,40 +118,60 @@ def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
 
 
 def refused(allow: Allow, verdict: Verdict) -> external_auth_pb2.CheckResponse:
-    """The limiter's refusal as the denial, as the rate-limit filter would have sent it; with
-    the request's facts in the metadata all the same, for the access log (Envoy keeps a denied
-    check's metadata; it adds no headers to the request it refuses)."""
-    headers, body = limits.refusal(verdict)
-    code = limits.status(verdict)
+    """The limiter's refusal as the denial, as the rate-limit filter would have sent it, with
+    the session header every answer carries; and the request's facts in the metadata all the
+    same, for the access log (Envoy keeps a denied check's metadata; it adds no headers to the
+    request it refuses)."""
+    headers, body = refusal(verdict)
+    code = refusal_status(verdict)
     response = external_auth_pb2.CheckResponse()
     response.status.code = _DENY_GRPC[code]
     denied = response.denied_response
     denied.status.code = code
-    _add_headers(denied.headers, limits.rate_headers(verdict))
+    _add_headers(denied.headers, rate_headers(verdict))
     _add_headers(denied.headers, headers)
+    _add_headers(denied.headers, allow.response_headers)
     denied.body = body.decode()
     _fill(response.dynamic_metadata, allow.metadata)
-    _fill(response.dynamic_metadata, limits.metadata(verdict))
+    _fill(response.dynamic_metadata, admission_metadata(verdict))
     return response
 
 
-async def admit(limiter: RateLimiter, allow: Allow) -> Verdict | None:
-    """The limiter's verdict on an allowed request; None: not decided (admitted, fail-open)."""
-    request = admission.from_metadata(allow.metadata)
-    if request is None:
-        return None
+def admitted(allow: Allow, verdict: Verdict | None) -> external_auth_pb2.CheckResponse:
+    """The answer to an allowed request: the limiter's refusal, or the allowance with what the
+    limiter decided (its headers to the client, its answer in the metadata)."""
+    if verdict is not None and verdict.refusal is not None:
+        return refused(allow, verdict)
+    response = to_response(allow)
+    if verdict is not None:
+        _add_headers(response.ok_response.response_headers_to_add, rate_headers(verdict))
+        _fill(response.dynamic_metadata, admission_metadata(verdict))
+    return response
+
+
+async def admit(limiter: RateLimiter, allow: Allow, timeout_s: float) -> Verdict | None:
+    """The limiter's verdict on an allowed request, within `timeout_s`; None: not decided, and
+    the request goes on unchecked, as Envoy's rate-limit filter fails open (counted here, and by
+    the ledger). The budget bounds the admission however slow Redis is (a borrowing admission
+    makes up to three round trips, each within the store's own deadline), so that it stays
+    inside Envoy's wait for this Check, which fails closed."""
+    started = time.perf_counter()
     try:
-        return await limiter.limiter.admit(request)
+        request = admission.from_metadata(allow.metadata)
+        if request is None:
+            return None
+        async with asyncio.timeout(timeout_s):
+            verdict = await limiter.limiter.admit(request)
+    except TimeoutError:
+        log.warning("admission over its budget: admitted unchecked", extra={"tenant": allow.tenant})
+        metrics.admit_errors("timeout").inc()
+        return None
     except Exception:  # a limiter bug costs the admission, never the request
         log.exception("admission failed", extra={"tenant": allow.tenant})
-        metrics.ADMIT_ERRORS.inc()
+        metrics.admit_errors("error").inc()
         return None
-
-
-def add_admission(response: external_auth_pb2.CheckResponse, verdict: Verdict) -> None:
-    """An admission's headers to the client and what was decided to the metadata."""
-    _add_headers(response.ok_response.response_headers_to_add, limits.rate_headers(verdict))
-    _fill(response.dynamic_metadata, limits.metadata(verdict))
+    ratelimit_metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+    return verdict
 
 
 def add_pick(router: Router, response: external_auth_pb2.CheckResponse, allow: Allow) -> None:
@@ -222,6 +243,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         bodies: BodyPool | None = None,
         router: Router | None = None,
         limiter: RateLimiter | None = None,
+        admit_timeout_s: float = 1.0,
     ) -> None:
         self.store = store
         self.decider = decider
@@ -231,16 +253,26 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.bodies = bodies
         self.router = router
         self.limiter = limiter
+        self.admit_timeout_s = admit_timeout_s
 
     async def respond(self, decision: Decision) -> external_auth_pb2.CheckResponse:
         if not isinstance(decision, Allow):
             return to_response(decision)
-        verdict = await admit(self.limiter, decision) if self.limiter is not None else None
-        if verdict is not None and verdict.refusal is not None:
-            return refused(decision, verdict)  # before the pick: a refused request holds no pod
-        response = to_response(decision)
-        if verdict is not None:
-            add_admission(response, verdict)
+        if self.limiter is None:
+            response = to_response(decision)
+        else:
+            verdict = await admit(self.limiter, decision, self.admit_timeout_s)
+            if self.tracing:  # the span of Check, current while it runs
+                result = "unchecked" if verdict is None else verdict.refusal or "ok"
+                trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
+            try:
+                response = admitted(decision, verdict)
+            except Exception:  # a bug in the limiter's answer costs it, never the request
+                log.exception("admission answer failed", extra={"tenant": decision.tenant})
+                metrics.admit_errors("error").inc()
+                response = to_response(decision)
+            if response.HasField("denied_response"):
+                return response  # before the pick: a refused request holds no pod
         if self.router is not None:
             add_pick(self.router, response, decision)
         return response

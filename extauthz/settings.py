@@ -86,6 +86,11 @@ class Settings(Strict):
     # reads them. Envoy then makes no rate-limit call (Services.ratelimit_in_extauthz).
     admit: bool = False
     ratelimit_config: Path | None = None
+    # The longest an admission may take, Redis however slow (a borrowing one makes up to three
+    # round trips, each within the limiter's redis.deadline_ms); past it the request goes on
+    # unchecked, counted. Keep it well below Envoy's wait for this Check (2 s), which fails
+    # closed.
+    admit_timeout_ms: float = Field(default=1000.0, gt=0)
 
     @model_validator(mode="after")
     def _configs_used(self) -> Settings:

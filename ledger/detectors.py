@@ -55,8 +55,8 @@ class PodErrors(Strict):
 
 
 class FailOpen(Strict):
-    """At least `min_admissions` requests reached a pod without a rate-limit decision (its
-    RLS metadata) in `window_s`: the rate limiter failed open, so no quota applied to them."""
+    """At least `min_admissions` requests reached a pod without a rate-limit decision (the
+    limiter's answer) in `window_s`: the rate limiter failed open, so no quota applied to them."""
 
     min_admissions: int = Field(default=10, ge=1)
     window_s: float = Field(default=60.0, gt=0)

@@ -2,8 +2,9 @@
 
 The entry carries every filter's dynamic metadata: extauthz's tenant context and request facts
 (llmgw/facts.py), the pod's usage and the streamed-event count (`llmgw.usage`, envoy/usage.lua),
-what the admission borrowed (`envoy.filters.http.ratelimit`, absent on base quota) and the
-router's pick (`envoy.lb`).
+the rate limiter's answer (in extauthz's namespace with the limiter inside it, else in
+`envoy.filters.http.ratelimit`: that it decided, what it borrowed) and the router's pick
+(`envoy.lb`).
 
 Outcome kinds, from what the client finally got (after Envoy's retries):
 - `refused`: the request was refused as it stood: by the gateway without asking a pod

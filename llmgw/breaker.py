@@ -24,8 +24,8 @@ from llmgw.outcome import Outcome
 # - 401 and 403 count nothing: they answer one key's identity or permissions, and a stale client
 #   hammering a revoked key must not lock out the tenant's working keys;
 # - 0 and 499 (the client hung up) count nothing: the client's choice, not a failure;
-# - the gateway's own rate-limit refusals (Envoy's RL flag: a quota 429, the breaker's 503) never
-#   count: a tenant over quota is already held to it, and tripping its breaker would turn a
+# - the gateway's own rate-limit refusals (a quota 429, the breaker's 503: Outcome.by_gateway)
+#   never count: a tenant over quota is already held to it, and tripping its breaker would turn a
 #   1-second Retry-After into a 2-minute lock-out (a 50-request burst over 40/min did, for
 #   free). Persistent quota refusals raise the quota_refusals alert instead (ledger/detectors.py).
 #   The 429 weight is for 429s a pod sends.

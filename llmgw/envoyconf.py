@@ -86,9 +86,10 @@ class Services(Strict):
     # denial, an admission's headers and metadata come with ext_authz's answer, and there is no
     # rate-limit call.
     ratelimit_in_extauthz: bool = False
-    # Long enough to mean "down", not "busy": a burst of 1,000 requests queues ~0.5 s of decisions
-    # on one core (tests/test_burst.py). extauthz fails closed (503); the rate limiter fails open,
-    # so a timeout that fired while it was merely busy would admit unchecked.
+    # Long enough to mean "down", not "busy": a burst of 1,000 requests queues up its checks on
+    # one core (tests/test_burst.py). extauthz fails closed (503), and bounds its own admission
+    # below this (its admit_timeout_ms); the rate limiter apart fails open, so a timeout that
+    # fired while it was merely busy would admit unchecked.
     timeout: str = "2s"
     ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks

@@ -17,11 +17,6 @@ OutcomeKind = Literal["ok", "aborted", "upstream_error", "refused"]
 OUTCOME_KINDS: tuple[OutcomeKind, ...] = ("ok", "aborted", "upstream_error", "refused")
 
 
-# Envoy's flags on a refusal by the gateway itself, before any pod: the rate-limit filter's (RL),
-# ext_authz's (UAEX: a bad key, or the rate limiter inside extauthz, the tenant breaker's 503 too).
-GATEWAY_FLAGS = frozenset({"RL", "UAEX"})
-
-
 class Outcome(BaseModel):
     """One request's outcome. Token counts are what the pod reported (usage), or for a stream
     cut short, the prompt estimate plus the tokens that reached the client."""
@@ -52,7 +47,7 @@ class Outcome(BaseModel):
     # refunds the tenant's windows), so borrowed_tokens bounds the borrowed use from above.
     borrowed_requests: int = 0
     borrowed_tokens: int = 0
-    # The rate-limit service decided the admission; False with a pod reached: it failed open.
+    # The rate limiter decided the admission; False with a pod reached: it failed open.
     quota_checked: bool = False
     ttft_ms: float | None = None  # first byte to the client; None when none was sent
     duration_ms: float = 0.0
@@ -61,8 +56,12 @@ class Outcome(BaseModel):
 
     @property
     def by_gateway(self) -> bool:
-        """Refused by the gateway's own decision (the fleet did not fail: see GATEWAY_FLAGS)."""
-        return not GATEWAY_FLAGS.isdisjoint(self.flags.split(","))
+        """Refused by the rate limiter's own decision, the tenant breaker's too: the fleet did
+        not fail. Envoy's flag is RL with the limiter behind its rate-limit filter; inside
+        extauthz it is UAEX, which Envoy also sets when extauthz fails (a 503 with no limiter's
+        answer: quota_checked is unset then)."""
+        flags = self.flags.split(",")
+        return "RL" in flags or ("UAEX" in flags and self.quota_checked)
 
 
 # The columns `llmgw usage --json` prints, in this order (any others may follow).

@@ -88,22 +88,26 @@ TRUSTED_HEADERS = (
 
 # Rate limiting.
 RATELIMIT_DOMAIN = "llmgw"
-# What an admission drew from the fleet's borrowing pool (ratelimit/pool.py), as numbers in the
-# dynamic metadata of the RLS response, which Envoy keeps under its rate-limit filter's name (in
-# every access-log entry); absent on base quota.
+# The rate limiter's answer is dynamic metadata (in every access-log entry): in ext_authz's
+# namespace when the limiter runs inside extauthz, else in the RLS response's, which Envoy keeps
+# under its rate-limit filter's name (llmgw/envoyconf.py Services.admission_namespace).
 RATELIMIT_NAMESPACE = "envoy.filters.http.ratelimit"
-# true on every answer the rate-limit service gave: an admitted request without it reached a pod
-# unchecked (the service failed open: down, or slower than Envoy's timeout).
+# true on every answer the rate limiter gave: an admitted request without it reached a pod
+# unchecked (the limiter failed open: it raised or ran over its budget inside extauthz, or
+# `python -m ratelimit` was down or slower than Envoy's timeout).
 META_DECIDED = "decided"
+# What an admission drew from the fleet's borrowing pool (ratelimit/pool.py), as numbers; absent
+# on base quota.
 META_BORROWED_REQUESTS = "borrowed_requests"
 META_BORROWED_TOKENS = "borrowed_tokens"
-# true on an admission refused by the tenant's breaker: Envoy's local-reply mapper turns that
-# over-limit answer (a 429 by Envoy's rule) into a 503 (llmgw/envoyconf.py).
+# true on an admission refused by the tenant's breaker, a 503: extauthz's own denial, which a
+# local-reply mapper keeps as it is; behind the rate-limit filter (a 429 by Envoy's rule) the
+# mapper turns it into the 503 (envoy/envoy.yaml.j2).
 META_CIRCUIT_OPEN = "circuit_open"
-# In the same namespace: the output cap per sequence the pod gets instead of extauthz's, when the
-# tenant's hard budget has less left than the request's estimate (ratelimit/admit.lua). Envoy
-# appends it to the request body after the ratelimit filter (envoy/rewrite.lua): metadata, not a
-# header, so a client has no name to forge it under.
+# The output cap per sequence the pod gets instead of extauthz's, when the tenant's hard budget
+# has less left than the request's estimate (ratelimit/admit.lua). Envoy appends it to the
+# request body after the limiter's answer (envoy/rewrite.lua): metadata, not a header, so a
+# client has no name to forge it under.
 META_OUTPUT_CAP = "output_cap"
 # A response's token usage, written by Envoy on the way out and read from the access log by the
 # ledger: the pod's usage object (sse_to_metadata, json_to_metadata) when it arrived, and the

@@ -37,7 +37,9 @@ def from_metadata(meta: Mapping[str, MetaValue]) -> Admission | None:
     if not isinstance(tenant, str) or not tenant or not isinstance(tier, str):
         return None
     session, request_id = meta.get(wire.META_SESSION), meta.get(wire.META_REQUEST_ID)
-    estimate = _int(meta.get(wire.META_TOKEN_ESTIMATE)) if isinstance(request_id, str) else None
+    # Envoy sends the token descriptor only with both strings present.
+    tokens = isinstance(request_id, str) and isinstance(meta.get(wire.META_TOKEN_ESTIMATE), str)
+    estimate = _int(meta.get(wire.META_TOKEN_ESTIMATE)) if tokens else None
     prompt = _int(meta.get(wire.META_TOKEN_PROMPT))
     choices = _int(meta.get(wire.META_TOKEN_CHOICES))
     grant = None
@@ -50,6 +52,6 @@ def from_metadata(meta: Mapping[str, MetaValue]) -> Admission | None:
         request_id if isinstance(request_id, str) else None,
         estimate,
         requests_limit=_limit(meta.get(wire.META_LIMIT_REQUESTS)),
-        tokens_limit=_limit(meta.get(wire.META_LIMIT_TOKENS)),
+        tokens_limit=_limit(meta.get(wire.META_LIMIT_TOKENS)) if tokens else None,
         grant=grant,
     )

@@ -1,4 +1,5 @@
-"""Prometheus collectors of the rate-limit service (labels: tenant, tier)."""
+"""Prometheus collectors of the rate limiter (labels: tenant, tier), served by the process that
+holds it: extauthz, or `python -m ratelimit`."""
 
 from __future__ import annotations
 

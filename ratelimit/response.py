@@ -82,7 +82,7 @@ def circuit_open(verdict: Verdict) -> tuple[Headers, bytes]:
     return headers, json.dumps({"error": error}, separators=(",", ":")).encode()
 
 
-def metadata(verdict: Verdict) -> dict[str, MetaValue]:
+def admission_metadata(verdict: Verdict) -> dict[str, MetaValue]:
     """That the limiter decided (the ledger counts admissions without it: fail-open), what the
     admission drew from the borrowing pool, the output cap a hard budget lowered it to (Envoy
     writes it into the body: envoy/rewrite.lua), and whether the tenant's breaker refused it."""
@@ -97,7 +97,7 @@ def metadata(verdict: Verdict) -> dict[str, MetaValue]:
     return fields
 
 
-def status(verdict: Verdict) -> int:
+def refusal_status(verdict: Verdict) -> int:
     """The HTTP status of a refusal: the breaker's is a 503 (the tenant's requests are failing),
     every other a 429."""
     return 503 if verdict.refusal == "circuit_open" else 429

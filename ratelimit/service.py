@@ -20,7 +20,7 @@ from llmgw.telemetry import parent_context, recording
 from ratelimit import metrics
 from ratelimit.descriptors import UNITS, Parsed, parse
 from ratelimit.limiter import Limiter
-from ratelimit.response import metadata, rate_headers, refusal
+from ratelimit.response import admission_metadata, rate_headers, refusal
 from ratelimit.types import KindState, Unit, Verdict
 
 Code = rls_pb2.RateLimitResponse.Code
@@ -87,7 +87,7 @@ def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitRes
 
 
 def _metadata(verdict: Verdict) -> struct_pb2.Struct:
-    fields = metadata(verdict)
+    fields = admission_metadata(verdict)
     if len(fields) == 1:
         return _DECIDED
     struct = _Struct()

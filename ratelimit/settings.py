@@ -23,7 +23,8 @@ class RedisSettings(Strict):
     # (until its replica takes over; for good without one) every slot stalls, not just its own.
     cluster: bool = False
     # Longest a decision waits on Redis before it counts as down (ratelimit/failover.py): far
-    # above a reply late only because of a burst, below Envoy's ratelimit timeout.
+    # above a reply late only because of a burst, below Envoy's ratelimit timeout (apart) and
+    # extauthz's admit_timeout_ms (inside: a borrowing decision waits up to three times).
     deadline_ms: float = Field(default=500.0, gt=0)
     probe_interval_s: float = Field(default=0.5, gt=0)  # reconnect attempts while degraded
     connect_timeout_s: float = Field(default=0.5, gt=0)

@@ -119,7 +119,7 @@ def test_one_batch_trips_once_and_later_outcomes_of_it_are_ignored() -> None:
     assert m.feed(0, [(0.3, "400"), (0.7, "429"), (1.0, "500")]) == [f"trip 0 429 {120 * S} 0 0"]
 
 
-def outcome(status: int, flags: str = "", kind: str = "") -> Outcome:
+def outcome(status: int, flags: str = "", kind: str = "", checked: bool = False) -> Outcome:
     kinds = {True: "upstream_error", False: "refused" if status >= 400 else "ok"}
     return Outcome(
         request_id="r",
@@ -128,35 +128,38 @@ def outcome(status: int, flags: str = "", kind: str = "") -> Outcome:
         status=status,
         flags=flags,
         outcome=kind or kinds[status >= 500],  # type: ignore[arg-type]
+        quota_checked=checked,
     )
 
 
 @pytest.mark.parametrize(
-    ("status", "flags", "kind", "weight"),
+    ("status", "flags", "kind", "weight", "checked"),
     [
-        (500, "", "", 1.0),
-        (503, "", "", 1.2),
-        (429, "RL", "", 0.0),  # the gateway's quota refusal: held to its quota, not tripped
-        (429, "", "ok", 0.7),  # a pod's 429
-        (400, "", "", 0.3),
-        (502, "", "", 1.0),
-        (504, "UT", "", 1.0),
-        (404, "", "", 0.3),
-        (413, "", "", 0.3),
-        (401, "UAEX", "", 0.0),
-        (403, "UAEX", "", 0.0),
-        (200, "", "upstream_error", 1.0),  # the stream failed after its 200
-        (200, "", "", 0.0),
-        (0, "DC", "aborted", 0.0),
-        (200, "DC", "aborted", 0.0),
-        (503, "RL", "", 0.0),  # the breaker's own refusal
-        (429, "UAEX", "", 0.0),  # both, by the rate limiter inside extauthz
-        (503, "UAEX", "", 0.0),
+        (500, "", "", 1.0, False),
+        (503, "", "", 1.2, False),
+        (429, "RL", "", 0.0, False),  # the gateway's quota refusal: held to its quota, not tripped
+        (429, "", "ok", 0.7, False),  # a pod's 429
+        (400, "", "", 0.3, False),
+        (502, "", "", 1.0, False),
+        (504, "UT", "", 1.0, False),
+        (404, "", "", 0.3, False),
+        (413, "", "", 0.3, False),
+        (401, "UAEX", "", 0.0, False),
+        (403, "UAEX", "", 0.0, False),
+        (200, "", "upstream_error", 1.0, False),  # the stream failed after its 200
+        (200, "", "", 0.0, False),
+        (0, "DC", "aborted", 0.0, False),
+        (200, "DC", "aborted", 0.0, False),
+        (503, "RL", "", 0.0, False),  # the breaker's own refusal
+        # Both refusals by the rate limiter inside extauthz (its answer is there: checked) ...
+        (429, "UAEX", "", 0.0, True),
+        (503, "UAEX", "", 0.0, True),
+        (503, "UAEX", "", 1.2, False),  # ... not extauthz failing (Envoy's 503, no answer)
     ],
 )
-def test_weights(status: int, flags: str, kind: str, weight: float) -> None:
+def test_weights(status: int, flags: str, kind: str, weight: float, checked: bool) -> None:
     assert FREE is not None
-    assert FREE.weight(outcome(status, flags, kind))[0] == weight
+    assert FREE.weight(outcome(status, flags, kind, checked))[0] == weight
 
 
 def test_a_custom_tier_sets_its_own_breaker_and_bad_ones_are_refused() -> None:

@@ -15,7 +15,6 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -35,12 +34,20 @@ def burst_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-def rl_failures(stack: Stack) -> int:
-    """Rate-limit calls that failed (timeout, error, overflow), as Envoy counts them."""
+def rl_failures(stack: Stack) -> float:
+    """Admissions not decided: rate-limit calls and ext_authz checks that failed (timeout,
+    error, overflow) as Envoy counts them, and admissions the limiter inside extauthz gave up
+    (it raised or ran over its budget)."""
     stats = stack.envoy_stats()
-    return sum(
-        v for k, v in stats.items() if k.endswith((".ratelimit.error", ".failure_mode_allowed"))
+    failed: float = sum(
+        v
+        for k, v in stats.items()
+        if k.endswith((".ratelimit.error", ".failure_mode_allowed", ".ext_authz.error"))
     )
+    with urllib.request.urlopen(stack.metrics["extauthz"], timeout=5) as r:
+        text = r.read().decode()
+    given_up = re.findall(r"^llmgw_extauthz_admit_errors_total\{[^}]*\} (\S+)$", text, re.M)
+    return failed + sum(float(v) for v in given_up)
 
 
 def unchecked(stack: Stack, tenant: str) -> float:
@@ -101,25 +108,47 @@ def test_a_burst_admits_exactly_the_limit_and_never_fails_open(
     assert unchecked(burst_stack, tenant) == 0
 
 
-def test_with_the_service_killed_fail_open_serves_and_is_counted(tmp_path: Path) -> None:
-    """The rate limiter apart (`python -m ratelimit` behind Envoy's filter): killed, Envoy
-    admits unchecked. Inside extauthz it cannot die alone; Redis down is its degraded mode."""
+@pytest.fixture(scope="module")
+def apart_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The rate limiter apart: `python -m ratelimit` behind Envoy's rate-limit filter."""
     apart = stack_settings().model_copy(update={"ratelimit_in_extauthz": False})
-    with Stack(apart, tmp_path / "stack") as stack:
-        key = add_tenant(stack, "down", "free", Limits(rpm=5))
-        next(p for p in stack.processes if p.name == "ratelimit").kill()
-        replies = [
-            call(
-                "POST",
-                f"{stack.base_url}/chat/completions",
-                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
-                auth(key),
-            )
-            for _ in range(10)
-        ]
-        assert [r.status for r in replies] == [200] * 10  # over the limit of 5: unchecked
-        assert rl_failures(stack) >= 10
-        deadline = time.monotonic() + 10
-        while unchecked(stack, "down") < 10:
-            assert time.monotonic() < deadline, "the ledger did not count the fail-open admissions"
-            time.sleep(0.1)
+    with Stack(apart, tmp_path_factory.mktemp("apart")) as running:
+        yield running
+
+
+def test_apart_a_burst_admits_exactly_the_limit_too(apart_stack: Stack) -> None:
+    """Envoy builds the descriptors from extauthz's metadata (the tenant's own limit as their
+    override) and the service decides them as the limiter inside extauthz would."""
+    assert not apart_stack.services.ratelimit_in_extauthz
+    assert any(p.name == "ratelimit" for p in apart_stack.processes)
+    key = add_tenant(apart_stack, "apart-burst", "free", Limits(rpm=LIMIT, tpm=10_000_000))
+    room = LIMIT - counter(apart_stack, "apart-burst", "requests:minute")
+    failures = rl_failures(apart_stack)
+    statuses = asyncio.run(burst(apart_stack, key, 200))
+    assert rl_failures(apart_stack) - failures == 0, statuses
+    assert (statuses[200], statuses[429]) == (room, 200 - room), statuses
+    settled(apart_stack, "apart-burst", 200)
+    assert unchecked(apart_stack, "apart-burst") == 0
+
+
+def test_with_the_service_killed_fail_open_serves_and_is_counted(apart_stack: Stack) -> None:
+    """Apart and killed, Envoy admits unchecked. Inside extauthz the limiter cannot die alone;
+    Redis down is its degraded mode. (Last in this module: it kills the service.)"""
+    stack = apart_stack
+    key = add_tenant(stack, "down", "free", Limits(rpm=5))
+    next(p for p in stack.processes if p.name == "ratelimit").kill()
+    replies = [
+        call(
+            "POST",
+            f"{stack.base_url}/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            auth(key),
+        )
+        for _ in range(10)
+    ]
+    assert [r.status for r in replies] == [200] * 10  # over the limit of 5: unchecked
+    assert rl_failures(stack) >= 10
+    deadline = time.monotonic() + 10
+    while unchecked(stack, "down") < 10:
+        assert time.monotonic() < deadline, "the ledger did not count the fail-open admissions"
+        time.sleep(0.1)

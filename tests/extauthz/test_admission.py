@@ -10,12 +10,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from envoy.service.auth.v3 import external_auth_pb2
 from google.protobuf import json_format
 from google.rpc import code_pb2
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
 
-from extauthz import metrics
+from extauthz import metrics, service
+from extauthz.__main__ import admitting as limiter_settings
+from extauthz.__main__ import cli as service_cli
+from extauthz.__main__ import settings as extauthz_settings
 from extauthz.service import AuthorizationService, register
 from extauthz.store import tenants_store
 from llmgw import wire
@@ -24,7 +31,15 @@ from ratelimit.runtime import RateLimiter
 from ratelimit.settings import RedisSettings, Settings
 from router.runtime import Router
 from tests.extauthz.conftest import Keys, make_decider
-from tests.extauthz.test_service import CHAT, PODS, Stub, check_request, header_map, make_router
+from tests.extauthz.test_service import (
+    CHAT,
+    PODS,
+    Stub,
+    _settings_file,
+    check_request,
+    header_map,
+    make_router,
+)
 
 # The custom tier "gold" (globex) at 3 requests a minute: the fourth is refused.
 LIMITS = "tiers:\n  gold: {requests: {minute: 3}, tokens: {minute: 900000}}\n"
@@ -41,14 +56,21 @@ def redis(tmp_path: Path) -> Iterator[int]:
 
 
 class Admitting:
-    def __init__(self, stub: object, limiter: RateLimiter, router: Router) -> None:
+    def __init__(
+        self, stub: object, limiter: RateLimiter, router: Router, spans: InMemorySpanExporter
+    ) -> None:
         self.stub = stub
         self.limiter = limiter
         self.router = router
+        self.spans = spans
 
 
 async def _admitting(
-    tmp_path: Path, tenants_file: Path, tiers_file: Path, redis_port: int
+    tmp_path: Path,
+    tenants_file: Path,
+    tiers_file: Path,
+    redis_port: int,
+    admit_timeout_s: float = 1.0,
 ) -> AsyncIterator[Admitting]:
     limits = tmp_path / "limits.yaml"
     limits.write_text(LIMITS)
@@ -57,15 +79,25 @@ async def _admitting(
     await limiter.start()
     router = make_router()
     store = tenants_store(tenants_file, tiers_file)
-    tracer = TracerProvider().get_tracer("test")
-    service = AuthorizationService(store, make_decider(), tracer, router=router, limiter=limiter)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    tracer = provider.get_tracer("test")
+    service = AuthorizationService(
+        store,
+        make_decider(),
+        tracer,
+        router=router,
+        limiter=limiter,
+        admit_timeout_s=admit_timeout_s,
+    )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     register(service)(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Admitting(Stub(channel), limiter, router)
+            yield Admitting(Stub(channel), limiter, router, spans)
     finally:
         await server.stop(0)
         await limiter.stop()
@@ -86,9 +118,11 @@ def check(key: str, request_id: str) -> external_auth_pb2.CheckRequest:
 async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
     admitting: Admitting, keys: Keys
 ) -> None:
+    timed = REGISTRY.get_sample_value("llmgw_ratelimit_decision_seconds_count") or 0.0
     replies = await asyncio.gather(
         *(admitting.stub.Check(check(keys.globex, f"r{i}")) for i in range(40))  # type: ignore[attr-defined]
     )
+    assert REGISTRY.get_sample_value("llmgw_ratelimit_decision_seconds_count") == timed + 40
     admitted = [r for r in replies if r.status.code == code_pb2.OK]
     refused = [r for r in replies if r.status.code != code_pb2.OK]
     assert len(admitted) == 3 and len(refused) == 37  # a burst of 40 against 3 a minute
@@ -112,10 +146,16 @@ async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
         assert headers["content-type"] == "application/json"
         assert headers["x-ratelimit-remaining-requests"] == "0"
         assert int(headers["retry-after"]) >= 1
+        assert headers[wire.HEADER_SESSION].startswith("sess_")  # as every answer carries it
         # The access log still learns whose request it refused (and the ledger releases nothing).
         meta = json_format.MessageToDict(reply.dynamic_metadata)
         assert meta[wire.META_TENANT] == "globex" and meta[wire.META_DECIDED] is True
         assert wire.DESTINATION_ENDPOINT not in meta
+    # Each Check's span says how the admission went, with the tenant and session.
+    checks = [s for s in admitting.spans.get_finished_spans() if s.name == "extauthz.check"]
+    results = sorted(str((s.attributes or {}).get("llmgw.ratelimit.result")) for s in checks)
+    assert results == ["ok"] * 3 + ["requests"] * 37
+    assert all((s.attributes or {}).get("tenant.id") == "globex" for s in checks)
 
 
 async def test_a_tenants_own_limit_reaches_the_limiter_inside(
@@ -136,13 +176,48 @@ async def test_a_limiter_that_raises_costs_the_admission_not_the_request(
         raise RuntimeError("limiter bug")
 
     monkeypatch.setattr(admitting.limiter.limiter, "admit", broken)
-    before = metrics.ADMIT_ERRORS._value.get()
+    before = metrics.admit_errors("error")._value.get()
     reply = await admitting.stub.Check(check(keys.globex, "bug-1"))  # type: ignore[attr-defined]
     assert reply.status.code == code_pb2.OK
     meta = json_format.MessageToDict(reply.dynamic_metadata)
     assert wire.META_DECIDED not in meta  # the ledger sees an admission nobody checked
     assert meta[wire.DESTINATION_ENDPOINT]
-    assert metrics.ADMIT_ERRORS._value.get() == before + 1
+    assert metrics.admit_errors("error")._value.get() == before + 1
+
+
+async def test_a_bug_in_the_limiters_answer_costs_it_not_the_request(
+    admitting: Admitting, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("answer bug")
+
+    monkeypatch.setattr(service, "rate_headers", broken)
+    before = metrics.admit_errors("error")._value.get()
+    reply = await admitting.stub.Check(check(keys.globex, "answer-1"))  # type: ignore[attr-defined]
+    assert reply.status.code == code_pb2.OK
+    assert json_format.MessageToDict(reply.dynamic_metadata)[wire.DESTINATION_ENDPOINT]
+    assert metrics.admit_errors("error")._value.get() == before + 1
+
+
+async def test_an_admission_over_its_budget_goes_on_unchecked_in_time(
+    tmp_path: Path, tenants_file: Path, tiers_file: Path, keys: Keys, redis: int
+) -> None:
+    """However slow the limiter (Redis answering late on each of a borrowing admission's round
+    trips), the Check answers within the budget, far inside Envoy's 2 s wait that fails closed."""
+    async for a in _admitting(tmp_path, tenants_file, tiers_file, redis, admit_timeout_s=0.3):
+
+        async def slow(*_: object) -> None:
+            await asyncio.sleep(5)  # Redis answering late, round trip after round trip
+
+        a.limiter.limiter.admit = slow  # type: ignore[method-assign]
+        before = metrics.admit_errors("timeout")._value.get()
+        started = time.monotonic()
+        reply = await a.stub.Check(check(keys.globex, "slow-1"))  # type: ignore[attr-defined]
+        assert time.monotonic() - started < 1.0
+        assert reply.status.code == code_pb2.OK
+        meta = json_format.MessageToDict(reply.dynamic_metadata)
+        assert wire.META_DECIDED not in meta and meta[wire.META_TENANT] == "globex"
+        assert metrics.admit_errors("timeout")._value.get() == before + 1
 
 
 async def test_with_redis_down_the_limiter_inside_still_decides_within_its_deadline(
@@ -151,9 +226,35 @@ async def test_with_redis_down_the_limiter_inside_still_decides_within_its_deadl
     """No Redis at all: the limiter's degraded mode (in-process counts) decides, within the
     deadline, so extauthz never stalls; the tier's 3 a minute still holds on this replica."""
     async for a in _admitting(tmp_path, tenants_file, tiers_file, free_port()):
-        started = time.monotonic()
-        replies = [await a.stub.Check(check(keys.globex, f"d{i}")) for i in range(6)]  # type: ignore[attr-defined]
-        assert time.monotonic() - started < 5
+        replies = []
+        for i in range(6):
+            started = time.monotonic()
+            replies.append(await a.stub.Check(check(keys.globex, f"d{i}")))  # type: ignore[attr-defined]
+            assert time.monotonic() - started < 1.0  # each inside Envoy's 2 s wait
         codes = [r.status.code for r in replies]
         assert codes == [code_pb2.OK] * 3 + [code_pb2.RESOURCE_EXHAUSTED] * 3
         assert sorted(a.router.fleet.in_flight) == PODS
+
+
+def test_the_limiter_inside_reads_extauthzs_tier_table(
+    tmp_path: Path, tenants_file: Path, keys: Keys
+) -> None:
+    """One tier table: left unset, the limiter's is extauthz's (else a tenant's custom tier
+    would run on the default tier's limits); another one is refused at --check-config."""
+    good = _settings_file(tmp_path, tenants_file, 0)
+    tiers = Path(yaml.safe_load(good.read_text())["tiers_file"])
+    limiter_file = tmp_path / "ratelimit.yaml"
+    limiter_file.write_text("{}")
+    config = tmp_path / "admitting.yaml"
+    settings = {**yaml.safe_load(good.read_text()), "admit": True}
+    config.write_text(yaml.safe_dump({**settings, "ratelimit_config": str(limiter_file)}))
+    assert service_cli(["--check-config", str(config)]) == 0
+    assert limiter_settings(extauthz_settings(config)).limits_file == tiers
+    other = tmp_path / "other-tiers.yaml"
+    other.write_text(tiers.read_text())
+    limiter_file.write_text(yaml.safe_dump({"limits_file": str(other)}))
+    assert service_cli(["--check-config", str(config)]) == 1
+    limiter_file.write_text(yaml.safe_dump({"limits_file": str(tiers)}))  # the same file
+    assert service_cli(["--check-config", str(config)]) == 0
+    config.write_text(yaml.safe_dump({**settings, "admit": False, "ratelimit_config": "x"}))
+    assert service_cli(["--check-config", str(config)]) == 1  # settings nothing would read

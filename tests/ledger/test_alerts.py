@@ -105,7 +105,8 @@ def test_a_fleet_5xx_burst_needs_the_count_and_the_ratio_and_not_the_gateways_re
     errors = {"outcome": "upstream_error", "status": 503, "pod": POD_A}
     d.observe(0, [*requests(500, pod=POD_A), *requests(19, 500, **errors)])  # 19 < 20
     d.observe(0, requests(50, 600, outcome="upstream_error", status=503, flags="RL"))
-    d.observe(0, requests(50, 650, outcome="upstream_error", status=503, flags="UAEX"))
+    gateway = {"outcome": "upstream_error", "status": 503, "flags": "UAEX", "quota_checked": True}
+    d.observe(0, requests(50, 650, **gateway))  # the limiter inside extauthz refused
     assert d.evaluate(0, {}) == []
     d.observe(1, requests(1, 700, **errors))  # 20 of 570 (3.5 % < 5 %)
     assert d.evaluate(1, {}) == []
@@ -119,6 +120,15 @@ def test_a_fleet_5xx_burst_needs_the_count_and_the_ratio_and_not_the_gateways_re
     assert d.evaluate(80, {}) == []  # over: re-armed
     d.observe(81, requests(25, 1000, **errors))
     assert [f.kind for f in d.evaluate(81, {})] == ["fleet_5xx"]
+
+
+def test_extauthz_failing_is_a_fleet_5xx_burst_not_a_refusal() -> None:
+    """Envoy's own 503 when extauthz is down or late carries UAEX like the limiter's refusals,
+    but no limiter's answer: everyone refused that way is the gateway failing, alerted."""
+    d = Detectors(Rules(fleet_5xx=Fleet5xx(min_errors=20, ratio=0.05, window_s=30)))
+    down = {"outcome": "upstream_error", "status": 503, "flags": "UAEX", "tenant": ""}
+    d.observe(0, [*requests(100, pod=POD_A), *requests(30, 100, **down)])
+    assert [f.kind for f in d.evaluate(0, {})] == ["fleet_5xx"]
 
 
 def test_pod_errors_name_the_pod_with_most_of_the_fleets_errors() -> None:

@@ -7,61 +7,69 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from llmgw import wire
+from llmgw import envoyconf, wire
 from llmgw.facts import MetaValue, RequestFacts
 from ratelimit.admission import from_metadata
 from ratelimit.descriptors import parse
 from ratelimit.types import Grant, Limit, Unit
 
 Entry = ratelimit_pb2.RateLimitDescriptor.Entry
-LIMIT_REQUESTS, LIMIT_TOKENS = wire.META_LIMIT_REQUESTS, wire.META_LIMIT_TOKENS
 Override = ratelimit_pb2.RateLimitDescriptor.RateLimitOverride
 
 
-def _override(limit: Any) -> Override | None:
-    if not isinstance(limit, dict):
-        return None
-    unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Value(limit["unit"])
-    return Override(requests_per_unit=int(limit["requests_per_unit"]), unit=unit)
+def _rate_limits() -> list[Any]:
+    """The route's rate_limits as the template renders them for `python -m ratelimit`."""
+    pods = [envoyconf.Address(host="127.0.0.1", port=1)]
+    services = envoyconf.Services(
+        extauthz=envoyconf.Address(port=2),
+        ratelimit=envoyconf.Address(port=3),
+    )
+    rendered = envoyconf.render(envoyconf.EnvoySettings(), envoyconf.Address(), pods, services)
+    (listener,) = yaml.safe_load(rendered)["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][0]
+    return list(route["typed_per_filter_config"]["envoy.filters.http.ratelimit"]["rate_limits"])
+
+
+RATE_LIMITS = _rate_limits()
+
+
+def _value(meta: dict[str, MetaValue], key: dict[str, Any]) -> MetaValue | None:
+    assert key["key"] == wire.EXTAUTHZ_NAMESPACE and len(key["path"]) == 1
+    return meta.get(key["path"][0]["key"])
 
 
 def envoy_descriptors(meta: dict[str, MetaValue]) -> rls_pb2.RateLimitRequest:
-    """What Envoy sends for this metadata (envoy/envoy.yaml.j2's rate_limits): an entry per
-    string key present; a descriptor left out when a key it needs is absent."""
-
-    def entries(kind: str, keys: list[str], optional: list[str]) -> list[Entry] | None:
-        out = [Entry(key="kind", value=kind)]
-        for key in keys:
-            if not isinstance(meta.get(key), str):
-                return None
-            out.append(Entry(key=key, value=str(meta[key])))
-        out += [Entry(key=k, value=str(meta[k])) for k in optional if isinstance(meta.get(k), str)]
-        return out
-
+    """What Envoy sends for extauthz's metadata `meta`, by the rendered config's actions: an
+    entry per metadata action whose value is a string (Envoy's metadata action reads strings
+    only); a descriptor left out when an action without skip_if_absent has none; the `limit`
+    override from the dynamic metadata it names."""
     request = rls_pb2.RateLimitRequest(domain=wire.RATELIMIT_DOMAIN)
-    shapes = [
-        (
-            "requests",
-            [wire.META_TENANT, wire.META_TIER],
-            [wire.META_SESSION],
-            wire.META_LIMIT_REQUESTS,
-        ),
-        (
-            "tokens",
-            [wire.META_TENANT, wire.META_TIER, wire.META_REQUEST_ID, wire.META_TOKEN_ESTIMATE],
-            [wire.META_TOKEN_PROMPT, wire.META_TOKEN_CHOICES],
-            LIMIT_TOKENS,
-        ),
-    ]
-    for kind, keys, optional, limit in shapes:
-        found = entries(kind, keys, optional)
-        if found is not None:
-            descriptor = request.descriptors.add(entries=found)
-            if (override := _override(meta.get(limit))) is not None:
-                descriptor.limit.CopyFrom(override)
+    for rate_limit in RATE_LIMITS:
+        entries: list[Entry] | None = []
+        for action in rate_limit["actions"]:
+            if "generic_key" in action:
+                key = action["generic_key"]
+                entries.append(Entry(key=key["descriptor_key"], value=key["descriptor_value"]))
+                continue
+            found = _value(meta, action["metadata"]["metadata_key"])
+            if isinstance(found, str):
+                entries.append(Entry(key=action["metadata"]["descriptor_key"], value=found))
+            elif not action["metadata"].get("skip_if_absent"):
+                entries = None
+                break
+        if entries is None:
+            continue
+        descriptor = request.descriptors.add(entries=entries)
+        limit = _value(meta, rate_limit["limit"]["dynamic_metadata"]["metadata_key"])
+        if isinstance(limit, dict):
+            unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Value(str(limit["unit"]))
+            amount = int(limit["requests_per_unit"])  # type: ignore[call-overload]
+            descriptor.limit.CopyFrom(Override(requests_per_unit=amount, unit=unit))
     return request
 
 
@@ -85,6 +93,7 @@ LIMITS: dict[str, MetaValue] = {
         BASE,
         {**BASE, **LIMITS},
         {k: v for k, v in BASE.items() if k != wire.META_REQUEST_ID},  # no token check
+        {**{k: v for k, v in BASE.items() if k != wire.META_REQUEST_ID}, **LIMITS},
         {k: v for k, v in BASE.items() if k != wire.META_TOKEN_PROMPT},  # no grant
         {k: v for k, v in BASE.items() if k != wire.META_TENANT},  # nothing to count
     ],
