@@ -28,6 +28,7 @@ import yaml
 
 from deploy.render_k8s import configmap, rendered
 from extauthz.__main__ import admitting, picking
+from extauthz.settings import Settings as ExtauthzSettings
 from llmgw import config, envoyconf, wire
 from router.settings import redis_address
 from tests.envoy_config import grpc_loggers, pick_sources
@@ -257,33 +258,35 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
                     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] in names
 
 
+def extauthz_holding(
+    monkeypatch: pytest.MonkeyPatch, service: str, prefix: str
+) -> ExtauthzSettings:
+    """extauthz's settings, with the environment of the part it holds (its `prefix` keys) set
+    as extauthz reads it. The part has no Deployment, Service, PDB or HPA of its own, and only
+    its own settings apply inside extauthz: a SERVE__PORT of its own would also leave the
+    image's health check two ports to choose from."""
+    kinds = ("Deployment", "StatefulSet", "Service", "PodDisruptionBudget")
+    kinds += ("HorizontalPodAutoscaler",)
+    assert not [d for d in docs() if d["kind"] in kinds and d["metadata"]["name"] == service]
+    env = env_of("extauthz")
+    settings = config.load(ExtauthzSettings, None, "LLMGW_EXTAUTHZ", env)
+    keys = [k for k in env if k.startswith(prefix)]
+    assert keys and not [k for k in keys if "__SERVE__" in k or "__TRACING__" in k]
+    for key in [k for k in os.environ if k.startswith(prefix)]:
+        monkeypatch.delenv(key)
+    for key in keys:
+        monkeypatch.setenv(key, env[key])
+    return settings
+
+
 def test_extauthz_holds_the_router_and_there_is_no_router_service(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As the local stack runs it: extauthz picks (PICK), with router settings the router's own
     schema and plugin profile accept (read as extauthz reads them), pods from the headless
     Service `vllm` and the fleet load published to the `redis` Service."""
-    kinds = (
-        "Deployment",
-        "StatefulSet",
-        "Service",
-        "PodDisruptionBudget",
-        "HorizontalPodAutoscaler",
-    )
-    assert not [d for d in docs() if d["kind"] in kinds and d["metadata"]["name"] == "router"]
-    env = env_of("extauthz")
-    from extauthz.settings import Settings
-
-    settings = config.load(Settings, None, "LLMGW_EXTAUTHZ", env)
+    settings = extauthz_holding(monkeypatch, "router", "LLMGW_ROUTER__")
     assert settings.pick is True
-    # Only the router's fleet, plugins, profile and Redis settings apply inside extauthz; a
-    # SERVE__PORT of its own would also leave the image's health check two ports to choose from.
-    router_keys = [k for k in env if k.startswith("LLMGW_ROUTER__")]
-    assert router_keys and not [k for k in router_keys if "__SERVE__" in k or "__TRACING__" in k]
-    for key in [k for k in os.environ if k.startswith("LLMGW_ROUTER__")]:
-        monkeypatch.delenv(key)
-    for key in router_keys:
-        monkeypatch.setenv(key, env[key])
     router = picking(settings)  # extauthz's own reading: schema, plugins and profile
     vllm = find("Service", "vllm")
     assert vllm["spec"]["clusterIP"] == "None"  # every pod resolved
@@ -336,19 +339,9 @@ def test_extauthz_holds_the_rate_limiter_and_there_is_no_ratelimit_service(
     """As the local stack runs it: extauthz admits (ADMIT), with rate-limit settings the rate
     limiter's own schema accepts (read as extauthz reads them), its counters in the `redis`
     Service with the shared password, and the same cluster switch as the router's."""
-    kinds = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
-    assert not [d for d in docs() if d["kind"] in kinds and d["metadata"]["name"] == "ratelimit"]
-    env = env_of("extauthz")
-    from extauthz.settings import Settings
-
-    settings = config.load(Settings, None, "LLMGW_EXTAUTHZ", env)
+    settings = extauthz_holding(monkeypatch, "ratelimit", "LLMGW_RATELIMIT__")
     assert settings.admit is True
-    held = [k for k in env if k.startswith("LLMGW_RATELIMIT__")]
-    assert held and not [k for k in held if "__SERVE__" in k or "__TRACING__" in k]
-    for key in [k for k in os.environ if k.startswith("LLMGW_RATELIMIT__")]:
-        monkeypatch.delenv(key)
-    for key in held:
-        monkeypatch.setenv(key, env[key])
+    env = env_of("extauthz")
     limiter = admitting(settings)  # extauthz's own reading
     assert limiter.redis.host == "redis"
     assert limiter.redis.port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
