@@ -194,9 +194,12 @@ class Stack:
             settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
             settings["ledger"]["TIERS_FILE"] = str(self.limits_file)  # each tier's breaker
         names = self.settings.services
-        held: list[ServiceName] = []  # run inside extauthz, not as processes of their own
-        if "extauthz" in names:
-            held += [n for n in ("router", "ratelimit") if n in names and self._inside(n)]
+        inside = {
+            "router": self.settings.router_in_extauthz,
+            "ratelimit": self.settings.ratelimit_in_extauthz,
+        }
+        # Run inside extauthz, not as processes of their own.
+        held = [n for n in names if inside.get(n) and "extauthz" in names]
         held_env: dict[str, str] = {}
         for name in held:
             settings["extauthz"]["PICK" if name == "router" else "ADMIT"] = "true"
@@ -216,11 +219,6 @@ class Stack:
         )
         for name in held:  # their metrics are served by the process that holds them
             self.metrics[name] = self.metrics["extauthz"]
-
-    def _inside(self, name: ServiceName) -> bool:
-        if name == "router":
-            return self.settings.router_in_extauthz
-        return name == "ratelimit" and self.settings.ratelimit_in_extauthz
 
     def _router_settings(self) -> dict[str, str]:
         return {
