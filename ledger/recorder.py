@@ -136,11 +136,13 @@ class Recorder:
         return len(self._pending) + self._settling
 
     async def _settle(self, batch: list[Outcome]) -> dict[int, Settled]:
-        """Settlement of each outcome that belongs to a tenant, by its index in the batch."""
+        """Settlement of each outcome that belongs to a tenant, by its index in the batch; not
+        of a refusal by the rate limiter, which reserved nothing (settled, its request ID would
+        release a reservation made under the same ID by another request)."""
         charges = {
             i: Charge(o.tenant, o.request_id, o.prompt_tokens + o.completion_tokens)
             for i, o in enumerate(batch)
-            if o.tenant
+            if o.tenant and not o.by_gateway
         }
         if not charges:
             return {}
@@ -168,7 +170,7 @@ class Recorder:
                 if self.watch is not None:
                     self.watch.unchecked(o)
             if result is None:  # unsettled or no tenant: what admission reserved stays charged
-                charged = o.reserved_tokens if o.tenant else 0
+                charged = o.reserved_tokens if o.tenant and not o.by_gateway else 0
             else:
                 metrics.settlements(_RESULTS.get(result.state, "unknown")).inc()
                 # A duplicate was charged when first settled: what it used.

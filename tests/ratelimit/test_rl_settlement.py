@@ -249,3 +249,43 @@ async def test_outcomes_wait_while_redis_is_down_and_settle_when_it_returns(
     finally:
         await recorder.close(1.0)
         restarted.stop()
+
+
+async def test_a_refusal_never_releases_a_reservation_made_under_its_request_id(
+    resp: Resp, redis: int
+) -> None:
+    """A request the rate limiter refused reserved nothing: its outcome settles nothing, even
+    when another request's reservation has its ID (Envoy mints the IDs; this holds whatever
+    reaches the ledger), and it is recorded as charging nothing."""
+    store = RedisStore(resp)
+    await admit(store, "twin", 500)
+    sink = Collected()
+    recorder = Recorder(
+        RedisLink("127.0.0.1", redis, 0.2), sink, batch_max=10, pending_max=100,
+        done_ttl_s=60, timeout_s=2.0, retry_max_s=0.1,
+    )  # fmt: skip
+    recorder.start()
+    try:
+        for flags in ("UAEX", "RL"):  # the limiter inside extauthz, or behind its filter
+            refused = outcome("twin", 0).model_copy(
+                update={
+                    "status": 429, "outcome": "refused", "flags": flags, "pod": "",
+                    "quota_checked": True, "prompt_tokens": 0,
+                }
+            )  # fmt: skip
+            recorder.add([refused])
+        for _ in range(100):
+            if len(sink.records) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert [r.charged_tokens for r in sink.records] == [0, 0]
+        assert await in_window(store) == [500]  # still reserved: nothing released
+        recorder.add([outcome("twin", 120)])  # the admitted request's own end settles it
+        for _ in range(100):
+            if len(sink.records) == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert sink.records[-1].charged_tokens == 120
+        assert await in_window(store) == [120]
+    finally:
+        await recorder.close(1.0)
