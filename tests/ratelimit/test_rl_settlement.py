@@ -216,6 +216,23 @@ def outcome(rid: str, tokens: int) -> Outcome:
     )  # fmt: skip
 
 
+def started_recorder(port: int, sink: Collected, batch_max: int, timeout_s: float) -> Recorder:
+    recorder = Recorder(
+        RedisLink("127.0.0.1", port, 0.2), sink, batch_max=batch_max, pending_max=100,
+        done_ttl_s=60, timeout_s=timeout_s, retry_max_s=0.1,
+    )  # fmt: skip
+    recorder.start()
+    return recorder
+
+
+async def handed_on(sink: Collected, n: int) -> None:
+    """Until `n` records reached the sink (bounded: 5 s)."""
+    for _ in range(100):
+        if len(sink.records) >= n:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_outcomes_wait_while_redis_is_down_and_settle_when_it_returns(
     tmp_path: Path, own_redis: Process
 ) -> None:
@@ -227,11 +244,7 @@ async def test_outcomes_wait_while_redis_is_down_and_settle_when_it_returns(
     await client.close()
     own_redis.stop()
     sink = Collected()
-    recorder = Recorder(
-        RedisLink("127.0.0.1", port, 0.2), sink, batch_max=2, pending_max=100,
-        done_ttl_s=60, timeout_s=0.5, retry_max_s=0.1,
-    )  # fmt: skip
-    recorder.start()
+    recorder = started_recorder(port, sink, batch_max=2, timeout_s=0.5)
     recorder.add([outcome(f"w{i}", 10 * i) for i in range(5)])
     for _ in range(20):  # bounded: a few failed attempts
         await asyncio.sleep(0.05)
@@ -240,10 +253,7 @@ async def test_outcomes_wait_while_redis_is_down_and_settle_when_it_returns(
     try:
         # A fresh Redis (no AOF here) has no reservations: each outcome is then settled as
         # unreserved; what matters is that every one is settled and handed on exactly once.
-        for _ in range(100):
-            if len(sink.records) == 5:
-                break
-            await asyncio.sleep(0.05)
+        await handed_on(sink, 5)
         assert sorted(r.request_id for r in sink.records) == [f"w{i}" for i in range(5)]
         assert recorder.pending == 0
     finally:
@@ -260,11 +270,7 @@ async def test_a_refusal_never_releases_a_reservation_made_under_its_request_id(
     store = RedisStore(resp)
     await admit(store, "twin", 500)
     sink = Collected()
-    recorder = Recorder(
-        RedisLink("127.0.0.1", redis, 0.2), sink, batch_max=10, pending_max=100,
-        done_ttl_s=60, timeout_s=2.0, retry_max_s=0.1,
-    )  # fmt: skip
-    recorder.start()
+    recorder = started_recorder(redis, sink, batch_max=10, timeout_s=2.0)
     try:
         for flags in ("UAEX", "RL"):  # the limiter inside extauthz, or behind its filter
             refused = outcome("twin", 0).model_copy(
@@ -274,17 +280,11 @@ async def test_a_refusal_never_releases_a_reservation_made_under_its_request_id(
                 }
             )  # fmt: skip
             recorder.add([refused])
-        for _ in range(100):
-            if len(sink.records) == 2:
-                break
-            await asyncio.sleep(0.02)
+        await handed_on(sink, 2)
         assert [r.charged_tokens for r in sink.records] == [0, 0]
         assert await in_window(store) == [500]  # still reserved: nothing released
         recorder.add([outcome("twin", 120)])  # the admitted request's own end settles it
-        for _ in range(100):
-            if len(sink.records) == 3:
-                break
-            await asyncio.sleep(0.02)
+        await handed_on(sink, 3)
         assert sink.records[-1].charged_tokens == 120
         assert await in_window(store) == [120]
     finally:
