@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -57,7 +58,7 @@ def redis(tmp_path: Path) -> Iterator[int]:
 
 class Admitting:
     def __init__(
-        self, stub: object, limiter: RateLimiter, router: Router, spans: InMemorySpanExporter
+        self, stub: Any, limiter: RateLimiter, router: Router, spans: InMemorySpanExporter
     ) -> None:
         self.stub = stub
         self.limiter = limiter
@@ -120,7 +121,7 @@ async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
 ) -> None:
     timed = REGISTRY.get_sample_value("llmgw_ratelimit_decision_seconds_count") or 0.0
     replies = await asyncio.gather(
-        *(admitting.stub.Check(check(keys.globex, f"r{i}")) for i in range(40))  # type: ignore[attr-defined]
+        *(admitting.stub.Check(check(keys.globex, f"r{i}")) for i in range(40))
     )
     assert REGISTRY.get_sample_value("llmgw_ratelimit_decision_seconds_count") == timed + 40
     admitted = [r for r in replies if r.status.code == code_pb2.OK]
@@ -162,7 +163,7 @@ async def test_a_tenants_own_limit_reaches_the_limiter_inside(
     admitting: Admitting, keys: Keys
 ) -> None:
     """acme's rpm override in the tenants file (100) replaces its tier's."""
-    reply = await admitting.stub.Check(check(keys.acme, "acme-1"))  # type: ignore[attr-defined]
+    reply = await admitting.stub.Check(check(keys.acme, "acme-1"))
     assert reply.status.code == code_pb2.OK
     assert header_map(reply.ok_response.response_headers_to_add)["x-ratelimit-limit-requests"] == (
         "100"
@@ -177,7 +178,7 @@ async def test_a_limiter_that_raises_costs_the_admission_not_the_request(
 
     monkeypatch.setattr(admitting.limiter.limiter, "admit", broken)
     before = metrics.admit_errors("error")._value.get()
-    reply = await admitting.stub.Check(check(keys.globex, "bug-1"))  # type: ignore[attr-defined]
+    reply = await admitting.stub.Check(check(keys.globex, "bug-1"))
     assert reply.status.code == code_pb2.OK
     meta = json_format.MessageToDict(reply.dynamic_metadata)
     assert wire.META_DECIDED not in meta  # the ledger sees an admission nobody checked
@@ -193,7 +194,7 @@ async def test_a_bug_in_the_limiters_answer_costs_it_not_the_request(
 
     monkeypatch.setattr(service, "rate_headers", broken)
     before = metrics.admit_errors("error")._value.get()
-    reply = await admitting.stub.Check(check(keys.globex, "answer-1"))  # type: ignore[attr-defined]
+    reply = await admitting.stub.Check(check(keys.globex, "answer-1"))
     assert reply.status.code == code_pb2.OK
     assert json_format.MessageToDict(reply.dynamic_metadata)[wire.DESTINATION_ENDPOINT]
     assert metrics.admit_errors("error")._value.get() == before + 1
@@ -209,10 +210,10 @@ async def test_an_admission_over_its_budget_goes_on_unchecked_in_time(
         async def slow(*_: object) -> None:
             await asyncio.sleep(5)  # Redis answering late, round trip after round trip
 
-        a.limiter.limiter.admit = slow  # type: ignore[method-assign]
+        a.limiter.limiter.admit = slow  # type: ignore[method-assign,assignment]
         before = metrics.admit_errors("timeout")._value.get()
         started = time.monotonic()
-        reply = await a.stub.Check(check(keys.globex, "slow-1"))  # type: ignore[attr-defined]
+        reply = await a.stub.Check(check(keys.globex, "slow-1"))
         assert time.monotonic() - started < 1.0
         assert reply.status.code == code_pb2.OK
         meta = json_format.MessageToDict(reply.dynamic_metadata)
@@ -229,7 +230,7 @@ async def test_with_redis_down_the_limiter_inside_still_decides_within_its_deadl
         replies = []
         for i in range(6):
             started = time.monotonic()
-            replies.append(await a.stub.Check(check(keys.globex, f"d{i}")))  # type: ignore[attr-defined]
+            replies.append(await a.stub.Check(check(keys.globex, f"d{i}")))
             assert time.monotonic() - started < 1.0  # each inside Envoy's 2 s wait
         codes = [r.status.code for r in replies]
         assert codes == [code_pb2.OK] * 3 + [code_pb2.RESOURCE_EXHAUSTED] * 3

@@ -50,7 +50,8 @@ def envoy_descriptors(meta: dict[str, MetaValue]) -> rls_pb2.RateLimitRequest:
     override from the dynamic metadata it names."""
     request = rls_pb2.RateLimitRequest(domain=wire.RATELIMIT_DOMAIN)
     for rate_limit in RATE_LIMITS:
-        entries: list[Entry] | None = []
+        entries: list[Any] = []
+        missing = False
         for action in rate_limit["actions"]:
             if "generic_key" in action:
                 key = action["generic_key"]
@@ -60,15 +61,14 @@ def envoy_descriptors(meta: dict[str, MetaValue]) -> rls_pb2.RateLimitRequest:
             if isinstance(found, str):
                 entries.append(Entry(key=action["metadata"]["descriptor_key"], value=found))
             elif not action["metadata"].get("skip_if_absent"):
-                entries = None
-                break
-        if entries is None:
+                missing = True
+        if missing:
             continue
         descriptor = request.descriptors.add(entries=entries)
         limit = _value(meta, rate_limit["limit"]["dynamic_metadata"]["metadata_key"])
         if isinstance(limit, dict):
             unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Value(str(limit["unit"]))
-            amount = int(limit["requests_per_unit"])  # type: ignore[call-overload]
+            amount = int(limit["requests_per_unit"])
             descriptor.limit.CopyFrom(Override(requests_per_unit=amount, unit=unit))
     return request
 
