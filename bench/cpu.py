@@ -2,10 +2,11 @@
 
 One fast fake pod (bench/fakepod.py: raw asyncio, answers at once) behind one stack at a time:
 Envoy alone, + extauthz, + ratelimit and + router (both inside extauthz), the full chain (+ ledger,
-with PostgreSQL), the full chain with the rate limiter apart (its own process behind Envoy's
-rate-limit filter), and with the router apart too (behind ext_proc), and each shape with every
-callout pointed at trivial handlers (bench/trivial.py: the floor of one, two or three gRPC
-callouts and two access logs); last, the floor of the full chain's shape again, each Check held
+with PostgreSQL; Envoy checks over HTTP), the full chain checked over gRPC instead, with the rate
+limiter apart (its own process behind Envoy's rate-limit filter), and with the router apart too
+(behind ext_proc), and each shape with every callout pointed at trivial handlers
+(bench/trivial.py: the floor of one HTTP or gRPC check, or two or three gRPC callouts, and two
+access logs); last, the floor of the full chain's shape again, each Check held
 idle until it runs at the full chain's req/s. In a closed loop a faster stack is also a cheaper one
 per request (each process wakes for more requests at a time), so that row is the floor the full
 chain's own work is measured against. For each, a fixed non-stream load (closed
@@ -16,11 +17,11 @@ By default the stack (Envoy `--concurrency 1`, services, Redis, PostgreSQL, pod)
 one core and the load generator (this process, bench/loadgen.py) to the other, so req/s is
 "on one core" and the client's CPU is its own; `--no-pin` leaves the scheduler alone.
 
-Then, with Envoy alone, the full chain (both router placements) and its trivial floor up side by
-side: added latency of non-stream requests at a low fixed rate (open loop), and time to first
-token at `--streams` concurrent streams of varied length (so that they do not arrive in bursts),
-each against direct-to-pod, in alternating rounds; first with the stack still on one core, then
-with every process moved to all cores.
+Then, with Envoy alone, the full chain (checked over HTTP and over gRPC) and its trivial floor up
+side by side: added latency of non-stream requests at a low fixed rate (open loop), and time to
+first token at `--streams` concurrent streams of varied length (so that they do not arrive in
+bursts), each against direct-to-pod, in alternating rounds; first with the stack still on one
+core, then with every process moved to all cores.
 
     python -m bench.cpu [--requests 3000] [--concurrency 16] [--rate 20] [--streams 16]
     python -m bench.cpu --only "full chain;trivial handlers"   # those CPU rows, no latency tables
@@ -67,6 +68,7 @@ class Config:
     # In processes of their own behind their own callouts, not inside extauthz.
     apart: tuple[ServiceName, ...] = ()
     paced: bool = False  # trivial handlers held idle to the full chain's req/s
+    grpc_check: bool = False  # Envoy checks over gRPC, not HTTP (the default stack)
 
 
 # Rows in table order.
@@ -76,6 +78,12 @@ CONFIGS = [
     Config("+ ratelimit", ("extauthz", "ratelimit"), "admits inside extauthz, Redis"),
     Config("+ router", ("extauthz", "ratelimit", "router"), "picks inside extauthz + access log"),
     Config("full chain", FULL, "+ ledger access log, PostgreSQL"),
+    Config(
+        "full chain, check over gRPC",
+        FULL,
+        "ext_authz's gRPC service instead of HTTP",
+        grpc_check=True,
+    ),
     Config(
         "full chain, ratelimit apart",
         FULL,
@@ -88,7 +96,8 @@ CONFIGS = [
         "+ ext_proc call (python -m router)",
         ("ratelimit", "router"),
     ),
-    Config("trivial handlers", None, "1 callout + 2 access logs: the full chain's shape"),
+    Config("trivial handlers", None, "1 HTTP check + 2 access logs: the full chain's shape"),
+    Config("trivial, check over gRPC", None, "1 gRPC check + 2 access logs", grpc_check=True),
     Config("trivial, 2 callouts", None, "+ rate limit: the ratelimit-apart shape", ("ratelimit",)),
     Config("trivial, 3 callouts", None, "+ ext_proc: both apart", ("ratelimit", "router")),
     Config(
@@ -100,7 +109,7 @@ CONFIGS = [
 ]
 # Measured in this order (the floors before the full chain, which stays up after; the paced
 # floor after it, at its req/s).
-ORDER = [0, 1, 2, 3, 5, 6, 8, 9, 7, 4, 10]
+ORDER = [0, 1, 2, 3, 5, 6, 7, 9, 10, 11, 8, 4, 12]
 COLUMNS = (
     "envoy",
     "extauthz",
@@ -113,6 +122,7 @@ COLUMNS = (
     "pod",
 )
 FLOOR = "trivial handlers"
+GRPC, GRPC_FLOOR = "full chain, check over gRPC", "trivial, check over gRPC"
 APART, APART_FLOOR = "full chain, ratelimit apart", "trivial, 2 callouts"
 BOTH_APART, BOTH_APART_FLOOR = "full chain, both apart", "trivial, 3 callouts"
 PACED = "trivial, at the full chain's rate"
@@ -205,12 +215,17 @@ class TrivialStack(Stack):
         argv += ["--pick", ",".join(f"{p.host}:{p.port}" for p in self.pods)]
         argv += ["--check-delay-ms", str(self.delay_ms)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        a = Address(port=port)
+        picks, admits = self.settings.router_in_extauthz, self.settings.ratelimit_in_extauthz
+        http = None
+        if self.settings.extauthz_http and picks and admits:
+            http = Address(port=free_port())
+            argv += ["--http-port", str(http.port)]
         self._process("trivial", argv, grpc_serving(f"127.0.0.1:{port}"), env).start(
             self.settings.start_timeout
         )
-        a = Address(port=port)
-        picks, admits = self.settings.router_in_extauthz, self.settings.ratelimit_in_extauthz
         self.services = Services(
+            extauthz_http=http,
             extauthz=a,
             ratelimit=None if admits else a,
             router=None if picks else a,
@@ -292,6 +307,7 @@ class Bench:
             services=services or (),
             router_in_extauthz="router" not in config.apart,
             ratelimit_in_extauthz="ratelimit" not in config.apart,
+            extauthz_http=not config.grpc_check,
             ratelimit_limits=self.limits,
             envoy=EnvoySettings(concurrency=1),
         )
@@ -355,7 +371,7 @@ class Bench:
         calls = sum(
             stats1.get(f"cluster.{c}.upstream_rq_total", 0)
             - stats0.get(f"cluster.{c}.upstream_rq_total", 0)
-            for c in ("extauthz", "ratelimit", "router", "ledger")
+            for c in ("extauthz", "extauthz_http", "ratelimit", "router", "ledger")
         )
         result.grpc_calls = calls / n
         if samples.errors:
@@ -383,7 +399,7 @@ def us(v: float | None) -> str:
 def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
     present = [c for c in COLUMNS if any(c in r.us for r in rows)]
     head = ["configuration", "req/s", *present, "**stack total**", "Δ vs row above"]
-    head += ["of which idle bg", "gRPC calls/req", "non-200", "load gen (not in total)"]
+    head += ["of which idle bg", "callouts/req", "non-200", "load gen (not in total)"]
     lines = [
         f"CPU per request, µs (utime+stime from /proc over {args.requests:,} non-stream requests "
         f"at c={args.concurrency}, max_tokens 8; "
@@ -424,13 +440,17 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
             f"{paced.total / floor.total:.2f}× as much a request there as at its own "
             f"{floor.rps:,.0f} req/s"
         )
-    for label, floor_label in ((APART, APART_FLOOR), (BOTH_APART, BOTH_APART_FLOOR)):
+    for label, floor_label in (
+        (GRPC, GRPC_FLOOR),
+        (APART, APART_FLOOR),
+        (BOTH_APART, BOTH_APART_FLOOR),
+    ):
         if label in by and floor_label in by:
             apart, apart_floor = by[label], by[floor_label]
             lines.append(
                 f"- {label}: {apart.total / 1e3:.2f} ms, "
-                f"{apart.total / apart_floor.total:.2f}× its floor ({floor_label}); inside "
-                f"extauthz saves {apart.total - full.total:,.0f} µs a request"
+                f"{apart.total / apart_floor.total:.2f}× its floor ({floor_label}); the full "
+                f"chain saves {apart.total - full.total:,.0f} µs a request"
             )
     lines += [
         "- ratelimit alone (without extauthz) is not a configuration: its descriptors are built "
@@ -488,9 +508,9 @@ def latency_table(
                 f"  - of which the floor ({FLOOR}: the same callouts answering at once): "
                 f"{floor:.2f} ms"
             )
-        if (placement, APART) in samples:
-            apart = q(placement, APART, 50) - q(placement, b, 50)
-            lines.append(f"  - {APART} (one more exchange): {apart:.2f} ms")
+        if (placement, GRPC) in samples:
+            grpc = q(placement, GRPC, 50) - q(placement, b, 50)
+            lines.append(f"  - {GRPC}: {grpc:.2f} ms")
     return "\n".join(lines)
 
 
@@ -558,7 +578,7 @@ def main() -> None:
             try:
                 rows[i] = bench.measure_cpu(label, config.note, stack)
             finally:
-                if label in ("Envoy alone", "full chain", APART, FLOOR):
+                if label in ("Envoy alone", "full chain", GRPC, FLOOR):
                     kept[label] = stack
                     stacks.callback(stack.stop)
                 else:

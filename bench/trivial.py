@@ -4,12 +4,15 @@ One grpc.aio process on uvloop (llmgw.serve, like the real services) that answer
 with fixed request facts and a fixed pick in metadata (so Envoy builds the same rate-limit
 descriptors and routes by the pick, as with the router inside extauthz), every rate-limit call OK,
 the ext_proc request-headers message (when Envoy makes one: the router apart) with the same pick
-in `envoy.lb`, and reads and drops every access-log batch. Nothing is decided, nothing is stored:
+in `envoy.lb`, and reads and drops every access-log batch. With `--http-port`, the same check
+answer over HTTP too (Envoy's ext_authz `http_service`, llmgw/authzhttp.py), from a raw asyncio
+server as extauthz's (extauthz/httpserver.py). Nothing is decided, nothing is stored:
 what is left is the gRPC plumbing of the callouts. With `--check-delay-ms`, each ext_authz Check
 is answered only after that idle wait (no CPU): the floor run at a slower configuration's rate,
 where every process wakes for fewer requests at a time (bench/cpu.py).
 
-    python -m bench.trivial --port 9001 --pick 127.0.0.1:9000 [--check-delay-ms 30]
+    python -m bench.trivial --port 9001 --pick 127.0.0.1:9000 [--http-port 9011]
+        [--check-delay-ms 30]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from llmgw import wire
+from llmgw import authzhttp, wire
 from llmgw.serve import ServeSettings, run, serve
 
 # What extauthz publishes for a plain request (llmgw/facts.py), fixed.
@@ -110,6 +113,53 @@ class Logs(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         return als_pb2.StreamAccessLogsResponse()
 
 
+class HttpCheck(asyncio.Protocol):
+    """The check over HTTP: each request's head and body read, the fixed answer written."""
+
+    def __init__(self, reply: bytes, delay_s: float) -> None:
+        self.reply = reply
+        self.delay_s = delay_s
+        self.buffer = b""
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            head = self.buffer[:end].lower()
+            at = head.find(b"content-length:")
+            length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
+            if len(self.buffer) < end + 4 + length:
+                return
+            self.buffer = self.buffer[end + 4 + length :]
+            if self.delay_s:
+                asyncio.get_running_loop().call_later(self.delay_s, self.answer)
+            else:
+                self.answer()
+
+    def answer(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(self.reply)
+
+
+def http_reply(pick: str) -> bytes:
+    lines = ["HTTP/1.1 200 OK"]
+    meta = {**FACTS, wire.DESTINATION_ENDPOINT: pick}
+    lines += [f"{k}: {v}" for k, v in authzhttp.metadata_headers(meta)]
+    return ("\r\n".join([*lines, "content-length: 0"]) + "\r\n\r\n").encode()
+
+
+async def serve_all(settings: ServeSettings, args: argparse.Namespace) -> None:
+    delay_s = args.check_delay_ms / 1000
+    if args.http_port is not None:
+        reply = http_reply(args.pick)
+        loop = asyncio.get_running_loop()
+        await loop.create_server(lambda: HttpCheck(reply, delay_s), "127.0.0.1", args.http_port)
+    await serve("trivial", settings, register(args.pick, delay_s))
+
+
 def register(pick: str, delay_s: float) -> Any:
     def add(server: grpc.aio.Server) -> None:
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(pick, delay_s), server)
@@ -124,10 +174,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--pick", required=True, help="ip:port picked")
+    parser.add_argument("--http-port", type=int, help="answer checks over HTTP on this port too")
     parser.add_argument("--check-delay-ms", type=float, default=0.0, help="idle wait per Check")
     args = parser.parse_args()
-    settings = ServeSettings(port=args.port)
-    run(lambda: serve("trivial", settings, register(args.pick, args.check_delay_ms / 1000)))
+    run(lambda: serve_all(ServeSettings(port=args.port), args))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ RENDER = [
     "vllm:8000",
     "--extauthz",
     "extauthz:9001",
+    "--extauthz-http",  # Envoy's checks over HTTP (llmgw/authzhttp.py); 9001: health, access logs
+    "extauthz:9011",
     "--router-in-extauthz",  # extauthz holds the router (its PICK): no ext_proc, no router Service
     "--ratelimit-in-extauthz",  # and the rate limiter (its ADMIT): no rate-limit call or Service
     "--ledger",

@@ -38,6 +38,9 @@ function envoy_on_request(handle)
   end
   local admission = metadata:get(ADMISSION)
   local cap = admission and admission[OUTPUT_CAP]
+  if cap ~= nil then
+    cap = tonumber(cap) -- a string when extauthz answers over HTTP
+  end
   if cap ~= nil and suffix:find('"max_tokens"', 1, true) then
     suffix = lowered(suffix, cap)
   end

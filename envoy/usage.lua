@@ -14,6 +14,11 @@ local USAGE = "{{ wire.USAGE_NAMESPACE }}"
 local STREAMED = "{{ wire.META_STREAMED_EVENTS }}"
 local FAILED = "{{ wire.META_STREAM_FAILED }}"
 
+-- A fact extauthz answered over HTTP is a string (llmgw/authzhttp.py).
+local function flag(value)
+  return value == true or value == "true"
+end
+
 local function has_choice(event)
   return event:find('"choices"%s*:%s*%[%s*{') ~= nil
 end
@@ -30,14 +35,14 @@ end
 
 function envoy_on_response(handle)
   local facts = handle:streamInfo():dynamicMetadata():get(FACTS)
-  if facts == nil or facts["{{ wire.META_STREAM }}"] ~= true then
+  if facts == nil or not flag(facts["{{ wire.META_STREAM }}"]) then
     return
   end
   local ctype = handle:headers():get("content-type") or ""
   if ctype:find("text/event-stream", 1, true) == nil then
     return
   end
-  local strip = facts["{{ wire.META_INCLUDE_USAGE }}"] ~= true
+  local strip = not flag(facts["{{ wire.META_INCLUDE_USAGE }}"])
   local streamed, held = 0, ""
   for chunk in handle:bodyChunks() do
     local size = chunk:length()

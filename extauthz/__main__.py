@@ -11,6 +11,7 @@ import grpc
 
 from extauthz import tenants
 from extauthz.decision import Decider
+from extauthz.httpserver import HttpCheckServer
 from extauthz.service import AuthorizationService, BodyPool, register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
@@ -68,6 +69,10 @@ async def main(settings: Settings) -> None:
         admit_timeout_s=settings.admit_timeout_ms / 1000,
     )
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
+    checks = None
+    if settings.http_port is not None:
+        checks = HttpCheckServer(service)
+        await checks.start(settings.serve.host, settings.http_port)
 
     def add(server: grpc.aio.Server) -> None:
         register(service)(server)
@@ -75,6 +80,8 @@ async def main(settings: Settings) -> None:
             router.register(server)
 
     async def stop() -> None:
+        if checks is not None:
+            await checks.stop(settings.serve.grace_seconds)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

@@ -33,3 +33,10 @@ ADMIT_ERRORS = Counter(
     ["cause"],
 )
 admit_errors = Children(ADMIT_ERRORS)
+HTTP_ERRORS = Counter(
+    "llmgw_extauthz_http_errors_total",
+    "Checks over HTTP that were refused as malformed or too large (the connection closed), or "
+    "that raised (cause error: a 500, which Envoy fails closed).",
+    ["cause"],
+)
+http_errors = Children(HTTP_ERRORS)

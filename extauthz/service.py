@@ -1,4 +1,5 @@
-"""The gRPC adapter: Envoy's CheckRequest in, the decision out as a CheckResponse.
+"""The check: Envoy's request in, the decision out as an `Answer`, and the gRPC adapter
+(CheckRequest in, CheckResponse out; extauthz/httpserver.py is the HTTP one).
 
 With a rate limiter in this process (settings `admit`), an allowed request is admitted here too:
 a refusal is the denial (429, or the breaker's 503) with the limiter's body and headers, an
@@ -8,8 +9,7 @@ request's pod is picked too and named in the metadata, where Envoy's override_ho
 Neither needs a gRPC exchange of its own. Both fail open: a limiter or router that raises costs
 the admission or the pick, not the request (Redis down is the limiter's own degraded mode).
 
-Hot path (one call per request): an allowed response is filled in place (messages passed to a
-constructor are copied once more), and no span is started when tracing is off."""
+Hot path (one call per request): no span is started when tracing is off."""
 
 from __future__ import annotations
 
@@ -20,16 +20,16 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from google.rpc import code_pb2, status_pb2
+from google.rpc import code_pb2
 from opentelemetry import trace
 
 from extauthz import metrics
@@ -37,7 +37,7 @@ from extauthz.body import Body
 from extauthz.body import read as read_body
 from extauthz.decision import Decider
 from extauthz.store import TenantsStore
-from extauthz.types import Allow, Decision
+from extauthz.types import Allow, Decision, Deny
 from llmgw import wire
 from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
@@ -53,10 +53,7 @@ from router.types import endpoints
 log = logging.getLogger(__name__)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_JSON = base_pb2.HeaderValueOption(
-    header=base_pb2.HeaderValue(key="content-type", value="application/json"),
-    append_action=_OVERWRITE,
-)
+_JSON = ("content-type", "application/json")
 # Every other denial: PERMISSION_DENIED.
 _DENY_GRPC = {
     401: code_pb2.UNAUTHENTICATED,
@@ -94,58 +91,80 @@ def _fill(struct: struct_pb2.Struct, metadata: Mapping[str, MetaValue]) -> None:
             struct[key] = value
 
 
-def to_response(decision: Decision) -> external_auth_pb2.CheckResponse:
-    if isinstance(decision, Allow):
-        response = external_auth_pb2.CheckResponse()
-        response.status.SetInParent()  # code OK
-        ok = response.ok_response
-        ok.SetInParent()
-        _add_headers(ok.headers, decision.headers)
-        ok.headers_to_remove.extend(decision.headers_to_remove)
-        _add_headers(ok.response_headers_to_add, decision.response_headers)
-        # Only here: OkHttpResponse.dynamic_metadata (deprecated) would replace this silently.
-        response.dynamic_metadata.SetInParent()
-        _fill(response.dynamic_metadata, decision.metadata)
-        return response
-    return external_auth_pb2.CheckResponse(
-        status=status_pb2.Status(code=_DENY_GRPC.get(decision.status, code_pb2.PERMISSION_DENIED)),
-        denied_response=external_auth_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=decision.status),
-            headers=[_JSON],
-            body=decision.body().decode(),
-        ),
-    )
+@dataclass(slots=True)
+class Answer:
+    """extauthz's answer to one check, whichever protocol carries it: gRPC (`check_response`)
+    or HTTP (extauthz/httpserver.py)."""
+
+    status: int  # 200: allowed; else the denial's status
+    metadata: dict[str, MetaValue]
+    client_headers: list[tuple[str, str]]  # allowed: added to the response; denied: the denial's
+    headers: Sequence[tuple[str, str]] = ()  # allowed: set on the request to the pod
+    headers_to_remove: Sequence[str] = ()
+    body: bytes = b""  # denied: the OpenAI error
+
+    @property
+    def allowed(self) -> bool:
+        return self.status == 200
 
 
-def refused(allow: Allow, verdict: Verdict) -> external_auth_pb2.CheckResponse:
+def denied(deny: Deny) -> Answer:
+    return Answer(deny.status, {}, [_JSON], body=deny.body())
+
+
+def refused(allow: Allow, verdict: Verdict) -> Answer:
     """The limiter's refusal as the denial, as the rate-limit filter would have sent it, with
     the session header every answer carries; and the request's facts in the metadata all the
     same, for the access log (Envoy keeps a denied check's metadata; it adds no headers to the
     request it refuses)."""
     headers, body = refusal(verdict)
-    code = refusal_status(verdict)
-    response = external_auth_pb2.CheckResponse()
-    response.status.code = _DENY_GRPC[code]
-    denied = response.denied_response
-    denied.status.code = code
-    _add_headers(denied.headers, rate_headers(verdict))
-    _add_headers(denied.headers, headers)
-    _add_headers(denied.headers, allow.response_headers)
-    denied.body = body.decode()
-    _fill(response.dynamic_metadata, allow.metadata)
-    _fill(response.dynamic_metadata, admission_metadata(verdict))
-    return response
+    return Answer(
+        refusal_status(verdict),
+        {**allow.metadata, **admission_metadata(verdict)},
+        [*rate_headers(verdict), *headers, *allow.response_headers],
+        body=body,
+    )
 
 
-def admitted(allow: Allow, verdict: Verdict | None) -> external_auth_pb2.CheckResponse:
+def admitted(allow: Allow, verdict: Verdict | None) -> Answer:
     """The answer to an allowed request: the limiter's refusal, or the allowance with what the
     limiter decided (its headers to the client, its answer in the metadata)."""
     if verdict is not None and verdict.refusal is not None:
         return refused(allow, verdict)
-    response = to_response(allow)
+    answer = Answer(
+        200,
+        dict(allow.metadata),
+        list(allow.response_headers),
+        allow.headers,
+        allow.headers_to_remove,
+    )
     if verdict is not None:
-        _add_headers(response.ok_response.response_headers_to_add, rate_headers(verdict))
-        _fill(response.dynamic_metadata, admission_metadata(verdict))
+        answer.client_headers += rate_headers(verdict)
+        answer.metadata.update(admission_metadata(verdict))
+    return answer
+
+
+def check_response(answer: Answer) -> external_auth_pb2.CheckResponse:
+    """The answer as gRPC's CheckResponse, filled in place (messages passed to a constructor
+    are copied once more)."""
+    response = external_auth_pb2.CheckResponse()
+    if answer.allowed:
+        response.status.SetInParent()  # code OK
+        ok = response.ok_response
+        ok.SetInParent()
+        _add_headers(ok.headers, answer.headers)
+        ok.headers_to_remove.extend(answer.headers_to_remove)
+        _add_headers(ok.response_headers_to_add, answer.client_headers)
+    else:
+        response.status.code = _DENY_GRPC.get(answer.status, code_pb2.PERMISSION_DENIED)
+        denied = response.denied_response
+        denied.status.code = answer.status
+        _add_headers(denied.headers, answer.client_headers)
+        denied.body = answer.body.decode()
+    if answer.metadata:
+        # Only here: OkHttpResponse.dynamic_metadata (deprecated) would replace this silently.
+        response.dynamic_metadata.SetInParent()
+        _fill(response.dynamic_metadata, answer.metadata)
     return response
 
 
@@ -174,8 +193,8 @@ async def admit(limiter: RateLimiter, allow: Allow, timeout_s: float) -> Verdict
     return verdict
 
 
-def add_pick(router: Router, response: external_auth_pb2.CheckResponse, allow: Allow) -> None:
-    """The router's pods for this request, best first, into the response's metadata (the
+def add_pick(router: Router, answer: Answer, allow: Allow) -> None:
+    """The router's pods for this request, best first, into the answer's metadata (the
     request ID in the facts is Envoy's x-request-id, which its access log carries too)."""
     try:
         pods = router.pick(from_metadata(allow.metadata))
@@ -184,7 +203,7 @@ def add_pick(router: Router, response: external_auth_pb2.CheckResponse, allow: A
         metrics.PICK_ERRORS.inc()
         return
     if pods is not None:
-        response.dynamic_metadata.fields[wire.DESTINATION_ENDPOINT].string_value = endpoints(pods)
+        answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pods)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -255,34 +274,36 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.limiter = limiter
         self.admit_timeout_s = admit_timeout_s
 
-    async def respond(self, decision: Decision) -> external_auth_pb2.CheckResponse:
+    async def respond(self, decision: Decision) -> Answer:
         if not isinstance(decision, Allow):
-            return to_response(decision)
+            return denied(decision)
         if self.limiter is None:
-            response = to_response(decision)
+            answer = admitted(decision, None)
         else:
             verdict = await admit(self.limiter, decision, self.admit_timeout_s)
-            if self.tracing:  # the span of Check, current while it runs
+            if self.tracing:  # the span of the check, current while it runs
                 result = "unchecked" if verdict is None else verdict.refusal or "ok"
                 trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
             try:
-                response = admitted(decision, verdict)
+                answer = admitted(decision, verdict)
             except Exception:  # a bug in the limiter's answer costs it, never the request
                 log.exception("admission answer failed", extra={"tenant": decision.tenant})
                 metrics.admit_errors("error").inc()
-                response = to_response(decision)
-            if response.HasField("denied_response"):
-                return response  # before the pick: a refused request holds no pod
+                answer = admitted(decision, None)
+            if not answer.allowed:
+                return answer  # before the pick: a refused request holds no pod
         if self.router is not None:
-            add_pick(self.router, response, decision)
-        return response
+            add_pick(self.router, answer, decision)
+        return answer
 
-    async def Check(
-        self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> external_auth_pb2.CheckResponse:
-        http = request.attributes.request.http
-        headers = http.headers  # a Mapping already; decide only reads it, so no dict copy
-        body = http.raw_body or http.body.encode()
+    async def check(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        carrier: Iterable[tuple[str, str | bytes]] = (),
+    ) -> Answer:
+        """One check: `headers` with lower-case names and the pseudo-headers `:method` and
+        `:path`; `carrier`, the call's own trace context (gRPC metadata), if any."""
         parsed = await self.bodies.read(body) if self.bodies is not None else None
         if not self.tracing:
             started = time.perf_counter()
@@ -295,7 +316,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             return await self.respond(decision)
         with self.tracer.start_as_current_span(
             "extauthz.check",
-            context=parent_context(context.invocation_metadata(), headers),
+            context=parent_context(carrier, headers),
             kind=trace.SpanKind.SERVER,
         ) as span:
             started = time.perf_counter()
@@ -314,6 +335,15 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             if tenant:
                 span.set_attribute("tenant.id", tenant)
             return await self.respond(decision)
+
+    async def Check(
+        self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> external_auth_pb2.CheckResponse:
+        http = request.attributes.request.http
+        # http.headers is a Mapping already (with the pseudo-headers); decide only reads it.
+        carrier = context.invocation_metadata() if self.tracing else ()
+        answer = await self.check(http.headers, http.raw_body or http.body.encode(), carrier)
+        return check_response(answer)
 
 
 def register(service: AuthorizationService) -> Callable[[grpc.aio.Server], None]:

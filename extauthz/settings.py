@@ -91,6 +91,10 @@ class Settings(Strict):
     # unchecked, counted. Keep it well below Envoy's wait for this Check (2 s), which fails
     # closed.
     admit_timeout_ms: float = Field(default=1000.0, gt=0)
+    # Answer Envoy's checks over HTTP too, on this port of serve.host (extauthz/httpserver.py;
+    # Envoy's ext_authz `http_service`, llmgw/envoyconf.py Services.extauthz_http): no gRPC
+    # plumbing per check. None: gRPC only. Health, metrics and access logs stay on gRPC.
+    http_port: int | None = Field(default=None, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _configs_used(self) -> Settings:

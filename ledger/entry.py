@@ -35,6 +35,7 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from llmgw import wire
+from llmgw.authzhttp import Typed
 from llmgw.facts import RequestFacts
 from llmgw.outcome import Outcome, OutcomeKind
 from llmgw.structs import View
@@ -110,7 +111,7 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     """None for an entry with no request ID (nothing to key it by)."""
     common = entry.common_properties
     filter_meta = common.metadata.filter_metadata
-    authz = _namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE)
+    authz = Typed(_namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE))  # strings over HTTP
     usage = _namespace(filter_meta, wire.USAGE_NAMESPACE)
     # The limiter's answer: the rate-limit filter's, or ext_authz's with the limiter inside it.
     admission = _namespace(filter_meta, wire.RATELIMIT_NAMESPACE) or authz

@@ -76,6 +76,9 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
             **named,
             "router_in_extauthz": args.router_in_extauthz,
             "ratelimit_in_extauthz": args.ratelimit_in_extauthz,
+            "extauthz_http": envoyconf.parse_endpoint(args.extauthz_http)
+            if args.extauthz_http
+            else None,
         }
     )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
@@ -112,6 +115,12 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--upstream", action="append", required=True, help="host:port")
     for name in RENDERED_SERVICES:
         render.add_argument(f"--{name}", metavar="HOST:PORT", help=f"the {name} service (gRPC)")
+    render.add_argument(
+        "--extauthz-http",
+        metavar="HOST:PORT",
+        help="extauthz's HTTP port (its `http_port`): Envoy checks over HTTP, not gRPC; needs "
+        "the rate limiter and router inside extauthz",
+    )
     render.add_argument(
         "--router-in-extauthz",
         action="store_true",

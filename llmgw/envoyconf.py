@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import jinja2
 from pydantic import Field, model_validator
 
-from llmgw import wire
+from llmgw import authzhttp, wire
 from llmgw.config import Strict
 from llmgw.procs import bin_path
 
@@ -86,6 +86,11 @@ class Services(Strict):
     # denial, an admission's headers and metadata come with ext_authz's answer, and there is no
     # rate-limit call.
     ratelimit_in_extauthz: bool = False
+    # extauthz's HTTP port (its settings `http_port`): Envoy checks over HTTP, not gRPC, without
+    # grpc-python's plumbing per check (llmgw/authzhttp.py). Its metadata are strings, and a
+    # tenant's limit overrides (a struct) are not sent: the rate limiter and the router, when
+    # there are, must run inside extauthz, which reads the facts in process.
+    extauthz_http: Address | None = None
     # Long enough to mean "down", not "busy": a burst of 1,000 requests queues up its checks on
     # one core (tests/test_burst.py). extauthz fails closed (503), and bounds its own admission
     # below this (its admit_timeout_ms); the rate limiter apart fails open, so a timeout that
@@ -94,6 +99,10 @@ class Services(Strict):
     ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
     log_flush: str = "0.2s"  # access-log batches to the ledger and the router, at least this often
+    # Entries Envoy holds per logger and worker while the service reads slower than it logs (a
+    # burst): past this it drops them (access_logs.grpc_access_log.logs_dropped). Envoy's
+    # default, 16 KiB, is a handful of entries: a burst of 200 requests lost some.
+    log_buffer_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 
     @model_validator(mode="after")
     def _one_picker(self) -> Services:
@@ -101,6 +110,13 @@ class Services(Strict):
             raise ValueError("router_in_extauthz: needs extauthz, and no router of its own")
         if self.ratelimit_in_extauthz and (self.extauthz is None or self.ratelimit is not None):
             raise ValueError("ratelimit_in_extauthz: needs extauthz, and no ratelimit of its own")
+        if self.extauthz_http is not None and (
+            self.extauthz is None or self.ratelimit is not None or self.router is not None
+        ):
+            raise ValueError(
+                "extauthz_http: needs extauthz (its gRPC port: health, the router's access log), "
+                "and the rate limiter and router inside it, not apart"
+            )
         return self
 
     @property
@@ -231,6 +247,7 @@ def render(
     ]
     return env.get_template(TEMPLATE).render(
         wire=wire,
+        authzhttp=authzhttp,
         settings=settings,
         listen=listen,
         routes=routes,

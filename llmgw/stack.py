@@ -55,6 +55,10 @@ class StackSettings(Strict):
     # With extauthz, the rate limiter runs inside it too (no rate-limit call: another exchange
     # fewer); False: in its own process behind Envoy's rate-limit filter.
     ratelimit_in_extauthz: bool = True
+    # Envoy checks over HTTP, not gRPC (llmgw/authzhttp.py: no gRPC plumbing per check), when
+    # neither the rate limiter nor the router runs apart (they would read the facts from Envoy's
+    # metadata, which over HTTP are strings with no limit overrides).
+    extauthz_http: bool = True
     # An existing PostgreSQL server for the ledger; None: start one, its data in `postgres_dir`
     # (None: inside the run's state directory, gone with it).
     database_url: str | None = None
@@ -205,6 +209,11 @@ class Stack:
             settings["extauthz"]["PICK" if name == "router" else "ADMIT"] = "true"
             prefix = f"LLMGW_{name.upper()}__"
             held_env |= {prefix + k: v for k, v in settings[name].items()}
+        apart = [n for n in names if n in inside and n not in held]
+        http = None
+        if "extauthz" in names and self.settings.extauthz_http and not apart:
+            http = Address(port=free_port())
+            settings["extauthz"]["HTTP_PORT"] = str(http.port)
         addresses = {
             name: self._start_service(name, settings[name], held_env if name == "extauthz" else {})
             for name in names
@@ -215,6 +224,7 @@ class Stack:
                 **addresses,
                 "router_in_extauthz": "router" in held,
                 "ratelimit_in_extauthz": "ratelimit" in held,
+                "extauthz_http": http,
             }
         )
         for name in held:  # their metrics are served by the process that holds them

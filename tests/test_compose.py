@@ -57,6 +57,7 @@ RENDER = {
     "--listen": "0.0.0.0:8080",
     "--admin": "0.0.0.0:9901",
     "--extauthz": "extauthz:9001",
+    "--extauthz-http": "extauthz:9011",  # Envoy's checks (LLMGW_EXTAUTHZ__HTTP_PORT)
     "--ledger": "ledger:9004",
     "--otlp": "otel-collector:4317",
 }
@@ -182,8 +183,8 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     assert "envoy.filters.http.ratelimit" not in rendered
     config = yaml.safe_load(rendered)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {"pods", *OURS, "otel"}
-    for name in (*OURS, "otel"):
+    assert set(clusters) == {"pods", *OURS, "extauthz_http", "otel"}
+    for name in (*OURS, "extauthz_http", "otel"):
         assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
     # override_host takes the pick from ext_authz's metadata; the router's access log (how each
     # pick ended) goes to extauthz, which holds the router.

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
-from llmgw import cli, envoyconf
+from llmgw import authzhttp, cli, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings
+from ratelimit import response
+from ratelimit.response import rate_headers
+from ratelimit.types import KindState, Unit, Verdict
 from tests.envoy_config import grpc_loggers, http_filters, pick_sources
 
 
@@ -154,3 +158,88 @@ def test_memory_is_bounded_per_connection_and_in_all(tmp_path: Path) -> None:
     assert options["http2_protocol_options"]["max_concurrent_streams"] == 64
     assert options["request_timeout"] == "30s"  # receiving a request is bounded
     assert options["normalize_path"] and options["merge_slashes"]
+
+
+def test_the_check_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --extauthz-http, ext_authz calls extauthz's HTTP port (HTTP/1.1), takes every
+    metadata key of the contract from the answer's headers, and keeps the breaker's 503 (sent
+    as a 429); without the rate limiter and router inside, it is refused."""
+    base = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
+    inside = ["--router-in-extauthz", "--ratelimit-in-extauthz"]
+    assert cli.main([*base, *inside, "--extauthz-http", "extauthz:9011"]) == 0
+    path = tmp_path / "http.yaml"
+    path.write_text(capsys.readouterr().out)
+    envoyconf.validate(path)
+    config = yaml.safe_load(path.read_text())
+    (authz,) = [
+        f["typed_config"]
+        for f in config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"
+        ]["http_filters"]
+        if f["name"] == "envoy.filters.http.ext_authz"
+    ]
+    assert "grpc_service" not in authz
+    assert "pack_as_bytes" not in authz["with_request_body"]  # gRPC only: no body over HTTP
+    service = authz["http_service"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    http = clusters[service["server_uri"]["cluster"]]
+    assert "typed_extension_protocol_options" not in http  # HTTP/1.1, not h2
+    address = http["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "extauthz", "port_value": 9011}
+    answer = service["authorization_response"]
+    from_headers = {p["exact"] for p in answer["dynamic_metadata_from_headers"]["patterns"]}
+    assert from_headers == authzhttp.METADATA
+    mappers = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]["local_reply_config"]["mappers"]
+    breaker = mappers[0]
+    assert breaker["status_code"] == 503
+    (status, meta) = breaker["filter"]["and_filter"]["filters"]
+    assert status["status_code_filter"]["comparison"]["value"]["default_value"] == 429
+    assert meta["metadata_filter"]["matcher"]["value"] == {"string_match": {"exact": "true"}}
+    for apart in (["--ratelimit", "rl:9002", "--router-in-extauthz"], ["--router", "r:9003"]):
+        assert cli.main([*base, *apart, "--extauthz-http", "extauthz:9011"]) != 0
+        assert "extauthz_http: needs extauthz" in capsys.readouterr().err
+
+
+def test_every_header_the_check_sets_reaches_its_place() -> None:
+    """Names the decision and the limiter answer with, against the matchers Envoy is given: on
+    success, upstream headers upstream and client headers to the client, none of them both
+    unless it is the session; on a denial, every header to the client."""
+
+    def matches(name: str, exact: tuple[str, ...], prefixes: tuple[str, ...]) -> bool:
+        return name in exact or name.startswith(prefixes)
+
+    upstream = [
+        wire.HEADER_TENANT,
+        wire.HEADER_TIER,
+        wire.HEADER_PRIORITY,
+        wire.HEADER_VLLM_PRIORITY,
+        wire.HEADER_TOKEN_ESTIMATE,
+        wire.HEADER_SESSION,
+        wire.HEADER_REQUEST_ID,
+        wire.HEADER_MODEL,
+    ]
+    for name in upstream:
+        assert matches(name, authzhttp.UPSTREAM_EXACT, authzhttp.UPSTREAM_PREFIXES), name
+    state = KindState("requests", 10, Unit.MINUTE, 0, 1000, 10, 1)
+    verdict = Verdict(
+        tenant="t",
+        tier="standard",
+        refusal="rate_limited",
+        refused=state,
+        requests=state,
+        tokens=KindState("tokens", 100, Unit.MINUTE, 0, 1000, 100, 1),
+        retry_after_ms=1000,
+        shadow=False,
+    )
+    to_client = [name for name, _ in rate_headers(verdict)] + [wire.HEADER_SESSION]
+    for name in to_client:
+        on_success = matches(name, authzhttp.CLIENT_ON_SUCCESS_EXACT, authzhttp.CLIENT_PREFIXES)
+        assert on_success, name
+        if name != wire.HEADER_SESSION:
+            assert not matches(name, authzhttp.UPSTREAM_EXACT, authzhttp.UPSTREAM_PREFIXES)
+    for refusal in ("rate_limited", "circuit_open", "too_large", "insufficient_quota"):
+        headers, _ = response.refusal(dataclasses.replace(verdict, refusal=refusal))
+        for name, _ in headers:
+            assert matches(name, authzhttp.CLIENT_EXACT, authzhttp.CLIENT_PREFIXES), name

@@ -156,7 +156,10 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     assert settings.serve.port == SERVICES[name]
     assert settings.serve.host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in box["ports"]}
-    assert ports == {"grpc": SERVICES[name], "metrics": settings.serve.metrics_port}
+    expected = {"grpc": SERVICES[name], "metrics": settings.serve.metrics_port}
+    if name == "extauthz":  # Envoy's checks, over HTTP
+        expected["http-check"] = settings.http_port
+    assert ports == expected
     for probe in ("readinessProbe", "livenessProbe"):
         assert box[probe]["grpc"] == {"port": SERVICES[name]}
     assert box["resources"]["requests"] and box["resources"]["limits"]
@@ -232,7 +235,8 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
     )
     for name, port in SERVICES.items():
         metrics = env_of(name)[f"LLMGW_{name.upper()}__SERVE__METRICS_PORT"]
-        assert ingress_from(name) == [({"envoy"}, {port}), ({"monitoring"}, {int(metrics)})]
+        from_envoy = {port, 9011} if name == "extauthz" else {port}  # + its HTTP check port
+        assert ingress_from(name) == [({"envoy"}, from_envoy), ({"monitoring"}, {int(metrics)})]
     for store, clients in STORES.items():
         rules = ingress_from(store)
         assert len(rules) == 1 and rules[0][0] == clients

@@ -183,6 +183,10 @@ async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
     while any(router_metric(own_stack, "llmgw_router_in_flight", pod) for pod in pods):
         assert time.monotonic() < deadline, "picks still in flight after their requests ended"
         await asyncio.sleep(0.1)
+    # Envoy's default log buffer (16 KiB a logger) dropped entries of such a burst.
+    stats = own_stack.envoy_stats()
+    assert stats["access_logs.grpc_access_log.logs_dropped"] == 0
+    assert stats["access_logs.grpc_access_log.logs_written"] == 2 * len(statuses)  # two loggers
 
 
 @pytest.fixture
