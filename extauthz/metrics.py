@@ -13,7 +13,7 @@ DECISIONS = Counter(
 )
 DECISION_SECONDS = Histogram(
     "llmgw_extauthz_decision_seconds",
-    "Time to decide one Check, excluding gRPC.",
+    "Time to decide one check, excluding its transport (gRPC or HTTP).",
     buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
 )
 decisions = Children(DECISIONS)  # (result, tenant), looked up once per pair

@@ -6,7 +6,7 @@ a refusal is the denial (429, or the breaker's 503) with the limiter's body and 
 admission adds its x-ratelimit-* headers to the response and what it decided to the metadata
 (the ledger and envoy/rewrite.lua read it there). With a router (settings `pick`), an admitted
 request's pod is picked too and named in the metadata, where Envoy's override_host reads it.
-Neither needs a gRPC exchange of its own. Both fail open: a limiter or router that raises costs
+Neither needs an exchange of its own. Both fail open: a limiter or router that raises costs
 the admission or the pick, not the request (Redis down is the limiter's own degraded mode).
 
 Hot path (one call per request): no span is started when tracing is off."""

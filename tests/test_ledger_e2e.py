@@ -331,15 +331,17 @@ def stack_ledger_idle(stack: Stack) -> bool:
 
 
 def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
-    """One ext_authz check per request, streams included, which admits and picks the pod too
-    (the rate limiter and the router run inside extauthz): no rate-limit call, no ext_proc;
-    everything after the answer travels in the batched access log. The admission is there all
-    the same: its x-ratelimit-* headers reach the client."""
+    """One ext_authz check per request, streams included, over HTTP, which admits and picks
+    the pod too (the rate limiter and the router run inside extauthz): no gRPC call, no
+    rate-limit call, no ext_proc; everything after the answer travels in the batched access log.
+    The admission is there all the same: its x-ratelimit-* headers reach the client."""
     assert ledger_stack.services.router_in_extauthz
     assert ledger_stack.services.ratelimit_in_extauthz
+    assert ledger_stack.services.extauthz_http is not None
     key = add_tenant(ledger_stack, "lg-path", "standard")
     names = (
         "http.openai.ext_authz.ok",
+        "cluster.extauthz_http.upstream_rq_total",
         "cluster.ratelimit.upstream_rq_total",
         "http.openai.ratelimit.ok",
         "http.openai.ext_proc.streams_started",
@@ -352,4 +354,4 @@ def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
     assert remaining == sorted(remaining, reverse=True) and len(set(remaining)) == 6
     recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})  # the logs arrived
     after = ledger_stack.envoy_stats()
-    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 0, 0, 0, 0]
+    assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 6, 0, 0, 0, 0]
