@@ -91,7 +91,7 @@ async def main(settings: Settings) -> None:
             await limiter.stop()
         await bodies.close()
 
-    await serve(NAME, settings.serve, add, stop)
+    await serve(NAME, settings.serve, add, stop, on_drain=checks.drain if checks else None)
 
 
 def picking(settings: Settings) -> router_settings.Settings:

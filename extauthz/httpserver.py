@@ -7,7 +7,12 @@ contract, what Envoy sends and takes from the answer, is llmgw/authzhttp.py.
 
 Only Envoy talks to this port, as its HTTP/1.1 client does: one request at a time on a
 connection, the body with a content-length. Anything else is refused and the connection closed;
-a check that raises is a 500, which Envoy takes for the service failing (it fails closed)."""
+a check that raises is a 500, which Envoy takes for the service failing (it fails closed).
+
+Stopping (SIGTERM) drains first: the health path (Envoy's active health check) answers 503, so
+Envoy takes its checks to other replicas, and every answer closes its connection (`connection:
+close`: Envoy sends nothing more on it, where a connection closed under it would reset the
+check it had just sent); then, after the gRPC grace, what is left is closed."""
 
 from __future__ import annotations
 
@@ -56,6 +61,11 @@ def encode(answer: Answer) -> bytes:
 
 
 _ERROR = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n"
+
+
+def _health(draining: bool) -> bytes:
+    status = "503 Draining" if draining else f"{authzhttp.HEALTHY} No Content"
+    return f"HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n".encode()
 
 
 def _refusal(status: int, reason: str) -> bytes:
@@ -162,6 +172,9 @@ class _Connection(asyncio.Protocol):
         body = bytes(self.buffer[: head.length])
         del self.buffer[: head.length]
         self.head = None
+        if head.headers[":path"] == authzhttp.HEALTH_PATH:
+            self.write(_health(self.server.draining), head)
+            return
         self.task = asyncio.get_running_loop().create_task(self.answer(head, body))
 
     async def answer(self, head: _Head, body: bytes) -> None:
@@ -174,13 +187,20 @@ class _Connection(asyncio.Protocol):
             metrics.http_errors("error").inc()
             response = _ERROR
         self.task = None
+        self.write(response, head)
+
+    def write(self, response: bytes, head: _Head) -> None:
+        """Send an answer; close after it when the request asked or the server drains, else
+        start the next request already received."""
         transport = self.transport
         if transport is None:
             return
-        transport.write(response)
-        if not head.keep_alive or self.server.closing:
+        if not head.keep_alive or self.server.draining:
+            transport.write(response.replace(b"\r\n", b"\r\nconnection: close\r\n", 1))
             transport.close()
-        elif self.buffer:
+            return
+        transport.write(response)
+        if self.buffer:
             self.next_request()
 
     def refuse(self, refused: _Refused) -> None:
@@ -202,7 +222,7 @@ class HttpCheckServer:
         self.service = service
         self.max_body = max_body
         self.connections: set[_Connection] = set()
-        self.closing = False
+        self.draining = False
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -213,10 +233,15 @@ class HttpCheckServer:
         log.info("serving checks over HTTP", extra={"port": port})
         return int(port)
 
+    def drain(self) -> None:
+        """Unhealthy to Envoy's health check from now on, and each answer closes its
+        connection; checks are still answered."""
+        self.draining = True
+
     async def stop(self, grace_s: float) -> None:
-        """Stop listening, answer the checks in flight for up to `grace_s`, then close every
-        connection (an idle one at once)."""
-        self.closing = True
+        """Drain, stop listening, answer the checks in flight for up to `grace_s`, then close
+        every connection."""
+        self.drain()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

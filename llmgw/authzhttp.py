@@ -41,16 +41,26 @@ REQUEST_PREFIXES = (wire.HEADER_PREFIX,)
 # The answer's headers, by where Envoy puts them.
 UPSTREAM_EXACT = (wire.HEADER_SESSION, wire.HEADER_REQUEST_ID, wire.HEADER_VLLM_PRIORITY)
 UPSTREAM_PREFIXES = (wire.HEADER_PREFIX,)
-CLIENT_ON_SUCCESS_EXACT = (wire.HEADER_SESSION,)
-CLIENT_PREFIXES = ("x-ratelimit-",)
-CLIENT_EXACT = (
+# Added to the pod's response, which Envoy appends to (where gRPC's answer overwrites): the
+# pod's own headers of these names are removed first (envoy/envoy.yaml.j2), or a client would
+# read two session IDs joined by a comma.
+CLIENT_ON_SUCCESS = (
     wire.HEADER_SESSION,
+    *(n for names in wire.RATE_HEADERS.values() for n in names),
+)
+CLIENT_EXACT = (
+    *CLIENT_ON_SUCCESS,
     "content-type",
     "retry-after",
     "retry-after-ms",
     "x-should-retry",
 )
 HEADERS_TO_REMOVE = "x-envoy-auth-headers-to-remove"
+# Envoy's active health check of the check server (a GET, no route has this path): 204 while it
+# serves, 503 once it drains (SIGTERM), so Envoy stops sending it checks before it closes. A
+# client request with this path is denied: anything but a 200 is.
+HEALTH_PATH = "/.llmgw/extauthz/health"
+HEALTHY = 204
 
 # Every metadata key extauthz answers with, by its type in the contract.
 NUMBERS = frozenset(

@@ -42,8 +42,11 @@ async def serve(
     register: Callable[[grpc.aio.Server], None],
     on_stop: Callable[[], Awaitable[None]] | None = None,
     health_services: Sequence[str] = (),
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds`.
+    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds` (and call
+    `on_drain` first: what else the service serves starts draining at the same time), then
+    `on_stop`.
 
     gRPC health answers SERVING for "", `name` and each of `health_services`."""
     server = grpc.aio.server(
@@ -72,6 +75,8 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping", extra={"service": name})
+    if on_drain is not None:
+        on_drain()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
     if on_stop is not None:

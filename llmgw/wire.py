@@ -88,6 +88,15 @@ TRUSTED_HEADERS = (
 
 # Rate limiting.
 RATELIMIT_DOMAIN = "llmgw"
+# OpenAI's rate-limit headers on every answer the limiter gave, by kind: limit, remaining, reset.
+RATE_HEADERS = {
+    kind: (
+        f"x-ratelimit-limit-{kind}",
+        f"x-ratelimit-remaining-{kind}",
+        f"x-ratelimit-reset-{kind}",
+    )
+    for kind in ("requests", "tokens")
+}
 # The rate limiter's answer is dynamic metadata (in every access-log entry): in ext_authz's
 # namespace when the limiter runs inside extauthz, else in the RLS response's, which Envoy keeps
 # under its rate-limit filter's name (llmgw/envoyconf.py Services.admission_namespace).

@@ -31,16 +31,6 @@ def go_duration(ms: int) -> str:
     return f"{seconds}s"
 
 
-_RATE_HEADERS = {
-    kind: (
-        f"x-ratelimit-limit-{kind}",
-        f"x-ratelimit-remaining-{kind}",
-        f"x-ratelimit-reset-{kind}",
-    )
-    for kind in ("requests", "tokens")
-}
-
-
 def rate_headers(verdict: Verdict) -> Headers:
     """x-ratelimit-{limit,remaining,reset}-{requests,tokens}; none in shadow mode."""
     if verdict.shadow:
@@ -48,7 +38,7 @@ def rate_headers(verdict: Verdict) -> Headers:
     out: Headers = []
     for state in (verdict.requests, verdict.tokens):
         if state is not None:
-            limit, remaining, reset = _RATE_HEADERS[state.kind]
+            limit, remaining, reset = wire.RATE_HEADERS[state.kind]
             out += [
                 (limit, str(state.limit)),
                 (remaining, str(state.remaining)),

@@ -35,6 +35,8 @@ class Received:
 class RecordingPod:
     port: int
     requests: list[Received] = field(default_factory=list)
+    # Sent with every non-stream completion, as an upstream of the pod's own might.
+    response_headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -76,7 +78,8 @@ async def _app(pod: RecordingPod) -> web.Application:
         return web.json_response(
             {"id": "x", "object": "chat.completion", "model": MODEL, "usage": usage,
              "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                          "finish_reason": "stop"}]}
+                          "finish_reason": "stop"}]},
+            headers=pod.response_headers,
         )  # fmt: skip
 
     async def models(_: web.Request) -> web.Response:

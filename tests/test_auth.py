@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,6 +153,29 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
     # The pod never sees the client's key.
     assert "authorization" not in received.headers
     assert all(key not in value for value in received.headers.values())
+
+
+def test_the_pods_own_session_and_rate_headers_never_reach_the_client(tmp_path: Path) -> None:
+    """The gateway's x-session-id and x-ratelimit-* are the only ones the client gets: over HTTP
+    Envoy appends the check's headers to the pod's response, so a pod (or a proxy in front of a
+    hosted API) sending its own would give the client two, which an SDK joins into one value
+    that is no session."""
+    with recording_pod() as pod:
+        pod.response_headers = {"x-session-id": "pod-session", "x-ratelimit-limit-requests": "7"}
+        settings = stack_settings().model_copy(update={"upstreams": (pod.address,), "pods": 0})
+        with Stack(settings, tmp_path / "stack") as stack:
+            assert stack.services.extauthz_http is not None
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            request = urllib.request.Request(
+                f"{stack.base_url}/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={**bearer(api_key(stack, "free")), "content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                sessions = reply.headers.get_all("x-session-id")
+                limits = reply.headers.get_all("x-ratelimit-limit-requests")
+    assert len(sessions) == 1 and sessions[0].startswith("sess_"), sessions
+    assert len(limits) == 1 and limits[0] != "7", limits
 
 
 def test_a_rewritten_stream_delivers_its_held_tail(tmp_path: Path) -> None:

@@ -244,7 +244,12 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
 
         with ThreadPoolExecutor(4) as pool:
             before = [pool.submit(one, i) for i in range(120)]
+            first = before[0].result().headers["x-request-id"]
             before[40].result()
+            # Killed once it has settled some (Envoy's batches leave at least every 0.2 s).
+            prefix = wire.tenant_prefix("lg-kill")
+            with stack.redis_client() as r:
+                wait_for(lambda: bool(r.exists(f"{prefix}:done:{first}")), "a settlement")
             next(p for p in stack.processes if p.name == "ledger").kill()
             replies = [f.result() for f in before]
         stack.restart("ledger")
@@ -262,7 +267,6 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
         recorded(stack, {r.headers["x-request-id"] for r in after})
         wait_for(lambda: stack_ledger_idle(stack), "the ledger settled what it received")
         expected = lost = 0
-        prefix = wire.tenant_prefix("lg-kill")
         with stack.redis_client() as r:
             for reply in replies:
                 rid = reply.headers["x-request-id"]

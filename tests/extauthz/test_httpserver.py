@@ -4,22 +4,29 @@ sends, over a real socket; the same answer as over gRPC; framing that tries to b
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+import yaml
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import metrics
 from extauthz.httpserver import HttpCheckServer, encode
 from extauthz.service import Answer, AuthorizationService, check_response
 from extauthz.store import tenants_store
-from llmgw import authzhttp, wire
+from llmgw import authzhttp, envoyconf, wire
+from llmgw.envoyconf import Address, EnvoySettings, Health, Services
+from llmgw.procs import Process, bin_path, free_port, http_ok
 from llmgw.structs import to_dict
 from tests.extauthz.conftest import Keys, make_decider
 from tests.extauthz.test_service import CHAT
+from tests.recording_pod import recording_pod
 
 
 class Response:
@@ -304,3 +311,102 @@ async def test_stop_answers_checks_in_flight_and_closes_idle_connections() -> No
         await asyncio.open_connection("127.0.0.1", port)
     idle_writer.close()
     busy_writer.close()
+
+
+async def test_health_path_answers_until_drained() -> None:
+    service = Fake()
+    server = HttpCheckServer(service)
+    port = await server.start("127.0.0.1", 0)
+    health = request({}, path=authzhttp.HEALTH_PATH, method="GET")
+    try:
+        assert (await exchange(port, health)).status == authzhttp.HEALTHY
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # idle: kept open
+        server.drain()
+        assert (await exchange(port, health)).status == 503
+        writer.write(request({}))
+        reply = await read_response(reader)
+        assert reply.status == 200  # still answered, and its connection closed after it
+        assert reply.get("connection") == "close"
+        assert await reader.read() == b""
+        writer.close()
+        assert len(service.seen) == 1  # the health path is not a check
+    finally:
+        await server.stop(0.5)
+
+
+async def test_a_replica_that_stops_under_load_fails_no_check(tmp_path: Path) -> None:
+    """Two replicas behind the real Envoy with the template's check cluster; one drains and
+    stops under load. Envoy's health check takes it out before it closes, and no check is sent
+    on a connection it closes: every request is answered."""
+    port = free_port()
+    services = [Fake(), Fake()]
+    replicas = [HttpCheckServer(service) for service in services]
+    for host, replica in zip(("127.0.0.1", "127.0.0.2"), replicas, strict=True):
+        await replica.start(host, port)
+    with recording_pod() as pod:
+        where = Services(
+            extauthz=Address(port=free_port()),  # gRPC: unused without router or ledger
+            extauthz_http=Address(port=port),
+            router_in_extauthz=True,
+            ratelimit_in_extauthz=True,
+        )
+        admin = Address(port=free_port())
+        settings = EnvoySettings(
+            admin=admin, concurrency=1, health=Health(interval="0.25s", timeout="0.5s")
+        )
+        listen = Address(port=free_port())
+        host, pod_port = pod.address.split(":")
+        config = yaml.safe_load(
+            envoyconf.render(settings, listen, [Address(host=host, port=int(pod_port))], where)
+        )
+        cluster = next(
+            c for c in config["static_resources"]["clusters"] if c["name"] == "extauthz_http"
+        )
+        (endpoints,) = cluster["load_assignment"]["endpoints"]
+        second = copy.deepcopy(endpoints["lb_endpoints"][0])
+        second["endpoint"]["address"]["socket_address"]["address"] = "127.0.0.2"
+        endpoints["lb_endpoints"].append(second)
+        path = tmp_path / "envoy.json"  # JSON: a YAML dump would leave the key `n` a boolean
+        path.write_text(json.dumps(config))
+        argv = [bin_path("envoy"), "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
+        argv += ["--base-id", str(admin.port)]
+        envoy = Process(
+            "envoy", argv, http_ok(f"http://127.0.0.1:{admin.port}/ready"), tmp_path / "envoy.log"
+        )
+        await asyncio.to_thread(envoy.start, 30)
+        try:
+            statuses = await _load_while(
+                f"http://127.0.0.1:{listen.port}{wire.CHAT_PATH}", replicas[0]
+            )
+        finally:
+            envoy.stop()
+            await replicas[1].stop(0.5)
+    assert len(statuses) > 200
+    assert set(statuses) == {200}, collections.Counter(statuses)
+    assert all(len(service.seen) > 20 for service in services)  # both served
+
+
+async def _load_while(url: str, stopping: HttpCheckServer) -> list[int]:
+    """Requests at 16 at a time for 3.5 s; after 1 s, `stopping` drains (its SIGTERM) and
+    stops 1.5 s later (after the gRPC grace, shortened here)."""
+    statuses: list[int] = []
+    done = asyncio.Event()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"authorization": f"Bearer {wire.KEY_PREFIX}x"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+
+        async def client() -> None:
+            while not done.is_set():
+                async with session.post(url, json=body) as reply:
+                    await reply.read()
+                    statuses.append(reply.status)
+
+        clients = [asyncio.create_task(client()) for _ in range(16)]
+        await asyncio.sleep(1.0)
+        stopping.drain()
+        await asyncio.sleep(1.5)
+        await stopping.stop(1.0)
+        await asyncio.sleep(1.0)
+        done.set()
+        await asyncio.gather(*clients)
+    return statuses
