@@ -71,7 +71,7 @@ async def main(settings: Settings) -> None:
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
     checks = None
     if settings.http_port is not None:
-        checks = HttpCheckServer(service)
+        checks = HttpCheckServer(service, drain_s=settings.http_drain_seconds)
         await checks.start(settings.serve.host, settings.http_port)
 
     def add(server: grpc.aio.Server) -> None:

@@ -9,15 +9,17 @@ Only Envoy talks to this port, as its HTTP/1.1 client does: one request at a tim
 connection, the body with a content-length. Anything else is refused and the connection closed;
 a check that raises is a 500, which Envoy takes for the service failing (it fails closed).
 
-Stopping (SIGTERM) drains first: the health path (Envoy's active health check) answers 503, so
-Envoy takes its checks to other replicas, and every answer closes its connection (`connection:
-close`: Envoy sends nothing more on it, where a connection closed under it would reset the
-check it had just sent); then, after the gRPC grace, what is left is closed."""
+Stopping (SIGTERM) drains first, for at least `drain_s` whatever else the process waits for:
+every answer tells Envoy to fail the host's health check at once and the health path answers
+503, so Envoy takes its checks to other replicas; every answer closes its connection
+(`connection: close`: Envoy sends nothing more on it, where a connection closed under it would
+reset the check it had just sent). Then the listener closes and what is left with it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Protocol, cast
 
@@ -61,6 +63,9 @@ def encode(answer: Answer) -> bytes:
 
 
 _ERROR = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n"
+
+
+_DRAINING = f"\r\nconnection: close\r\n{authzhttp.IMMEDIATE_FAIL}: true\r\n".encode()
 
 
 def _health(draining: bool) -> bytes:
@@ -195,12 +200,14 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        if not head.keep_alive or self.server.draining:
-            transport.write(response.replace(b"\r\n", b"\r\nconnection: close\r\n", 1))
+        if self.server.draining:
+            transport.write(response.replace(b"\r\n", _DRAINING, 1))
             transport.close()
             return
         transport.write(response)
-        if self.buffer:
+        if not head.keep_alive:
+            transport.close()
+        elif self.buffer:
             self.next_request()
 
     def refuse(self, refused: _Refused) -> None:
@@ -218,11 +225,15 @@ class Checks(Protocol):
 
 
 class HttpCheckServer:
-    def __init__(self, service: Checks, max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, service: Checks, max_body: int = MAX_BODY_BYTES, drain_s: float = 0.0
+    ) -> None:
         self.service = service
         self.max_body = max_body
+        self.drain_s = drain_s
         self.connections: set[_Connection] = set()
         self.draining = False
+        self._drained_at = 0.0
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -236,12 +247,15 @@ class HttpCheckServer:
     def drain(self) -> None:
         """Unhealthy to Envoy's health check from now on, and each answer closes its
         connection; checks are still answered."""
-        self.draining = True
+        if not self.draining:
+            self.draining = True
+            self._drained_at = time.monotonic()
 
     async def stop(self, grace_s: float) -> None:
-        """Drain, stop listening, answer the checks in flight for up to `grace_s`, then close
-        every connection."""
+        """Drain (for `drain_s` since it began), stop listening, answer the checks in flight for
+        up to `grace_s`, then close every connection."""
         self.drain()
+        await asyncio.sleep(max(0.0, self._drained_at + self.drain_s - time.monotonic()))
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

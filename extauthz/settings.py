@@ -95,6 +95,10 @@ class Settings(Strict):
     # Envoy's ext_authz `http_service`, llmgw/envoyconf.py Services.extauthz_http): no gRPC
     # plumbing per check. None: gRPC only. Health, metrics and access logs stay on gRPC.
     http_port: int | None = Field(default=None, ge=0, le=65535)
+    # From SIGTERM, the check port drains at least this long before it closes (Envoy's health
+    # check takes the replica out meanwhile: one answer does, or one interval plus its timeout),
+    # whatever else the process waits for.
+    http_drain_seconds: float = Field(default=2.0, ge=0)
 
     @model_validator(mode="after")
     def _configs_used(self) -> Settings:

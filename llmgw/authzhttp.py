@@ -61,6 +61,9 @@ HEADERS_TO_REMOVE = "x-envoy-auth-headers-to-remove"
 # client request with this path is denied: anything but a 200 is.
 HEALTH_PATH = "/.llmgw/extauthz/health"
 HEALTHY = 204
+# On every answer of a draining server: Envoy fails the host's active health check at once (its
+# router reads it on any response), so the next checks go elsewhere before the next interval.
+IMMEDIATE_FAIL = "x-envoy-immediate-health-check-fail"
 
 # Every metadata key extauthz answers with, by its type in the contract.
 NUMBERS = frozenset(

@@ -7,13 +7,19 @@ import asyncio
 import collections
 import copy
 import json
+import os
+import signal
+import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 import yaml
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import metrics
@@ -22,9 +28,9 @@ from extauthz.service import Answer, AuthorizationService, check_response
 from extauthz.store import tenants_store
 from llmgw import authzhttp, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings, Health, Services
-from llmgw.procs import Process, bin_path, free_port, http_ok
+from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok
 from llmgw.structs import to_dict
-from tests.extauthz.conftest import Keys, make_decider
+from tests.extauthz.conftest import SECRET, Keys, make_decider
 from tests.extauthz.test_service import CHAT
 from tests.recording_pod import recording_pod
 
@@ -320,6 +326,7 @@ async def test_health_path_answers_until_drained() -> None:
     health = request({}, path=authzhttp.HEALTH_PATH, method="GET")
     try:
         assert (await exchange(port, health)).status == authzhttp.HEALTHY
+        assert (await exchange(port, request({}))).get(authzhttp.IMMEDIATE_FAIL) is None
         reader, writer = await asyncio.open_connection("127.0.0.1", port)  # idle: kept open
         server.drain()
         assert (await exchange(port, health)).status == 503
@@ -327,9 +334,10 @@ async def test_health_path_answers_until_drained() -> None:
         reply = await read_response(reader)
         assert reply.status == 200  # still answered, and its connection closed after it
         assert reply.get("connection") == "close"
+        assert reply.get(authzhttp.IMMEDIATE_FAIL) == "true"  # Envoy fails the host at once
         assert await reader.read() == b""
         writer.close()
-        assert len(service.seen) == 1  # the health path is not a check
+        assert len(service.seen) == 2  # the health path is not a check
     finally:
         await server.stop(0.5)
 
@@ -340,7 +348,7 @@ async def test_a_replica_that_stops_under_load_fails_no_check(tmp_path: Path) ->
     on a connection it closes: every request is answered."""
     port = free_port()
     services = [Fake(), Fake()]
-    replicas = [HttpCheckServer(service) for service in services]
+    replicas = [HttpCheckServer(service, drain_s=1.0) for service in services]
     for host, replica in zip(("127.0.0.1", "127.0.0.2"), replicas, strict=True):
         await replica.start(host, port)
     with recording_pod() as pod:
@@ -387,8 +395,8 @@ async def test_a_replica_that_stops_under_load_fails_no_check(tmp_path: Path) ->
 
 
 async def _load_while(url: str, stopping: HttpCheckServer) -> list[int]:
-    """Requests at 16 at a time for 3.5 s; after 1 s, `stopping` drains (its SIGTERM) and
-    stops 1.5 s later (after the gRPC grace, shortened here)."""
+    """Requests at 16 at a time; after 1 s, `stopping` drains and stops at once, as at a SIGTERM
+    with no gRPC call to wait for (its own drain time holds the port open), then 1 s more."""
     statuses: list[int] = []
     done = asyncio.Event()
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -403,10 +411,66 @@ async def _load_while(url: str, stopping: HttpCheckServer) -> list[int]:
 
         clients = [asyncio.create_task(client()) for _ in range(16)]
         await asyncio.sleep(1.0)
-        stopping.drain()
-        await asyncio.sleep(1.5)
         await stopping.stop(1.0)
         await asyncio.sleep(1.0)
         done.set()
         await asyncio.gather(*clients)
     return statuses
+
+
+async def test_sigterm_drains_the_check_port_before_it_closes(
+    tmp_path: Path, tenants_file: Path, tiers_file: Path, keys: Keys
+) -> None:
+    """`python -m extauthz` holding the router, with Envoy's router access-log stream open (so
+    gRPC's stop waits out its grace): at SIGTERM the check port drains at once (health 503)
+    and closes only after its own drain time, then the process exits 0."""
+    port, http_port = free_port(), free_port()
+    config = tmp_path / "extauthz.yaml"
+    settings = {
+        "serve": {"port": port, "grace_seconds": 2.0},
+        "http_port": http_port,
+        "http_drain_seconds": 1.0,
+        "pick": True,
+        "tenants_file": str(tenants_file),
+        "tiers_file": str(tiers_file),
+        "sessions": {"secret": SECRET.decode(), "worker_id": 3},
+    }
+    config.write_text(yaml.safe_dump(settings))
+    env = {**os.environ, "LLMGW_ROUTER__FLEET__PODS": '["127.0.0.1:9"]'}
+    argv = [sys.executable, "-m", "extauthz", "--config", str(config)]
+    target = f"127.0.0.1:{port}"
+    proc = Process("extauthz", argv, grpc_serving(target, "extauthz"), tmp_path / "log", env)
+    await asyncio.to_thread(proc.start, 30)
+    health = request({}, path=authzhttp.HEALTH_PATH, method="GET")
+    held = asyncio.Event()
+
+    async def logs() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        yield als_pb2.StreamAccessLogsMessage()
+        await held.wait()
+
+    try:
+        assert (await exchange(http_port, health)).status == authzhttp.HEALTHY
+        async with grpc.aio.insecure_channel(target) as channel:
+            stream = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(logs())
+            await asyncio.sleep(0.2)  # the stream is open on the server
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            statuses: list[tuple[float, int]] = []
+            for _ in range(200):  # bounded: 10 s
+                try:
+                    status = (await exchange(http_port, health)).status
+                except OSError:
+                    break
+                statuses.append((time.monotonic() - signalled, status))
+                await asyncio.sleep(0.05)
+            closed = time.monotonic() - signalled
+            held.set()
+            stream.cancel()
+        first_503 = next(t for t, status in statuses if status == 503)
+        assert first_503 < 0.5, statuses  # at SIGTERM, not after gRPC's grace
+        assert {status for _, status in statuses} <= {authzhttp.HEALTHY, 503}
+        assert closed >= 1.0, statuses  # open for its drain time at least
+        assert await asyncio.to_thread(proc.stop) == 0, proc.log_tail()
+    finally:
+        proc.stop()
