@@ -5,8 +5,8 @@ with fixed request facts and a fixed pick in metadata (so Envoy builds the same 
 descriptors and routes by the pick, as with the router inside extauthz), every rate-limit call OK,
 the ext_proc request-headers message (when Envoy makes one: the router apart) with the same pick
 in `envoy.lb`, and reads and drops every access-log batch. With `--http-port`, the same check
-answer over HTTP too (Envoy's ext_authz `http_service`, llmgw/authzhttp.py), from a raw asyncio
-server as extauthz's (extauthz/httpserver.py). Nothing is decided, nothing is stored:
+answer over HTTP too (Envoy's ext_authz `http_service`, llmgw/authzhttp.py), from extauthz's own
+HTTP server (extauthz/httpserver.py). Nothing is decided, nothing is stored:
 what is left is the gRPC plumbing of the callouts. With `--check-delay-ms`, each ext_authz Check
 is answered only after that idle wait (no CPU): the floor run at a slower configuration's rate,
 where every process wakes for fewer requests at a time (bench/cpu.py).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -31,7 +31,9 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from llmgw import authzhttp, wire
+from extauthz.httpserver import HttpCheckServer
+from extauthz.service import Answer
+from llmgw import wire
 from llmgw.serve import ServeSettings, run, serve
 
 # What extauthz publishes for a plain request (llmgw/facts.py), fixed.
@@ -113,50 +115,24 @@ class Logs(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         return als_pb2.StreamAccessLogsResponse()
 
 
-class HttpCheck(asyncio.Protocol):
-    """The check over HTTP: each request's head and body read, the fixed answer written."""
+class HttpCheck:
+    """The check over HTTP, served by extauthz's own server (extauthz/httpserver.py): the fixed
+    answer, after `delay_s`."""
 
-    def __init__(self, reply: bytes, delay_s: float) -> None:
-        self.reply = reply
+    def __init__(self, pick: str, delay_s: float) -> None:
         self.delay_s = delay_s
-        self.buffer = b""
-        self.transport: Any = None
+        self.metadata = {**FACTS, wire.DESTINATION_ENDPOINT: pick}
 
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
-            head = self.buffer[:end].lower()
-            at = head.find(b"content-length:")
-            length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length :]
-            if self.delay_s:
-                asyncio.get_running_loop().call_later(self.delay_s, self.answer)
-            else:
-                self.answer()
-
-    def answer(self) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(self.reply)
-
-
-def http_reply(pick: str) -> bytes:
-    lines = ["HTTP/1.1 200 OK"]
-    meta = {**FACTS, wire.DESTINATION_ENDPOINT: pick}
-    lines += [f"{k}: {v}" for k, v in authzhttp.metadata_headers(meta)]
-    return ("\r\n".join([*lines, "content-length: 0"]) + "\r\n\r\n").encode()
+    async def check(self, headers: Mapping[str, str], body: bytes) -> Answer:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return Answer(200, self.metadata, [])
 
 
 async def serve_all(settings: ServeSettings, args: argparse.Namespace) -> None:
     delay_s = args.check_delay_ms / 1000
     if args.http_port is not None:
-        reply = http_reply(args.pick)
-        loop = asyncio.get_running_loop()
-        await loop.create_server(lambda: HttpCheck(reply, delay_s), "127.0.0.1", args.http_port)
+        await HttpCheckServer(HttpCheck(args.pick, delay_s)).start("127.0.0.1", args.http_port)
     await serve("trivial", settings, register(args.pick, delay_s))
 
 

@@ -7,7 +7,7 @@ answer's headers by name (envoy/envoy.yaml.j2 renders the matchers from this mod
   (to the denial's, or to the pod's on success), and one header named in both goes to both;
 - `x-envoy-auth-headers-to-remove` names request headers Envoy removes;
 - metadata names become ext_authz's dynamic metadata under the same key, as strings: Envoy's
-  `dynamic_metadata_from_headers` makes no numbers or booleans. `typed` restores the contract's
+  `dynamic_metadata_from_headers` makes no numbers or booleans. `Typed` restores the contract's
   types for a reader of that metadata (the ledger); a struct (a tenant's limit overrides, for
   Envoy's rate-limit filter) is not sent, which is why this mode needs the rate limiter inside
   extauthz (llmgw/envoyconf.py).
