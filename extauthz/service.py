@@ -4,8 +4,9 @@
 With a rate limiter in this process (settings `admit`), an allowed request is admitted here too:
 a refusal is the denial (429, or the breaker's 503) with the limiter's body and headers, an
 admission adds its x-ratelimit-* headers to the response and what it decided to the metadata
-(the ledger and envoy/rewrite.lua read it there). With a router (settings `pick`), an admitted
-request's pod is picked too and named in the metadata, where Envoy's override_host reads it.
+(the ledger and envoy/rewrite.lua read it there). With a router (settings `pick`), the request's
+pod is chosen while its admission's Redis round trip is under way, and held (counted in flight,
+named in the metadata, where Envoy's override_host reads it) only if it is admitted.
 Neither needs an exchange of its own. Both fail open: a limiter or router that raises costs
 the admission or the pick, not the request (Redis down is the limiter's own degraded mode).
 
@@ -48,7 +49,7 @@ from ratelimit.runtime import RateLimiter
 from ratelimit.types import Verdict
 from router.request import from_metadata
 from router.runtime import Router
-from router.types import endpoints
+from router.types import Pick, endpoints
 
 log = logging.getLogger(__name__)
 
@@ -193,17 +194,28 @@ async def admit(limiter: RateLimiter, allow: Allow, timeout_s: float) -> Verdict
     return verdict
 
 
-def add_pick(router: Router, answer: Answer, allow: Allow) -> None:
-    """The router's pods for this request, best first, into the answer's metadata (the
-    request ID in the facts is Envoy's x-request-id, which its access log carries too)."""
+def choose(router: Router, allow: Allow) -> Pick | None:
+    """The router's pods for this request, best first, held nowhere yet (the request ID in the
+    facts is Envoy's x-request-id, which its access log carries too); None: Envoy's fallback
+    picks."""
     try:
-        pods = router.pick(from_metadata(allow.metadata))
+        return router.choose(from_metadata(allow.metadata))
     except Exception:  # a router bug costs the pick (Envoy's fallback picks), never the request
         log.exception("pick failed", extra={"tenant": allow.tenant})
         metrics.PICK_ERRORS.inc()
+        return None
+
+
+def hold(router: Router, answer: Answer, allow: Allow, chosen: Pick) -> None:
+    """The chosen pods into the answer's metadata, the first now counting the request in
+    flight."""
+    try:
+        router.hold(from_metadata(allow.metadata), chosen)
+    except Exception:  # as in `choose`
+        log.exception("pick failed", extra={"tenant": allow.tenant})
+        metrics.PICK_ERRORS.inc()
         return
-    if pods is not None:
-        answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pods)
+    answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(chosen.pods)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -277,23 +289,35 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
     async def respond(self, decision: Decision) -> Answer:
         if not isinstance(decision, Allow):
             return denied(decision)
+        router = self.router
         if self.limiter is None:
             answer = admitted(decision, None)
-        else:
-            verdict = await admit(self.limiter, decision, self.admit_timeout_s)
-            if self.tracing:  # the span of the check, current while it runs
-                result = "unchecked" if verdict is None else verdict.refusal or "ok"
-                trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
-            try:
-                answer = admitted(decision, verdict)
-            except Exception:  # a bug in the limiter's answer costs it, never the request
-                log.exception("admission answer failed", extra={"tenant": decision.tenant})
-                metrics.admit_errors("error").inc()
-                answer = admitted(decision, None)
-            if not answer.allowed:
-                return answer  # before the pick: a refused request holds no pod
-        if self.router is not None:
-            add_pick(self.router, answer, decision)
+            if router is not None and (chosen := choose(router, decision)) is not None:
+                hold(router, answer, decision, chosen)
+            return answer
+        # The admission's round trip to Redis leaves first and the pod is chosen while it is
+        # under way (Redis on another core or host works meanwhile); the pod is held only once
+        # the request is admitted: a refused request holds none and teaches the router nothing.
+        admission = asyncio.get_running_loop().create_task(
+            admit(self.limiter, decision, self.admit_timeout_s)
+        )
+        try:
+            await asyncio.sleep(0)  # the admission runs to its wait for Redis: its command sent
+            chosen = choose(router, decision) if router is not None else None
+            verdict = await admission
+        finally:
+            admission.cancel()  # this check was cancelled (Envoy gave up on it); else a no-op
+        if self.tracing:  # the span of the check, current while it runs
+            result = "unchecked" if verdict is None else verdict.refusal or "ok"
+            trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
+        try:
+            answer = admitted(decision, verdict)
+        except Exception:  # a bug in the limiter's answer costs it, never the request
+            log.exception("admission answer failed", extra={"tenant": decision.tenant})
+            metrics.admit_errors("error").inc()
+            answer = admitted(decision, None)
+        if answer.allowed and router is not None and chosen is not None:
+            hold(router, answer, decision, chosen)
         return answer
 
     async def check(

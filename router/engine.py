@@ -71,10 +71,8 @@ class Engine:
             self._picker_timer.observe(clock() - t0)
         if observe:
             self.observe(req, ordered[0])
-        reason = "explore" if explored else "best"
-        metrics.picks(ordered[0].pod, reason).inc()
         metrics.PICK_SECONDS.observe(clock() - started)
-        return Pick(tuple(c.pod for c in ordered), reason)
+        return Pick(tuple(c.pod for c in ordered), "explore" if explored else "best")
 
     def observe(self, req: PickRequest, chosen: Candidate) -> None:
         """The plugins that learn from picks (the prefix index) learn that `chosen` got `req`."""

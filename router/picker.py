@@ -38,6 +38,7 @@ from envoy.type.v3 import http_status_pb2
 
 from llmgw import facts, structs, wire
 from llmgw.telemetry import parent_context
+from router import metrics
 from router.engine import NoPod
 from router.request import from_headers, from_metadata
 from router.runtime import Router
@@ -177,6 +178,7 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
                 span.set_attribute("router.no_pod", result.stage)
                 return None, None
             span.set_attribute("router.pod", result.pods[0])
+        metrics.picks(result.pods[0], result.reason).inc()
         self.fleet.acquire(result.pods[0])
         return result.pods, result.pods[0]
 

@@ -24,6 +24,7 @@ from opentelemetry.context import Context
 
 from llmgw.link import RedisLink
 from llmgw.telemetry import recording
+from router import metrics
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
 from router.outcomes import OutcomeService
@@ -82,22 +83,38 @@ class Router:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(OutcomeService(self), server)
 
     def pick(self, req: PickRequest, parent: Context | None = None) -> tuple[PodId, ...] | None:
-        """The pods best first, the first counted in flight; None: no pod (Envoy's fallback)."""
-        candidates = self.fleet.candidates()
-        later = req.request_id is not None  # observed when served; without an ID, now
-        result = (
-            self._traced(req, candidates, parent, later)
-            if self.recording
-            else self.engine.pick(req, candidates, observe=not later)
-        )
-        if isinstance(result, NoPod):
+        """The pods best first, the first held in flight; None: no pod (Envoy's fallback)."""
+        chosen = self.choose(req, parent)
+        if chosen is None:
             return None
-        self.fleet.acquire(result.pods[0], req.request_id)
-        if req.request_id is not None:
-            self._unserved[req.request_id] = req
-            if len(self._unserved) > MAX_UNSERVED:
-                self._unserved.popitem(last=False)
-        return result.pods
+        self.hold(req, chosen)
+        return chosen.pods
+
+    def choose(self, req: PickRequest, parent: Context | None = None) -> Pick | None:
+        """The pods best first, held nowhere yet (`hold` does): extauthz chooses while the
+        request's admission is under way and holds only what is admitted. None: no pod."""
+        candidates = self.fleet.candidates()
+        result = (
+            self._traced(req, candidates, parent)
+            if self.recording
+            else self.engine.pick(req, candidates, observe=False)
+        )
+        return None if isinstance(result, NoPod) else result
+
+    def hold(self, req: PickRequest, chosen: Pick) -> None:
+        """The chosen pod counts the request in flight, and the pick as answered. The plugins
+        learn it once a pod has served it (`ended`: with a request ID), else now."""
+        pod = chosen.pods[0]
+        metrics.picks(pod, chosen.reason).inc()
+        self.fleet.acquire(pod, req.request_id)
+        if req.request_id is None:
+            candidate = self.fleet.candidate(pod)
+            if candidate is not None:
+                self.engine.observe(req, candidate)
+            return
+        self._unserved[req.request_id] = req
+        if len(self._unserved) > MAX_UNSERVED:
+            self._unserved.popitem(last=False)
 
     def ended(self, request_id: str, served_by: PodId | None) -> None:
         """The request's outcome: `served_by` the pod that answered it well (None: none did,
@@ -110,7 +127,7 @@ class Router:
             self.engine.observe(req, chosen)
 
     def _traced(
-        self, req: PickRequest, candidates: list[Candidate], parent: Context | None, later: bool
+        self, req: PickRequest, candidates: list[Candidate], parent: Context | None
     ) -> Pick | NoPod:
         attributes = {
             k: v for k, v in (("tenant.id", req.tenant), ("session.id", req.session)) if v
@@ -118,7 +135,7 @@ class Router:
         with self.tracer.start_as_current_span(
             "router.pick", context=parent, attributes=attributes
         ) as span:
-            result = self.engine.pick(req, candidates, observe=not later)
+            result = self.engine.pick(req, candidates, observe=False)
             if isinstance(result, NoPod):
                 span.set_attribute("router.no_pod", result.stage)
             else:

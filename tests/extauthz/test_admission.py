@@ -116,10 +116,50 @@ def check(key: str, request_id: str) -> external_auth_pb2.CheckRequest:
     return check_request({"api-key": key, "x-request-id": request_id}, CHAT)
 
 
+def _picks() -> float:
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        if metric.name == "llmgw_router_picks"
+        for sample in metric.samples
+        if sample.name == "llmgw_router_picks_total"
+    )
+
+
+async def test_the_pod_is_chosen_while_the_admission_is_under_way(
+    admitting: Admitting, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admission's round trip to Redis leaves before the pod is chosen, so the choice
+    overlaps it (Redis on another core or host works meanwhile); the pod is held after."""
+    seen: list[tuple[bool, bool]] = []
+    admitting_now = {"started": False, "done": False}
+    limiter, router = admitting.limiter.limiter, admitting.router
+    admit, choose = limiter.admit, router.choose
+
+    async def timed_admit(*args: Any) -> Any:
+        admitting_now["started"] = True
+        verdict = await admit(*args)
+        admitting_now["done"] = True
+        return verdict
+
+    def observed_choose(*args: Any) -> Any:
+        seen.append((admitting_now["started"], admitting_now["done"]))
+        return choose(*args)
+
+    monkeypatch.setattr(limiter, "admit", timed_admit)
+    monkeypatch.setattr(router, "choose", observed_choose)
+    reply = await admitting.stub.Check(check(keys.globex, "overlap-1"))
+    assert reply.status.code == code_pb2.OK
+    assert seen == [(True, False)]  # started, not yet answered
+    assert json_format.MessageToDict(reply.dynamic_metadata)[wire.DESTINATION_ENDPOINT]
+    assert sum(router.fleet.in_flight.values()) == 1
+
+
 async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
     admitting: Admitting, keys: Keys
 ) -> None:
     timed = REGISTRY.get_sample_value("llmgw_ratelimit_decision_seconds_count") or 0.0
+    picks = _picks()
     replies = await asyncio.gather(
         *(admitting.stub.Check(check(keys.globex, f"r{i}")) for i in range(40))
     )
@@ -134,8 +174,10 @@ async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
         assert int(rate["x-ratelimit-remaining-requests"]) in (0, 1, 2)
         meta = json_format.MessageToDict(reply.dynamic_metadata)
         assert meta[wire.META_DECIDED] is True and meta[wire.DESTINATION_ENDPOINT]
-    # Only the admitted hold a pod in flight: a refusal is decided before the pick.
+    # Every request's pod is chosen during its admission, but only the admitted hold one in
+    # flight and count as picks.
     assert sum(admitting.router.fleet.in_flight.values()) == 3
+    assert _picks() == picks + 3
 
     for reply in refused:
         assert reply.status.code == code_pb2.RESOURCE_EXHAUSTED

@@ -66,18 +66,22 @@ class _Wire(asyncio.Transport):
         pass
 
 
-async def test_resp_writes_one_turns_commands_at_once_and_reads_replies_cut_anywhere() -> None:
+async def test_resp_sends_a_turns_first_command_now_the_rest_together_and_reads_any_cut() -> None:
     client = Resp()
     wire = _Wire()
     client.connection_made(wire)
     calls = [client.call("INCR", "n"), client.call("GET", "k"), client.call("EVAL", "x", 0)]
-    assert wire.writes == []  # nothing leaves before the loop's turn ends
+    # The first leaves before the caller goes on (an admission's round trip starts at once)...
+    assert wire.writes == [encode(("INCR", "n"))]
     await asyncio.sleep(0)
-    assert wire.writes == [encode(("INCR", "n")) + encode(("GET", "k")) + encode(("EVAL", "x", 0))]
-    replies = b":7\r\n$5\r\nhello\r\n*2\r\n:1\r\n*1\r\n$-1\r\n"
+    # ... the rest of the turn's together at its end, and the next turn starts afresh.
+    assert wire.writes[1:] == [encode(("GET", "k")) + encode(("EVAL", "x", 0))]
+    calls.append(client.call("PING"))
+    assert wire.writes[2:] == [encode(("PING",))]
+    replies = b":7\r\n$5\r\nhello\r\n*2\r\n:1\r\n*1\r\n$-1\r\n+PONG\r\n"
     for i in range(len(replies)):  # one byte at a time: every cut point is seen
         client.data_received(replies[i : i + 1])
-    assert await asyncio.gather(*calls) == [7, b"hello", [1, [None]]]
+    assert await asyncio.gather(*calls) == [7, b"hello", [1, [None]], "PONG"]
     assert not client.closed
 
 
