@@ -49,7 +49,7 @@ from ratelimit.runtime import RateLimiter
 from ratelimit.types import Verdict
 from router.request import from_metadata
 from router.runtime import Router
-from router.types import Pick, endpoints
+from router.types import Pick, PickRequest, endpoints
 
 log = logging.getLogger(__name__)
 
@@ -194,28 +194,35 @@ async def admit(limiter: RateLimiter, allow: Allow, timeout_s: float) -> Verdict
     return verdict
 
 
-def choose(router: Router, allow: Allow) -> Pick | None:
+# A request's pick before it is held: what the router was asked, and its answer.
+Chosen = tuple[PickRequest, Pick]
+
+
+def choose(router: Router, allow: Allow) -> Chosen | None:
     """The router's pods for this request, best first, held nowhere yet (the request ID in the
     facts is Envoy's x-request-id, which its access log carries too); None: Envoy's fallback
     picks."""
     try:
-        return router.choose(from_metadata(allow.metadata))
+        request = from_metadata(allow.metadata)
+        pick = router.choose(request)
     except Exception:  # a router bug costs the pick (Envoy's fallback picks), never the request
         log.exception("pick failed", extra={"tenant": allow.tenant})
         metrics.PICK_ERRORS.inc()
         return None
+    return None if pick is None else (request, pick)
 
 
-def hold(router: Router, answer: Answer, allow: Allow, chosen: Pick) -> None:
+def hold(router: Router, answer: Answer, allow: Allow, chosen: Chosen) -> None:
     """The chosen pods into the answer's metadata, the first now counting the request in
     flight."""
+    request, pick = chosen
     try:
-        router.hold(from_metadata(allow.metadata), chosen)
+        router.hold(request, pick)
     except Exception:  # as in `choose`
         log.exception("pick failed", extra={"tenant": allow.tenant})
         metrics.PICK_ERRORS.inc()
         return
-    answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(chosen.pods)
+    answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pick.pods)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
