@@ -33,24 +33,19 @@ local ok = true
 local longest = 0
 local a = 5
 for i = 1, n do
-  -- The window's numbers as sent (integer strings) go into the reservation's spec as they are.
-  local name, sbms, snb, srolling = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local bms, nb, rolling = tonumber(sbms), tonumber(snb), tonumber(srolling)
+  local name, bms, nb, rolling = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local limit, cost, reserve = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), ARGV[a + 6]
   a = a + 7
   local cur = math.floor(now / bms)
   local span = nb + rolling
-  local base = p .. ':' .. name .. ':'
   local keys = {}
-  for j = 0, span - 1 do keys[j + 1] = base .. string.format('%d', cur - j) end
+  for j = 0, span - 1 do keys[j + 1] = p .. ':' .. name .. ':' .. string.format('%d', cur - j) end
   local vals = redis.call('MGET', unpack(keys))
   local used = 0
-  local at = #out
   for j = 1, span do
-    -- A counter's own integer string, passed on as it is (INCRBY and DECRBY write only those).
-    local raw = vals[j] or '0'
-    if j <= nb then used = used + tonumber(raw) end
-    out[at + j] = raw
+    local v = tonumber(vals[j]) or 0
+    if j <= nb then used = used + v end
+    out[#out + 1] = string.format('%d', v)
   end
   if rolling == 1 then
     -- ⌈B·w/b⌉ as ⌊B/b⌋·w + ⌈(B mod b)·w/b⌉: each product stays exact in Lua's doubles.
@@ -60,7 +55,7 @@ for i = 1, n do
   end
   if span * bms > longest then longest = span * bms end
   -- The cost as sent (an integer string): Lua would print a large number in exponent form.
-  plan[i] = {keys[1], name .. ' ' .. sbms .. ' ' .. snb .. ' ' .. srolling .. ' ' .. string.format('%d', cur), cost, ARGV[a - 2], (span + 1) * bms, reserve, used, limit}
+  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. rolling .. ' ' .. string.format('%d', cur), cost, ARGV[a - 2], (span + 1) * bms, reserve, used, limit}
 end
 
 local prompt, seqs = tonumber(ARGV[a]) or 0, tonumber(ARGV[a + 1]) or 0
