@@ -199,9 +199,9 @@ Chosen = tuple[PickRequest, Pick]
 
 
 def choose(router: Router, allow: Allow) -> Chosen | None:
-    """The router's pods for this request, best first, held nowhere yet (the request ID in the
-    facts is Envoy's x-request-id, which its access log carries too); None: Envoy's fallback
-    picks."""
+    """The router's pods for this request, best first, the first counting it in flight until
+    `hold` or `give_back` (the request ID in the facts is Envoy's x-request-id, which its access
+    log carries too); None: Envoy's fallback picks."""
     try:
         request = from_metadata(allow.metadata)
         pick = router.choose(request)
@@ -213,8 +213,7 @@ def choose(router: Router, allow: Allow) -> Chosen | None:
 
 
 def hold(router: Router, answer: Answer, allow: Allow, chosen: Chosen) -> None:
-    """The chosen pods into the answer's metadata, the first now counting the request in
-    flight."""
+    """The request goes to the chosen pods: into the answer's metadata."""
     request, pick = chosen
     try:
         router.hold(request, pick)
@@ -223,6 +222,15 @@ def hold(router: Router, answer: Answer, allow: Allow, chosen: Chosen) -> None:
         metrics.PICK_ERRORS.inc()
         return
     answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pick.pods)
+
+
+def give_back(router: Router, allow: Allow, chosen: Chosen) -> None:
+    """The request does not go to the chosen pod (refused, or its check abandoned)."""
+    try:
+        router.give_back(*chosen)
+    except Exception:  # as in `choose`
+        log.exception("pick failed", extra={"tenant": allow.tenant})
+        metrics.PICK_ERRORS.inc()
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -299,33 +307,40 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         router = self.router
         if self.limiter is None:
             answer = admitted(decision, None)
-            if router is not None and (chosen := choose(router, decision)) is not None:
-                hold(router, answer, decision, chosen)
+            if router is not None and (picked := choose(router, decision)) is not None:
+                hold(router, answer, decision, picked)
             return answer
         # The admission's round trip to Redis leaves first and the pod is chosen while it is
-        # under way (Redis on another core or host works meanwhile); the pod is held only once
-        # the request is admitted: a refused request holds none and teaches the router nothing.
+        # under way (Redis on another core or host works meanwhile). The choice counts in flight
+        # at once, so that the checks answered meanwhile spread over the pods; the request goes
+        # to it only if admitted, else it is given back: a refused request holds no pod and
+        # teaches the router nothing.
         admission = asyncio.get_running_loop().create_task(
             admit(self.limiter, decision, self.admit_timeout_s)
         )
+        chosen: Chosen | None = None
         try:
             await asyncio.sleep(0)  # the admission runs to its wait for Redis: its command sent
-            chosen = choose(router, decision) if router is not None else None
+            if router is not None:
+                chosen = choose(router, decision)
             verdict = await admission
+            if self.tracing:  # the span of the check, current while it runs
+                result = "unchecked" if verdict is None else verdict.refusal or "ok"
+                trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
+            try:
+                answer = admitted(decision, verdict)
+            except Exception:  # a bug in the limiter's answer costs it, never the request
+                log.exception("admission answer failed", extra={"tenant": decision.tenant})
+                metrics.admit_errors("error").inc()
+                answer = admitted(decision, None)
+            if answer.allowed and router is not None and chosen is not None:
+                hold(router, answer, decision, chosen)
+                chosen = None
+            return answer
         finally:
             admission.cancel()  # this check was cancelled (Envoy gave up on it); else a no-op
-        if self.tracing:  # the span of the check, current while it runs
-            result = "unchecked" if verdict is None else verdict.refusal or "ok"
-            trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
-        try:
-            answer = admitted(decision, verdict)
-        except Exception:  # a bug in the limiter's answer costs it, never the request
-            log.exception("admission answer failed", extra={"tenant": decision.tenant})
-            metrics.admit_errors("error").inc()
-            answer = admitted(decision, None)
-        if answer.allowed and router is not None and chosen is not None:
-            hold(router, answer, decision, chosen)
-        return answer
+            if router is not None and chosen is not None:
+                give_back(router, decision, chosen)
 
     async def check(
         self,

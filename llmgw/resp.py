@@ -120,15 +120,16 @@ class Resp(asyncio.Protocol):
             raise ConnectionError(f"redis connection closed: {self._error}")
         if len(self._pending) >= MAX_PENDING:
             raise ConnectionError("redis: too many pending commands")
+        command = encode(args)  # first: a command that cannot be encoded queues no caller
         future: asyncio.Future[Reply] = self._loop.create_future()
         self._pending.append(future)
         if self._turn:
-            self._out.append(encode(args))
+            self._out.append(command)
             return future
         self._turn = True
         self._loop.call_soon(self._flush)
         if self._transport is not None:
-            self._transport.write(encode(args))
+            self._transport.write(command)
         return future
 
     async def close(self) -> None:

@@ -9,7 +9,9 @@ from llmgw.telemetry import Children
 _FAST = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 
 PICKS = Counter(
-    "llmgw_router_picks_total", "Answered picks by first pod and reason", ["pod", "reason"]
+    "llmgw_router_picks_total",
+    "Picks answered (the request sent to the pod) by first pod and reason",
+    ["pod", "reason"],
 )
 NO_POD = Counter(
     "llmgw_router_no_pod_total", "Picks with no pod left (Envoy's fallback picks)", ["stage"]

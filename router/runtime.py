@@ -91,22 +91,25 @@ class Router:
         return chosen.pods
 
     def choose(self, req: PickRequest, parent: Context | None = None) -> Pick | None:
-        """The pods best first, held nowhere yet (`hold` does): extauthz chooses while the
-        request's admission is under way and holds only what is admitted. None: no pod."""
+        """The pods best first, the first counted in flight at once, so that the choices made
+        meanwhile see it; then `hold` (the request goes to it) or `give_back` (it does not:
+        extauthz chooses while the request's admission is under way). None: no pod."""
         candidates = self.fleet.candidates()
         result = (
             self._traced(req, candidates, parent)
             if self.recording
             else self.engine.pick(req, candidates, observe=False)
         )
-        return None if isinstance(result, NoPod) else result
+        if isinstance(result, NoPod):
+            return None
+        self.fleet.acquire(result.pods[0], req.request_id)
+        return result
 
     def hold(self, req: PickRequest, chosen: Pick) -> None:
-        """The chosen pod counts the request in flight, and the pick as answered. The plugins
+        """The request goes to the chosen pod: the pick counts as answered, and the plugins
         learn it once a pod has served it (`ended`: with a request ID), else now."""
         pod = chosen.pods[0]
         metrics.picks(pod, chosen.reason).inc()
-        self.fleet.acquire(pod, req.request_id)
         if req.request_id is None:
             candidate = self.fleet.candidate(pod)
             if candidate is not None:
@@ -115,6 +118,14 @@ class Router:
         self._unserved[req.request_id] = req
         if len(self._unserved) > MAX_UNSERVED:
             self._unserved.popitem(last=False)
+
+    def give_back(self, req: PickRequest, chosen: Pick) -> None:
+        """The request will not go to the chosen pod (refused, or its check abandoned): it no
+        longer counts in flight there, and nothing learns from it."""
+        if req.request_id is None:
+            self.fleet.release(chosen.pods[0])
+        else:
+            self.fleet.finish(req.request_id)  # nothing if its time in flight ran out already
 
     def ended(self, request_id: str, served_by: PodId | None) -> None:
         """The request's outcome: `served_by` the pod that answered it well (None: none did,

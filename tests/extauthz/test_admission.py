@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from llmgw.procs import Process, bin_path, free_port, redis_ping
 from ratelimit.runtime import RateLimiter
 from ratelimit.settings import RedisSettings, Settings
 from router.runtime import Router
+from router.types import PodMetrics
 from tests.extauthz.conftest import Keys, make_decider
 from tests.extauthz.test_service import (
     CHAT,
@@ -58,9 +60,15 @@ def redis(tmp_path: Path) -> Iterator[int]:
 
 class Admitting:
     def __init__(
-        self, stub: Any, limiter: RateLimiter, router: Router, spans: InMemorySpanExporter
+        self,
+        stub: Any,
+        service: AuthorizationService,
+        limiter: RateLimiter,
+        router: Router,
+        spans: InMemorySpanExporter,
     ) -> None:
         self.stub = stub
+        self.service = service
         self.limiter = limiter
         self.router = router
         self.spans = spans
@@ -72,9 +80,10 @@ async def _admitting(
     tiers_file: Path,
     redis_port: int,
     admit_timeout_s: float = 1.0,
+    tiers: str = LIMITS,
 ) -> AsyncIterator[Admitting]:
     limits = tmp_path / "limits.yaml"
-    limits.write_text(LIMITS)
+    limits.write_text(tiers)
     redis = RedisSettings(port=redis_port, deadline_ms=200, connect_timeout_s=0.2)
     limiter = RateLimiter(Settings(limits_file=limits, redis=redis))
     await limiter.start()
@@ -98,7 +107,7 @@ async def _admitting(
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Admitting(Stub(channel), limiter, router, spans)
+            yield Admitting(Stub(channel), service, limiter, router, spans)
     finally:
         await server.stop(0)
         await limiter.stop()
@@ -114,6 +123,85 @@ async def admitting(
 
 def check(key: str, request_id: str) -> external_auth_pb2.CheckRequest:
     return check_request({"api-key": key, "x-request-id": request_id}, CHAT)
+
+
+# The same tier with room for every burst below.
+ROOMY = "tiers:\n  gold: {requests: {minute: 100000}, tokens: {minute: 900000000}}\n"
+
+
+@pytest.fixture
+async def roomy(
+    tmp_path: Path, tenants_file: Path, tiers_file: Path, keys: Keys, redis: int
+) -> AsyncIterator[Admitting]:
+    async for a in _admitting(tmp_path, tenants_file, tiers_file, redis, tiers=ROOMY):
+        yield a
+
+
+async def _burst(admitting: Admitting, key: str, n: int = 20) -> Counter[str]:
+    """n checks at once, all choosing their pod before any admission is answered; how many
+    went to each pod first."""
+
+    def headers(i: int) -> dict[str, str]:
+        return {
+            ":method": "POST",
+            ":path": "/v1/chat/completions",
+            "api-key": key,
+            "content-type": "application/json",
+            "x-request-id": f"burst-{i}",
+        }
+
+    answers = await asyncio.gather(*(admitting.service.check(headers(i), CHAT) for i in range(n)))
+    assert all(a.allowed for a in answers)
+    return Counter(str(a.metadata[wire.DESTINATION_ENDPOINT]).split(",")[0] for a in answers)
+
+
+async def test_checks_answered_together_spread_over_the_pods(roomy: Admitting, keys: Keys) -> None:
+    """Each choice counts in flight at once: the checks whose admissions are under way together
+    see each other's choices, and do not all go to the pod that looked idlest."""
+    busy, idle = PODS
+    fleet = roomy.router.fleet
+    fleet.snapshots[busy] = PodMetrics(
+        busy, fleet.clock(), ok=True, running=2, kv_usage=0.2, models=frozenset({"llama-3-8b"})
+    )
+    first = await _burst(roomy, keys.globex)
+    assert first[idle] <= 15 and first[busy] >= 5, first
+    assert fleet.in_flight == first
+
+
+async def test_a_pod_on_probation_gets_one_check_of_a_burst(roomy: Admitting, keys: Keys) -> None:
+    """A pod back from a cooldown takes one pick at a time until one answers well: the checks
+    admitted together count as concurrent picks."""
+    fleet = roomy.router.fleet
+    for _ in range(fleet.settings.error_threshold):
+        fleet.report(PODS[0], 503)
+    later = fleet.clock() + fleet.settings.error_cooldown + 0.1
+    fleet.clock = lambda: later  # its cooldown is over: on probation
+    assert fleet.pickable(PODS[0], later)
+    first = await _burst(roomy, keys.globex)
+    assert first[PODS[0]] <= 1, first
+
+
+async def test_an_abandoned_check_gives_its_pod_back(roomy: Admitting, keys: Keys) -> None:
+    """Envoy gives up on checks while their admissions are under way: no pod stays held."""
+    admit = roomy.limiter.limiter.admit
+
+    async def slow(*args: Any) -> Any:
+        verdict = await admit(*args)
+        await asyncio.sleep(0.3)
+        return verdict
+
+    roomy.limiter.limiter.admit = slow  # type: ignore[method-assign]
+    headers = {":method": "POST", ":path": "/v1/chat/completions", "api-key": keys.globex}
+    checks = [
+        asyncio.ensure_future(roomy.service.check({**headers, "x-request-id": f"gone-{i}"}, CHAT))
+        for i in range(5)
+    ]
+    await asyncio.sleep(0.1)
+    assert sum(roomy.router.fleet.in_flight.values()) == 5  # chosen, counted in flight
+    for task in checks:
+        task.cancel()
+    await asyncio.gather(*checks, return_exceptions=True)
+    assert sum(roomy.router.fleet.in_flight.values()) == 0
 
 
 def _picks() -> float:

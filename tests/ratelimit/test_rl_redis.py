@@ -85,6 +85,19 @@ async def test_resp_sends_a_turns_first_command_now_the_rest_together_and_reads_
     assert not client.closed
 
 
+async def test_resp_a_command_it_cannot_encode_leaves_no_caller_waiting() -> None:
+    """Else every later caller would get the reply meant for the one before it."""
+    client = Resp()
+    wire = _Wire()
+    client.connection_made(wire)
+    with pytest.raises(UnicodeEncodeError):
+        client.call("GET", "\ud800")  # a lone surrogate: no UTF-8 for it
+    pending = client.call("GET", "b")
+    client.data_received(b"$10\r\nvalue-of-b\r\n")
+    assert await asyncio.wait_for(pending, 2) == b"value-of-b"
+    assert wire.writes == [encode(("GET", "b"))]
+
+
 async def test_resp_fails_closed_on_a_reply_nobody_asked_for() -> None:
     client = Resp()
     client.connection_made(_Wire())
