@@ -160,9 +160,10 @@ async def test_a_failing_pod_stops_receiving_picks_and_no_request_fails(own_stac
 async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
     own_stack: Stack,
 ) -> None:
-    """The rate limiter inside extauthz admits before the router picks: a burst 4x the tier's
-    rate picks exactly the admitted requests (a refused one holds no pod and teaches the prefix
-    index nothing), and every pick is released by its access-log entry."""
+    """The router inside extauthz chooses while the admission is under way, and a refused
+    request gives its pod back: a burst 4x the tier's rate picks exactly the admitted requests
+    (a refused one holds no pod and teaches the prefix index nothing), and every pick is
+    released by its access-log entry."""
     assert own_stack.services.router_in_extauthz and own_stack.services.ratelimit_in_extauthz
     pods = [f"{p.host}:{p.port}" for p in own_stack.pods]
     picks_before = sum(router_picks(own_stack, pod) for pod in pods)
