@@ -5,8 +5,9 @@ With a rate limiter in this process (settings `admit`), an allowed request is ad
 a refusal is the denial (429, or the breaker's 503) with the limiter's body and headers, an
 admission adds its x-ratelimit-* headers to the response and what it decided to the metadata
 (the ledger and envoy/rewrite.lua read it there). With a router (settings `pick`), the request's
-pod is chosen while its admission's Redis round trip is under way, and held (counted in flight,
-named in the metadata, where Envoy's override_host reads it) only if it is admitted.
+pod is chosen, and counted in flight, while its admission's Redis round trip is under way; it is
+named in the metadata (where Envoy's override_host reads it) if the request is admitted, and
+given back if not.
 Neither needs an exchange of its own. Both fail open: a limiter or router that raises costs
 the admission or the pick, not the request (Redis down is the limiter's own degraded mode).
 
