@@ -207,8 +207,7 @@ def choose(router: Router, allow: Allow) -> Chosen | None:
         request = from_metadata(allow.metadata)
         pick = router.choose(request)
     except Exception:  # a router bug costs the pick (Envoy's fallback picks), never the request
-        log.exception("pick failed", extra={"tenant": allow.tenant})
-        metrics.PICK_ERRORS.inc()
+        _pick_failed(allow)
         return None
     return None if pick is None else (request, pick)
 
@@ -219,8 +218,7 @@ def hold(router: Router, answer: Answer, allow: Allow, chosen: Chosen) -> None:
     try:
         router.hold(request, pick)
     except Exception:  # as in `choose`
-        log.exception("pick failed", extra={"tenant": allow.tenant})
-        metrics.PICK_ERRORS.inc()
+        _pick_failed(allow)
         return
     answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pick.pods)
 
@@ -230,8 +228,12 @@ def give_back(router: Router, allow: Allow, chosen: Chosen) -> None:
     try:
         router.give_back(*chosen)
     except Exception:  # as in `choose`
-        log.exception("pick failed", extra={"tenant": allow.tenant})
-        metrics.PICK_ERRORS.inc()
+        _pick_failed(allow)
+
+
+def _pick_failed(allow: Allow) -> None:
+    log.exception("pick failed", extra={"tenant": allow.tenant})
+    metrics.PICK_ERRORS.inc()
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
