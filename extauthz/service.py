@@ -307,43 +307,47 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
     async def respond(self, decision: Decision) -> Answer:
         if not isinstance(decision, Allow):
             return denied(decision)
-        router = self.router
-        if self.limiter is None:
+        router, limiter = self.router, self.limiter
+        if limiter is None:
             answer = admitted(decision, None)
             if router is not None and (picked := choose(router, decision)) is not None:
                 hold(router, answer, decision, picked)
             return answer
+        if router is None:
+            return self.answer(decision, await admit(limiter, decision, self.admit_timeout_s))
         # The admission's round trip to Redis leaves first and the pod is chosen while it is
         # under way (Redis on another core or host works meanwhile). The choice counts in flight
         # at once, so that the checks answered meanwhile spread over the pods; the request goes
         # to it only if admitted, else it is given back: a refused request holds no pod and
         # teaches the router nothing.
         admission = asyncio.get_running_loop().create_task(
-            admit(self.limiter, decision, self.admit_timeout_s)
+            admit(limiter, decision, self.admit_timeout_s)
         )
         chosen: Chosen | None = None
         try:
             await asyncio.sleep(0)  # the admission runs to its wait for Redis: its command sent
-            if router is not None:
-                chosen = choose(router, decision)
-            verdict = await admission
-            if self.tracing:  # the span of the check, current while it runs
-                result = "unchecked" if verdict is None else verdict.refusal or "ok"
-                trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
-            try:
-                answer = admitted(decision, verdict)
-            except Exception:  # a bug in the limiter's answer costs it, never the request
-                log.exception("admission answer failed", extra={"tenant": decision.tenant})
-                metrics.admit_errors("error").inc()
-                answer = admitted(decision, None)
-            if answer.allowed and router is not None and chosen is not None:
+            chosen = choose(router, decision)
+            answer = self.answer(decision, await admission)
+            if answer.allowed and chosen is not None:
                 hold(router, answer, decision, chosen)
                 chosen = None
             return answer
         finally:
             admission.cancel()  # this check was cancelled (Envoy gave up on it); else a no-op
-            if router is not None and chosen is not None:
+            if chosen is not None:
                 give_back(router, decision, chosen)
+
+    def answer(self, allow: Allow, verdict: Verdict | None) -> Answer:
+        """The answer to an allowed request with the limiter's verdict (None: unchecked)."""
+        if self.tracing:  # the span of the check, current while it runs
+            result = "unchecked" if verdict is None else verdict.refusal or "ok"
+            trace.get_current_span().set_attribute("llmgw.ratelimit.result", result)
+        try:
+            return admitted(allow, verdict)
+        except Exception:  # a bug in the limiter's answer costs it, never the request
+            log.exception("admission answer failed", extra={"tenant": allow.tenant})
+            metrics.admit_errors("error").inc()
+            return admitted(allow, None)
 
     async def check(
         self,

@@ -107,9 +107,11 @@ def test_a_shared_prompt_prefix_lands_on_the_pod_that_holds_it(routed: Stack) ->
 
 
 async def load(
-    stack: Stack, seconds: float, concurrency: int, on_done: Any = None
+    stack: Stack, seconds: float, concurrency: int, on_done: Any = None, rate: float = 40.0
 ) -> tuple[int, list[BaseException]]:
-    """Chat requests from `concurrency` workers for `seconds`: how many, and the failures."""
+    """Chat requests from `concurrency` workers for `seconds`, each at most `rate` a second (so
+    that a fast machine stays under the platinum tier's 500 a second): how many, and the
+    failures."""
     headers = {"authorization": f"Bearer {api_key(stack)}"}
     deadline = time.monotonic() + seconds
     done = 0
@@ -117,7 +119,10 @@ async def load(
 
     async def worker(session: aiohttp.ClientSession, w: int) -> None:
         nonlocal done
+        next_at = time.monotonic()
         while time.monotonic() < deadline:
+            next_at += 1 / rate
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"w{w} {done}"}]}
             try:
                 async with session.post(
