@@ -94,6 +94,13 @@ class Cluster:
         return self._closed
 
     @property
+    def last_read(self) -> float:
+        """The quietest node a command waits on: one node answering must not hide another's
+        silence."""
+        waiting = [node.last_read for node in self._nodes.values() if node.waiting]
+        return min(waiting, default=max((n.last_read for n in self._nodes.values()), default=0.0))
+
+    @property
     def masters(self) -> list[Addr]:
         return list(self._masters)
 

@@ -48,6 +48,11 @@ class Client(Protocol):
     @property
     def closed(self) -> bool: ...
 
+    @property
+    def last_read(self) -> float:
+        """When Redis last sent bytes (the loop's clock): a busy Redis still answers."""
+        ...
+
     def call(self, *args: Arg) -> asyncio.Future[Reply]: ...
 
     async def close(self) -> None: ...
@@ -89,6 +94,7 @@ class Resp(asyncio.Protocol):
         # Kept: get_running_loop() costs a getpid system call on Python 3.11, once per command.
         self._loop = asyncio.get_running_loop()
         self._lost: asyncio.Future[None] = self._loop.create_future()
+        self._last_read = self._loop.time()
 
     @classmethod
     async def connect(
@@ -112,6 +118,15 @@ class Resp(asyncio.Protocol):
     @property
     def closed(self) -> bool:
         return self._error is not None
+
+    @property
+    def last_read(self) -> float:
+        return self._last_read
+
+    @property
+    def waiting(self) -> bool:
+        """A command awaits its reply."""
+        return bool(self._pending)
 
     def call(self, *args: Arg) -> asyncio.Future[Reply]:
         """Send one command (now if it is the turn's first, else at the end of this turn of the
@@ -165,6 +180,7 @@ class Resp(asyncio.Protocol):
             self._lost.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
         try:
             self._parser.feed(data)
         except (IndexError, ValueError) as exc:  # not RESP2, or a reply nobody asked for

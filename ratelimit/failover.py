@@ -1,10 +1,11 @@
 """Redis within a deadline, else this replica's share in process memory; back to Redis by itself.
 
-Down, not busy. A decision waits at most `deadline_s` for Redis's reply. The default (0.5 s,
-settings.redis.deadline_ms) is ten times the wait of a reply that is late only because this
-event loop or Redis is busy (the slowest of 1,000 concurrent decisions on one replica took
-0.04-0.05 s on a shared 2-core box, 2,000 up to 0.06 s; tests/ratelimit/test_rl_failover.py),
-and below Envoy's 2 s timeout (llmgw/envoyconf.py), so a degraded answer still reaches Envoy.
+Down, not busy. A decision waits for Redis's reply until Redis has sent nothing for `deadline_s`
+(0.5 s, settings.redis.deadline_ms) while the reply waits: a reply late only because the replies
+before it, or this event loop, are busy (a burst of 1,000 decisions on a machine busy with other
+work) still counts, as long as Redis keeps answering. 0.5 s is below Envoy's 2 s timeout
+(llmgw/envoyconf.py), so a degraded answer still reaches Envoy; the admission in extauthz has its
+own budget (admit_timeout_ms) however long Redis stays busy.
 
 What degrades. Only a timeout or a transport failure (refused, reset, closed): decisions then use
 the LocalStore, a warning is logged once, the gauge goes to 1, and a background probe reconnects
@@ -45,7 +46,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from llmgw.cluster import connect
 from llmgw.resp import Arg, Reply, RespError
@@ -55,6 +57,7 @@ from ratelimit.store import LocalStore
 from ratelimit.types import Check, Grant, Outcome, granted
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TRANSPORT = (TimeoutError, ConnectionError, OSError)  # Redis down or unreachable
 SEEN_BEATS = 5
@@ -165,24 +168,36 @@ class Failover:
         )
 
     async def _admit(self, redis: RedisStore, checks: Sequence[Check], args: list[Arg]) -> Outcome:
-        """The script's reply within the deadline, else TimeoutError. The reply's future itself
-        fails at the deadline: one timer per call and no task cancellation (asyncio.timeout's
-        bookkeeping cost ~3 % of a decision)."""
+        """The script's reply, else TimeoutError once Redis has been silent for the deadline
+        (`_expire`). The reply's future itself fails: one timer per call and no task
+        cancellation (asyncio.timeout's bookkeeping cost ~3 % of a decision)."""
         loop = self._loop
         assert loop is not None  # self.redis is set by start() or its probe, on that loop
-        deadline = loop.time() + self.deadline_s
         reply_future = redis.send_admit(args)
-        timer = loop.call_at(deadline, _expire, reply_future)
+        timer = loop.call_at(loop.time() + self.deadline_s, _expire, self, reply_future, False)
         try:
             reply = await reply_future
         except RespError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
-            async with asyncio.timeout_at(deadline):  # rare: Redis lost its script cache
-                reply = await redis.eval_admit(args)
+            reply = await self._within(redis, redis.eval_admit(args))  # Redis lost its scripts
         finally:
             timer.cancel()
         return outcome(reply, checks)
+
+    async def _within(self, redis: RedisStore, call: Awaitable[T]) -> T:
+        """`call`'s result, else TimeoutError once Redis has been silent for the deadline."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=self.deadline_s)
+                if done:
+                    return task.result()
+                assert self._loop is not None
+                if self._loop.time() - redis.client.last_read >= self.deadline_s:
+                    raise TimeoutError("redis deadline")
+        finally:
+            task.cancel()
 
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key from Redis (None when degraded, absent or in error)."""
@@ -190,8 +205,7 @@ class Failover:
         if redis is None:
             return None
         try:
-            async with asyncio.timeout(self.deadline_s):
-                return await redis.get_fleet(key)
+            return await self._within(redis, redis.get_fleet(key))
         except RespError as exc:
             self._error_reply(exc)
         except TRANSPORT as exc:
@@ -273,8 +287,7 @@ class Failover:
             redis = self.redis
             if redis is not None:
                 try:
-                    async with asyncio.timeout(self.deadline_s):
-                        seen = await redis.heartbeat(self.id, seen_ms)
+                    seen = await self._within(redis, redis.heartbeat(self.id, seen_ms))
                     self.local.replicas = max(self.floor, seen)
                 except RespError as exc:
                     self._error_reply(exc)
@@ -283,6 +296,19 @@ class Failover:
             await asyncio.sleep(self.heartbeat_s)
 
 
-def _expire(reply: asyncio.Future[Reply]) -> None:
-    if not reply.done():  # the client drops the late reply when it comes (llmgw/resp.py)
+def _expire(failover: Failover, reply: asyncio.Future[Reply], confirming: bool) -> None:
+    """A reply's deadline: Redis is down when it has sent nothing for `deadline_s` while the
+    reply waits, not when the reply is late because the replies before it, or this event loop,
+    are busy (a burst of 1,000 decisions on a busy machine). The client drops the late reply
+    when it comes (llmgw/resp.py)."""
+    redis, loop = failover.redis, failover._loop
+    if reply.done() or redis is None or loop is None:
+        return
+    quiet_until = redis.client.last_read + failover.deadline_s
+    if loop.time() < quiet_until:  # Redis answers: wait on
+        loop.call_at(quiet_until, _expire, failover, reply, False)
+    elif not confirming:
+        # This loop may have been too busy to read what came: once more, after it polls.
+        loop.call_later(0.001, _expire, failover, reply, True)
+    else:
         reply.set_exception(TimeoutError("redis deadline"))

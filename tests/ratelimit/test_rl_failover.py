@@ -198,3 +198,19 @@ async def test_a_burst_is_busy_not_down(redis: int, make_failover: MakeFailover)
     verdicts = await asyncio.gather(*(engine.admit(Admission("acme", "free")) for _ in range(1000)))
     assert sum(v.allowed for v in verdicts) == 40
     assert not store.degraded
+
+
+async def test_replies_later_than_the_deadline_are_busy_while_redis_answers(
+    redis: int, make_failover: MakeFailover
+) -> None:
+    """5,000 admissions at once against a deadline of 0.1 s: the burst takes longer than that on
+    any machine, yet Redis answers all along, so no reply times out and nothing degrades (a
+    deadline per reply would degrade the replica on the burst alone)."""
+    store = await make_failover(redis, deadline_s=0.1)
+    config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=40))})
+    engine = Limiter(Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time)
+    started = time.perf_counter()
+    verdicts = await asyncio.gather(*(engine.admit(Admission("acme", "free")) for _ in range(5000)))
+    assert time.perf_counter() - started > 0.1  # the premise: longer than the deadline
+    assert sum(v.allowed for v in verdicts) == 40
+    assert not store.degraded
