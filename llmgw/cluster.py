@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 import contextlib
+import math
 from collections.abc import Coroutine, Sequence
 from functools import partial
 from typing import Any, TypeAlias
@@ -94,11 +95,9 @@ class Cluster:
         return self._closed
 
     @property
-    def last_read(self) -> float:
-        """The quietest node a command waits on: one node answering must not hide another's
-        silence."""
-        waiting = [node.last_read for node in self._nodes.values() if node.waiting]
-        return min(waiting, default=max((n.last_read for n in self._nodes.values()), default=0.0))
+    def owed_since(self) -> float:
+        """The node silent the longest: one node answering must not hide another's silence."""
+        return min((node.owed_since for node in self._nodes.values()), default=math.inf)
 
     @property
     def masters(self) -> list[Addr]:

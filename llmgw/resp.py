@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeAlias, cast
 
@@ -49,8 +50,10 @@ class Client(Protocol):
     def closed(self) -> bool: ...
 
     @property
-    def last_read(self) -> float:
-        """When Redis last sent bytes (the loop's clock): a busy Redis still answers."""
+    def owed_since(self) -> float:
+        """Since when (the loop's clock) Redis has owed a reply and sent nothing: the later of
+        its last bytes and the sending of the oldest command unanswered; inf when it owes none.
+        A command still in this process's buffer (its loop busy) is not owed yet."""
         ...
 
     def call(self, *args: Arg) -> asyncio.Future[Reply]: ...
@@ -94,7 +97,8 @@ class Resp(asyncio.Protocol):
         # Kept: get_running_loop() costs a getpid system call on Python 3.11, once per command.
         self._loop = asyncio.get_running_loop()
         self._lost: asyncio.Future[None] = self._loop.create_future()
-        self._last_read = self._loop.time()
+        self._read_at = self._loop.time()
+        self._sent: collections.deque[float] = collections.deque()  # per pending; inf: not yet
 
     @classmethod
     async def connect(
@@ -120,13 +124,8 @@ class Resp(asyncio.Protocol):
         return self._error is not None
 
     @property
-    def last_read(self) -> float:
-        return self._last_read
-
-    @property
-    def waiting(self) -> bool:
-        """A command awaits its reply."""
-        return bool(self._pending)
+    def owed_since(self) -> float:
+        return max(self._read_at, self._sent[0]) if self._sent else math.inf
 
     def call(self, *args: Arg) -> asyncio.Future[Reply]:
         """Send one command (now if it is the turn's first, else at the end of this turn of the
@@ -140,9 +139,11 @@ class Resp(asyncio.Protocol):
         self._pending.append(future)
         if self._turn:
             self._out.append(command)
+            self._sent.append(math.inf)
             return future
         self._turn = True
         self._loop.call_soon(self._flush)
+        self._sent.append(self._loop.time())
         if self._transport is not None:
             self._transport.write(command)
         return future
@@ -158,12 +159,16 @@ class Resp(asyncio.Protocol):
     def _flush(self) -> None:
         if self._out and self._error is None and self._transport is not None:
             self._transport.write(b"".join(self._out))
+            now, sent = self._loop.time(), self._sent
+            for i in range(1, len(self._out) + 1):
+                sent[-i] = now
         self._out.clear()
         self._turn = False
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
+        self._sent.clear()
         while self._pending:
             future = self._pending.popleft()
             if not future.done():
@@ -180,7 +185,7 @@ class Resp(asyncio.Protocol):
             self._lost.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self._last_read = self._loop.time()
+        self._read_at = self._loop.time()
         try:
             self._parser.feed(data)
         except (IndexError, ValueError) as exc:  # not RESP2, or a reply nobody asked for
@@ -190,6 +195,7 @@ class Resp(asyncio.Protocol):
 
     def _reply(self, reply: Reply | RespError) -> None:
         future = self._pending.popleft()
+        self._sent.popleft()
         if future.done():  # the caller gave up (deadline); the reply is dropped
             return
         if isinstance(reply, RespError):

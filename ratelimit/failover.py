@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import socket
@@ -193,11 +194,17 @@ class Failover:
                 done, _ = await asyncio.wait((task,), timeout=self.deadline_s)
                 if done:
                     return task.result()
-                assert self._loop is not None
-                if self._loop.time() - redis.client.last_read >= self.deadline_s:
-                    raise TimeoutError("redis deadline")
+                if self._silent(redis):
+                    await asyncio.sleep(0.001)  # this loop may not have read what came: it polls
+                    if self._silent(redis):
+                        raise TimeoutError("redis deadline")
         finally:
             task.cancel()
+
+    def _silent(self, redis: RedisStore) -> bool:
+        """Redis has sent nothing for the deadline."""
+        assert self._loop is not None
+        return self._loop.time() - redis.client.owed_since >= self.deadline_s
 
     async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
         """The fleet-load key from Redis (None when degraded, absent or in error)."""
@@ -304,8 +311,10 @@ def _expire(failover: Failover, reply: asyncio.Future[Reply], confirming: bool) 
     redis, loop = failover.redis, failover._loop
     if reply.done() or redis is None or loop is None:
         return
-    quiet_until = redis.client.last_read + failover.deadline_s
-    if loop.time() < quiet_until:  # Redis answers: wait on
+    quiet_until = redis.client.owed_since + failover.deadline_s
+    if quiet_until == math.inf:  # not sent yet (a cluster's redirect): not owed yet
+        loop.call_later(failover.deadline_s, _expire, failover, reply, False)
+    elif loop.time() < quiet_until:  # Redis answers: wait on
         loop.call_at(quiet_until, _expire, failover, reply, False)
     elif not confirming:
         # This loop may have been too busy to read what came: once more, after it polls.
