@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,3 +47,11 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
 
 def api_key(stack: Stack, tier: str = "platinum") -> str:
     return next(t["api_key"] for t in stack.tenants if t["tier"] == tier)
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Whatever a test leaves to the garbage collector (an unclosed client's socket) is collected
+    in its own teardown, so its ResourceWarning fails that test, not a later one by chance."""
+    yield
+    gc.collect()

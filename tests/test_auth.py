@@ -98,8 +98,10 @@ def test_bad_keys_are_401(stack: Stack, headers: dict[str, str]) -> None:
 
 
 def test_sdk_raises_authentication_error(stack: Stack) -> None:
-    client = openai.OpenAI(base_url=stack.base_url, api_key="sk-llmgw-nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with (
+        openai.OpenAI(base_url=stack.base_url, api_key="sk-llmgw-nope", max_retries=0) as client,
+        pytest.raises(openai.AuthenticationError),
+    ):
         client.models.list()
 
 
@@ -206,15 +208,15 @@ def test_sessions_are_minted_continued_and_bound_to_the_tenant(stack: Stack) -> 
 
 
 def test_sdk_continues_a_session_with_default_headers(stack: Stack) -> None:
-    client = openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(
-        model=served_model(stack), messages=[{"role": "user", "content": "hi"}], max_tokens=2
-    )
-    session = raw.headers["x-session-id"]
-    continued = client.with_options(default_headers={"X-Session-ID": session})
-    raw = continued.chat.completions.with_raw_response.create(
-        model=served_model(stack), messages=[{"role": "user", "content": "more"}], max_tokens=2
-    )
+    with openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=served_model(stack), messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        session = raw.headers["x-session-id"]
+        continued = client.with_options(default_headers={"X-Session-ID": session})
+        raw = continued.chat.completions.with_raw_response.create(
+            model=served_model(stack), messages=[{"role": "user", "content": "more"}], max_tokens=2
+        )
     assert raw.headers["x-session-id"] == session
 
 
@@ -229,8 +231,8 @@ def test_model_not_allowed_is_403(stack: Stack, capsys: pytest.CaptureFixture[st
     key = bearer(api_key(stack, "free"))
     eventually(lambda: chat(stack, key).status == 403, RELOAD_SECONDS, "model restriction")
     assert_error(chat(stack, key), 403, "model_not_allowed")
-    client = openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack, "free"), max_retries=0)
-    with pytest.raises(openai.PermissionDeniedError):
+    free = openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack, "free"), max_retries=0)
+    with free as client, pytest.raises(openai.PermissionDeniedError):
         client.chat.completions.create(
             model=served_model(stack), messages=[{"role": "user", "content": "hi"}]
         )
@@ -275,8 +277,8 @@ async def test_reload_and_revocation_under_load_fail_no_other_tenant(
         finally:
             stop.set()
 
-    await asyncio.gather(churn(), *(steady() for _ in range(4)))
-    await client.close()
+    async with client:
+        await asyncio.gather(churn(), *(steady() for _ in range(4)))
     assert len(outcomes) > 20
     assert [o for o in outcomes if o is not None] == []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -14,8 +15,9 @@ from tests.http import Reply, call
 
 
 @pytest.fixture
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0)
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=stack.base_url, api_key=api_key(stack), max_retries=0) as sdk:
+        yield sdk
 
 
 @pytest.fixture

@@ -157,8 +157,8 @@ async def test_streams_settle_to_their_actual_usage_and_hide_forced_usage(rl_sta
         )
         return asked, [chunk async for chunk in chunks]
 
-    results = await asyncio.gather(*(stream(i) for i in range(8)))
-    await client.close()
+    async with client:
+        results = await asyncio.gather(*(stream(i) for i in range(8)))
     for asked, chunks in results:
         with_usage = [c for c in chunks if c.usage is not None]
         assert len(with_usage) == (1 if asked else 0)  # no extra chunk for those who did not ask
@@ -175,10 +175,9 @@ def test_sdk_gets_rate_limit_error_then_retries_after_retry_after(rl_stack: Stac
     key = add_tenant(rl_stack, "rl-sdk", "free")  # 2 requests per second
     bare = openai.OpenAI(base_url=rl_stack.base_url, api_key=key, max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.RateLimitError) as refused:
+    with bare, pytest.raises(openai.RateLimitError) as refused:
         for _ in range(4):
             bare.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
-    bare.close()
     response = refused.value.response
     assert response.headers["content-type"] == "application/json"
     assert 1 <= int(response.headers["retry-after"]) <= 2
@@ -188,21 +187,20 @@ def test_sdk_gets_rate_limit_error_then_retries_after_retry_after(rl_stack: Stac
     assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
     assert "rl-sdk" in error["message"] and "Limit 2" in error["message"]
 
-    retrying = openai.OpenAI(base_url=rl_stack.base_url, api_key=key)  # the SDK's defaults
     # Fill the second again until a request is refused: the window is full right now (however
     # slow the machine), so the next one is refused, waited for and served.
     bare = openai.OpenAI(base_url=rl_stack.base_url, api_key=key, max_retries=0)
-    with pytest.raises(openai.RateLimitError):
+    with bare, pytest.raises(openai.RateLimitError):
         for _ in range(10):
             bare.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
-    bare.close()
     started = time.monotonic()
-    raw = retrying.chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=2,  # type: ignore[arg-type]
-    )
-    retrying.close()
+    # The SDK's defaults.
+    with openai.OpenAI(base_url=rl_stack.base_url, api_key=key) as retrying:
+        raw = retrying.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=2,  # type: ignore[arg-type]
+        )
     assert raw.http_response.status_code == 200
     assert raw.retries_taken >= 1
     assert time.monotonic() - started >= 0.9  # it waited what retry-after-ms said
@@ -214,9 +212,8 @@ def test_a_request_that_can_never_fit_is_too_large_and_the_sdk_does_not_retry(
     key = add_tenant(rl_stack, "rl-large", "standard", Limits(tpm=1000))
     client = openai.OpenAI(base_url=rl_stack.base_url, api_key=key)  # the SDK's 2 retries
     long = [{"role": "user", "content": "word " * 1000}]  # ~1,250 tokens: above 1,000 a minute
-    with pytest.raises(openai.RateLimitError) as refused:
+    with client, pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model=MODEL, messages=long)  # type: ignore[arg-type]
-    client.close()
     response = refused.value.response
     assert response.headers["x-should-retry"] == "false"
     error = response.json()["error"]

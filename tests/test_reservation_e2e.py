@@ -76,19 +76,17 @@ async def sdk_stream(sdk: openai.AsyncOpenAI, content: str) -> tuple[int, str | 
 
 
 async def test_a_stream_without_max_tokens_ends_at_the_gateways_cap(capped_stack: Stack) -> None:
-    sdk = client(capped_stack, add_tenant(capped_stack, "cap-free", "free"))
-    assert await sdk_stream(sdk, "tell me everything") == (CAP, "length")
-    await sdk.close()
+    async with client(capped_stack, add_tenant(capped_stack, "cap-free", "free")) as sdk:
+        assert await sdk_stream(sdk, "tell me everything") == (CAP, "length")
 
     # The default cap (4,096) is above this model's context: the pod gets the context instead
     # (it refuses a max_tokens above max_model_len) and fills what fits beside the prompt.
-    sdk = client(capped_stack, add_tenant(capped_stack, "cap-standard", "standard"))
-    reply = await sdk.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "tell me everything"}],
-        extra_body={"ignore_eos": True},
-    )
-    await sdk.close()
+    async with client(capped_stack, add_tenant(capped_stack, "cap-standard", "standard")) as sdk:
+        reply = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "tell me everything"}],
+            extra_body={"ignore_eos": True},
+        )
     assert reply.usage is not None
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.total_tokens == CONTEXT
@@ -99,16 +97,15 @@ async def test_concurrent_sdk_default_streams_stay_within_a_small_tpm(capped_sta
     tenant was served several times its per-minute tokens in one minute."""
     tpm, streams = 1500, 12
     key = add_tenant(capped_stack, "cap-tpm", "free", Limits(tpm=tpm))
-    sdk = client(capped_stack, key)
+    async with client(capped_stack, key) as sdk:
 
-    async def one(i: int) -> tuple[int, str | None] | None:
-        try:
-            return await sdk_stream(sdk, f"question {i}: go on forever")
-        except openai.RateLimitError:
-            return None
+        async def one(i: int) -> tuple[int, str | None] | None:
+            try:
+                return await sdk_stream(sdk, f"question {i}: go on forever")
+            except openai.RateLimitError:
+                return None
 
-    results = await asyncio.gather(*(one(i) for i in range(streams)))
-    await sdk.close()
+        results = await asyncio.gather(*(one(i) for i in range(streams)))
     served = [r for r in results if r is not None]
     completion = sum(tokens for tokens, _ in served)
     print(f"{len(served)}/{streams} streams served, {completion} completion tokens, TPM {tpm}")

@@ -287,12 +287,11 @@ def test_the_openai_sdk_rides_over_an_envoy_restart(
     _, ready = up
     info = read_ready(ready)
     key = next(t["api_key"] for t in info["tenants"] if t["tier"] == "platinum")
-    client = openai.OpenAI(base_url=info["base_url"], api_key=key, max_retries=5)
-    model = client.models.list().data[0].id
-    os.kill(info["processes"]["envoy"], signal.SIGKILL)
-    reply = client.completions.create(model=model, prompt="across the gap", max_tokens=2)
+    with openai.OpenAI(base_url=info["base_url"], api_key=key, max_retries=5) as client:
+        model = client.models.list().data[0].id
+        os.kill(info["processes"]["envoy"], signal.SIGKILL)
+        reply = client.completions.create(model=model, prompt="across the gap", max_tokens=2)
     assert reply.choices
-    client.close()
 
 
 def test_sigterm_stops_every_child_even_restarted_ones(

@@ -289,7 +289,11 @@ async def test_two_replicas_keep_a_session_on_one_pod(
     fleets = []
     async with aiohttp.ClientSession() as session:
         for _ in range(2):
-            fleet = Fleet(FleetSettings(pods=[p.pod for p in fake_pods], scrape_timeout=1.0))
+            # Both replicas keep the one scrape's view for the whole test: with the default
+            # stale_after (0.5 s), a busy machine aged the first replica's view out before the
+            # second's, and the replicas no longer saw the same fleet.
+            pods = [p.pod for p in fake_pods]
+            fleet = Fleet(FleetSettings(pods=pods, scrape_timeout=1.0, stale_after=600))
             fleet.set_pods(await fleet.resolve())
             await fleet.scrape_once(session)
             fleets.append(fleet)
