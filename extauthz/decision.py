@@ -15,7 +15,7 @@ from extauthz.body import read as read_body
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
-from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, Snapshot
+from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, KeyEntry, Snapshot
 from llmgw import facts, priority, wire
 from llmgw.facts import MetaValue
 
@@ -83,20 +83,9 @@ class Decider:
     ) -> Decision:
         """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds;
         `parsed` is `self.read(body)` when the caller read the body already."""
-        api_key = _api_key(headers)
-        if api_key is None:
-            return MISSING_KEY
-        if not api_key.startswith(KEY_PREFIX) or len(api_key) > _MAX_KEY_CHARS:
-            return BAD_KEY
-        presented = digest(api_key)
-        entry = snapshot.keys.get(presented)
-        if (
-            entry is None
-            or not hmac.compare_digest(entry.digest, presented)
-            or entry.revoked
-            or (entry.expires is not None and now >= entry.expires)
-        ):
-            return BAD_KEY
+        entry = key_entry(snapshot, headers, now)
+        if isinstance(entry, Deny):
+            return entry
         tenant = entry.tenant
 
         limit = self.settings.max_body_bytes
@@ -214,6 +203,21 @@ class Decider:
             session=session,
             model=model,
         )
+
+
+def key_entry(snapshot: Snapshot, headers: Mapping[str, str], now: float) -> KeyEntry | Deny:
+    """The presented key's entry, or its refusal: the one reading of a key from the headers
+    (Envoy's filter at the request's headers asks this too: extauthz/httpserver.py)."""
+    api_key = _api_key(headers)
+    if api_key is None:
+        return MISSING_KEY
+    if not api_key.startswith(KEY_PREFIX) or len(api_key) > _MAX_KEY_CHARS:
+        return BAD_KEY
+    presented = digest(api_key)
+    entry = snapshot.keys.get(presented)
+    if entry is None or entry.revoked or (entry.expires is not None and now >= entry.expires):
+        return BAD_KEY
+    return entry
 
 
 def _refuse_body(headers: Mapping[str, str], read: Body, tenant: str) -> Deny | None:

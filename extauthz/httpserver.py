@@ -177,8 +177,12 @@ class _Connection(asyncio.Protocol):
         body = bytes(self.buffer[: head.length])
         del self.buffer[: head.length]
         self.head = None
-        if head.headers[":path"] == authzhttp.HEALTH_PATH:
+        path = head.headers[":path"]
+        if path == authzhttp.HEALTH_PATH:
             self.write(_health(self.server.draining), head)
+            return
+        if path == authzhttp.KEY_PATH:
+            self.write(encode(self.server.service.key(head.headers)), head)
             return
         self.task = asyncio.get_running_loop().create_task(self.answer(head, body))
 
@@ -219,9 +223,11 @@ class _Connection(asyncio.Protocol):
 
 
 class Checks(Protocol):
-    """What the server answers with: AuthorizationService.check."""
+    """What the server answers with: AuthorizationService.check and .key."""
 
     async def check(self, headers: Mapping[str, str], body: bytes) -> Answer: ...
+
+    def key(self, headers: Mapping[str, str]) -> Answer: ...
 
 
 class HttpCheckServer:

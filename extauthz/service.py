@@ -37,7 +37,7 @@ from opentelemetry import trace
 from extauthz import metrics
 from extauthz.body import Body
 from extauthz.body import read as read_body
-from extauthz.decision import Decider
+from extauthz.decision import Decider, key_entry
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, Deny
 from llmgw import wire
@@ -348,6 +348,16 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
             log.exception("admission answer failed", extra={"tenant": allow.tenant})
             metrics.admit_errors("error").inc()
             return admitted(allow, None)
+
+    def key(self, headers: Mapping[str, str]) -> Answer:
+        """Whose key the headers present (authzhttp.KEY_PATH): the tenant, or the refusal.
+        Envoy asks at a request's headers, before it buffers any of the body, and caches the
+        answer briefly: a stranger's upload is refused before it is read."""
+        entry = key_entry(self.store.current, headers, self.clock())
+        if isinstance(entry, Deny):
+            metrics.decisions(entry.code, "").inc()
+            return denied(entry)
+        return Answer(200, {}, [(wire.HEADER_TENANT, entry.tenant.id)])
 
     async def check(
         self,

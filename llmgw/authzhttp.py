@@ -61,6 +61,12 @@ HEADERS_TO_REMOVE = "x-envoy-auth-headers-to-remove"
 # client request with this path is denied: anything but a 200 is.
 HEALTH_PATH = "/.llmgw/extauthz/health"
 HEALTHY = 204
+# Envoy's question at a request's headers, before it reads any of its body (envoy/authn.lua):
+# whose key is this? 200 with the tenant in HEADER_TENANT, else the key's refusal (401).
+KEY_PATH = "/.llmgw/extauthz/key"
+# Set by envoy/authn.lua when the request's body is whole, in milliseconds since the epoch: how
+# long the check then waited (in Envoy's queue for this server, and in it) before it is decided.
+BODY_AT = wire.HEADER_PREFIX + "body-at"
 # On every answer of a draining server: Envoy fails the host's active health check at once (its
 # router reads it on any response), so the next checks go elsewhere before the next interval.
 IMMEDIATE_FAIL = "x-envoy-immediate-health-check-fail"

@@ -79,6 +79,9 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
             "extauthz_http": envoyconf.parse_endpoint(args.extauthz_http)
             if args.extauthz_http
             else None,
+            "extauthz_keys": envoyconf.parse_endpoint(args.extauthz_keys)
+            if args.extauthz_keys
+            else None,
         }
     )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
@@ -120,6 +123,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="extauthz's HTTP port (its `http_port`): Envoy checks over HTTP, not gRPC; needs "
         "the rate limiter and router inside extauthz",
+    )
+    render.add_argument(
+        "--extauthz-keys",
+        metavar="HOST:PORT",
+        help="extauthz's HTTP port when the check goes over gRPC: Envoy asks it whose key a "
+        "request carries, at the headers, before buffering any body",
     )
     render.add_argument(
         "--router-in-extauthz",

@@ -72,6 +72,22 @@ class Circuit(Strict):
     min_retry_concurrency: int = 32
 
 
+class Uploads(Strict):
+    """What a caller may make Envoy hold before its body is whole (envoy/authn.lua), per Envoy
+    worker: a request's body counts from its headers (its content-length, else
+    max_request_bytes) until it is whole or answered."""
+
+    tenant_bytes: int = Field(default=128 * 1024 * 1024, gt=0)  # one tenant's uploads
+    total_bytes: int = Field(default=512 * 1024 * 1024, gt=0)  # everyone's
+    # A client that resets mid-upload sends no signal: its count goes after this (above the
+    # request timeout, which ends every upload).
+    upload_ms: int = Field(default=35_000, gt=0)
+    # extauthz's answer to "whose key is this?" is reused this long per worker: a revoked key
+    # may make Envoy buffer for this long (the check with the body refuses it all the same).
+    key_cache_ms: int = Field(default=1000, ge=0)
+    key_cache_entries: int = Field(default=10_000, gt=0)
+
+
 class Services(Strict):
     """Where the callout services listen; a service left out is not in the config."""
 
@@ -91,6 +107,9 @@ class Services(Strict):
     # tenant's limit overrides (a struct) are not sent: the rate limiter and the router, when
     # there are, must run inside extauthz, which reads the facts in process.
     extauthz_http: Address | None = None
+    # extauthz's HTTP port for the key question at the headers (authzhttp.KEY_PATH), when the
+    # check itself goes over gRPC; with extauthz_http, that port answers it.
+    extauthz_keys: Address | None = None
     # Long enough to mean "down", not "busy": a burst of 1,000 requests queues up its checks on
     # one core (tests/test_burst.py). extauthz fails closed (503), and bounds its own admission
     # below this (its admit_timeout_ms); the rate limiter apart fails open, so a timeout that
@@ -104,8 +123,18 @@ class Services(Strict):
     # default, 16 KiB, is a handful of entries: a burst of 200 requests lost some.
     log_buffer_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 
+    @property
+    def key_cluster(self) -> str:
+        """The cluster envoy/authn.lua asks whose key a request carries."""
+        return "extauthz_http" if self.extauthz_http is not None else "extauthz_keys"
+
     @model_validator(mode="after")
     def _one_picker(self) -> Services:
+        if self.extauthz is not None and self.extauthz_http is None and self.extauthz_keys is None:
+            raise ValueError(
+                "extauthz: needs its HTTP port (extauthz_http, or extauthz_keys when the check "
+                "goes over gRPC): Envoy asks it whose key a request carries before reading a body"
+            )
         if self.router_in_extauthz and (self.extauthz is None or self.router is not None):
             raise ValueError("router_in_extauthz: needs extauthz, and no router of its own")
         if self.ratelimit_in_extauthz and (self.extauthz is None or self.ratelimit is not None):
@@ -143,6 +172,7 @@ class EnvoySettings(Strict):
     outlier: Outlier = Outlier()
     circuit: Circuit = Circuit()
     max_request_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    uploads: Uploads = Uploads()
     max_downstream_connections: int = 50_000
     max_streams_per_connection: int = Field(default=128, gt=0)  # HTTP/2 clients
     # Envoy sheds new requests above 95 % of this (bodies are buffered in memory).
@@ -195,6 +225,12 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
             f"Request body too large: the limit is {max_request_bytes} bytes.",
             "invalid_request_error",
             "request_too_large",
+        ),
+        _reply(
+            408,
+            "The request was not received in time.",
+            "invalid_request_error",
+            "request_timeout",
         ),
         _reply(431, body, "invalid_request_error"),
         _reply(500, body, "server_error"),

@@ -211,9 +211,10 @@ class Stack:
             held_env |= {prefix + k: v for k, v in settings[name].items()}
         apart = [n for n in names if n in inside and n not in held]
         http = None
-        if "extauthz" in names and self.settings.extauthz_http and not apart:
+        if "extauthz" in names:  # Envoy asks it whose key a request carries, at the headers
             http = Address(port=free_port())
             settings["extauthz"]["HTTP_PORT"] = str(http.port)
+        checked_over_http = self.settings.extauthz_http and not apart
         addresses = {
             name: self._start_service(name, settings[name], held_env if name == "extauthz" else {})
             for name in names
@@ -224,7 +225,8 @@ class Stack:
                 **addresses,
                 "router_in_extauthz": "router" in held,
                 "ratelimit_in_extauthz": "ratelimit" in held,
-                "extauthz_http": http,
+                "extauthz_http": http if checked_over_http else None,
+                "extauthz_keys": None if checked_over_http else http,
             }
         )
         for name in held:  # their metrics are served by the process that holds them
