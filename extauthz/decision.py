@@ -15,7 +15,7 @@ from extauthz.body import read as read_body
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
-from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, Snapshot
+from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, KeyEntry, Snapshot
 from llmgw import facts, priority, wire
 from llmgw.facts import MetaValue
 
@@ -73,16 +73,11 @@ class Decider:
         """The body as the decision needs it (picklable: large ones are read in a pool)."""
         return read_body(body, self.settings)
 
-    def decide(
-        self,
-        snapshot: Snapshot,
-        headers: Mapping[str, str],
-        body: bytes,
-        now: float,
-        parsed: Body | None = None,
-    ) -> Decision:
-        """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds;
-        `parsed` is `self.read(body)` when the caller read the body already."""
+    def authenticate(
+        self, snapshot: Snapshot, headers: Mapping[str, str], now: float
+    ) -> KeyEntry | Deny:
+        """The caller's key, from the headers alone: what a check needs before its body is
+        received or read (a stranger's body never is)."""
         api_key = _api_key(headers)
         if api_key is None:
             return MISSING_KEY
@@ -97,6 +92,21 @@ class Decider:
             or (entry.expires is not None and now >= entry.expires)
         ):
             return BAD_KEY
+        return entry
+
+    def decide(
+        self,
+        snapshot: Snapshot,
+        headers: Mapping[str, str],
+        body: bytes,
+        now: float,
+        parsed: Body | None = None,
+    ) -> Decision:
+        """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds;
+        `parsed` is `self.read(body)` when the caller read the body already."""
+        entry = self.authenticate(snapshot, headers, now)
+        if isinstance(entry, Deny):
+            return entry
         tenant = entry.tenant
 
         limit = self.settings.max_body_bytes

@@ -23,6 +23,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import metrics
+from extauthz.budget import BodyBudget, Held
 from extauthz.httpserver import HttpCheckServer, encode
 from extauthz.service import Answer, AuthorizationService, check_response
 from extauthz.store import tenants_store
@@ -75,8 +76,12 @@ class Fake:
         self.delay_s = 0.0
         self.fail = False
         self.cancelled = 0
+        self.healthy = True
 
-    async def check(self, headers: Mapping[str, str], body: bytes) -> Answer:
+    def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
+        return Held(BodyBudget(0, 0), "", 0)
+
+    async def check(self, headers: Mapping[str, str], body: bytes, *, held: Held) -> Answer:
         self.seen.append((dict(headers), body))
         self.arrived.set()
         try:
