@@ -25,13 +25,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from extauthz import metrics
 from extauthz.budget import BodyBudget, Held
 from extauthz.httpserver import HttpCheckServer, encode
-from extauthz.service import Answer, AuthorizationService, check_response
+from extauthz.service import Answer, AuthorizationService, BodyPool, check_response
 from extauthz.store import tenants_store
 from llmgw import authzhttp, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings, Health, Services
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok
 from llmgw.structs import to_dict
-from tests.extauthz.conftest import SECRET, Keys, make_decider
+from tests.extauthz.conftest import SECRET, Keys, kill_worker, make_decider
 from tests.extauthz.test_service import CHAT
 from tests.recording_pod import recording_pod
 
@@ -191,6 +191,7 @@ def test_breaker_refusal_is_sent_as_429() -> None:
     reply = Response(*encode(answer).split(b"\r\n\r\n", 1))
     assert reply.status == 429  # Envoy would take a 503 for extauthz failing
     assert reply.get(wire.META_CIRCUIT_OPEN) == "true"
+    assert reply.get(wire.META_STATUS) == "503"  # the status meant, for Envoy to restore
     assert reply.get("retry-after") == "3"
 
 
@@ -479,3 +480,32 @@ async def test_sigterm_drains_the_check_port_before_it_closes(
         assert await asyncio.to_thread(proc.stop) == 0, proc.log_tail()
     finally:
         proc.stop()
+
+
+async def test_health_fails_while_the_pool_cannot_be_replaced(
+    pooled: tuple[AuthorizationService, BodyPool], keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, pool = pooled
+    server = HttpCheckServer(service)
+    port = await server.start("127.0.0.1", 0)
+    health = request({}, path=authzhttp.HEALTH_PATH, method="GET")
+    acme = {"api-key": keys.acme}
+    try:
+        assert (await exchange(port, health)).status == authzhttp.HEALTHY
+
+        def no_process() -> None:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(pool, "_new_executor", no_process)
+        kill_worker(pool)
+        reply = await exchange(port, request(acme, CHAT))
+        assert reply.status == 429 and reply.get(wire.META_STATUS) == "503"
+        assert json.loads(reply.body)["error"]["code"] == "overloaded"
+        assert not service.healthy
+        assert (await exchange(port, health)).status == 503
+
+        monkeypatch.undo()  # processes can be started again: the next large body replaces it
+        assert (await exchange(port, request(acme, CHAT))).status == 200
+        assert (await exchange(port, health)).status == authzhttp.HEALTHY
+    finally:
+        await server.stop(0.5)
