@@ -96,7 +96,14 @@ async def main(settings: Settings) -> None:
             await limiter.stop()
         await bodies.close()
 
-    await serve(NAME, settings.serve, add, stop, on_drain=checks.drain if checks else None)
+    await serve(
+        NAME,
+        settings.serve,
+        add,
+        stop,
+        on_drain=checks.drain if checks else None,
+        healthy=lambda: service.healthy,  # its body pool broken beyond replacement: not serving
+    )
 
 
 def picking(settings: Settings) -> router_settings.Settings:
