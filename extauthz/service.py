@@ -340,7 +340,9 @@ class BodyPool:
         if self._pool is not broken:
             return self._pool
         if broken is not None:
-            broken.shutdown(wait=False, cancel_futures=True)
+            # Not cancel_futures: its pending bodies fail as broken and are read again or
+            # answered; cancelled, their checks would end unanswered.
+            broken.shutdown(wait=False)
         try:
             self._pool = self._new_executor()
         except Exception:
