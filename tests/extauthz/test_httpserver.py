@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import metrics
 from extauthz.budget import BodyBudget, Held
-from extauthz.httpserver import HttpCheckServer, encode
+from extauthz.httpserver import MAX_HEAD_BYTES, HttpCheckServer, encode
 from extauthz.service import Answer, AuthorizationService, BodyPool, check_response
 from extauthz.store import tenants_store
 from llmgw import authzhttp, envoyconf, wire
@@ -77,6 +77,8 @@ class Fake:
         self.fail = False
         self.cancelled = 0
         self.healthy = True
+        self.gate = asyncio.Event()  # cleared: checks wait until it is set
+        self.gate.set()
 
     def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
         return Held(BodyBudget(0, 0), "", 0)
@@ -85,6 +87,7 @@ class Fake:
         self.seen.append((dict(headers), body))
         self.arrived.set()
         try:
+            await self.gate.wait()
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -285,6 +288,33 @@ async def test_a_check_that_raises_is_a_500_and_the_server_goes_on(fake: tuple[F
     assert (await exchange(port, request({}))).status == 500  # Envoy fails it closed
     service.fail = False
     assert (await exchange(port, request({}))).status == 200
+
+
+async def test_a_connection_buffers_at_most_a_head_ahead() -> None:
+    """Bytes after a request whose check runs (Envoy sends none) are not read on without end:
+    the connection stops reading until its answer, then reads on."""
+    service = Fake()
+    service.gate.clear()
+    server = HttpCheckServer(service)
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request({}, path="/one") + request({}, b"y" * (4 << 20), path="/two"))
+        await asyncio.wait_for(service.arrived.wait(), 10)
+        (conn,) = server.connections
+        assert conn.transport is not None
+        for _ in range(500):  # a bound against a hang, not a speed
+            if not conn.transport.is_reading():
+                break
+            await asyncio.sleep(0.01)
+        assert not conn.transport.is_reading()
+        assert len(conn.buffer) < MAX_HEAD_BYTES + (1 << 20)  # a head, and one read at most
+        service.gate.set()
+        replies = [await asyncio.wait_for(read_response(reader), 10) for _ in range(2)]
+        assert [r.get(wire.META_TENANT) for r in replies] == ["/one", "/two"]
+    finally:
+        writer.close()
+        await server.stop(0.5)
 
 
 async def test_envoy_hanging_up_cancels_the_check(fake: tuple[Fake, int]) -> None:
