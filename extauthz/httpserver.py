@@ -214,7 +214,7 @@ class _Connection(asyncio.Protocol):
                 return
             received = self.server.service.receive(head.headers, head.length)
             if isinstance(received, Answer):
-                self.turn_away(encode(received), head.length)
+                self.turn_away(encode(received), head)
                 return
             self.head, self.held = head, received
         head = self.head
@@ -260,18 +260,21 @@ class _Connection(asyncio.Protocol):
         if self.buffer:
             self.next_request()
 
-    def turn_away(self, response: bytes, length: int) -> None:
-        """Answer a check at its head and close: its body is not buffered but dropped as it
-        arrives, then the connection closed (closed with bytes unread, it would be reset, and
-        the reset can reach Envoy before the answer does)."""
+    def turn_away(self, response: bytes, head: _Head) -> None:
+        """Answer a check at its head, its body never buffered: dropped if it is all here
+        already (the connection serves on), else the connection closes, its body read and
+        dropped until then (closed with bytes unread, it would be reset, and the reset can
+        reach Envoy before the answer does)."""
+        if len(self.buffer) >= head.length:
+            del self.buffer[: head.length]
+            self.write(response, head)
+            return
         transport = self.transport
         if transport is None:
             return
-        transport.write(response.replace(b"\r\n", _CLOSE, 1))
-        self.dropping = length - len(self.buffer)
+        transport.write(response.replace(b"\r\n", _DRAINING if self.server.draining else _CLOSE, 1))
+        self.dropping = head.length - len(self.buffer)
         self.buffer.clear()
-        if self.dropping <= 0:
-            transport.close()
 
     def refuse(self, refused: _Refused) -> None:
         metrics.http_errors(refused.cause).inc()

@@ -76,6 +76,20 @@ async def test_a_strangers_check_is_answered_at_its_head(
         writer.close()
 
 
+async def test_a_strangers_check_whose_body_is_here_leaves_the_connection_open(
+    service: tuple[AuthorizationService, int], keys: Keys
+) -> None:
+    _, port = service
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request({"authorization": "Bearer sk-llmgw-nope"}, CHAT))
+        assert (await read_response(reader)).status == 401
+        writer.write(request({"authorization": f"Bearer {keys.acme}"}, CHAT))
+        assert (await read_response(reader)).status == 200  # the stranger's body dropped
+    finally:
+        writer.close()
+
+
 async def test_a_tenant_past_its_share_is_refused_and_others_are_not(
     service: tuple[AuthorizationService, int], keys: Keys
 ) -> None:
