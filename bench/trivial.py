@@ -31,6 +31,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
+from extauthz.budget import BodyBudget, Held
 from extauthz.httpserver import HttpCheckServer
 from extauthz.service import Answer
 from llmgw import wire
@@ -123,7 +124,12 @@ class HttpCheck:
         self.delay_s = delay_s
         self.metadata = {**FACTS, wire.DESTINATION_ENDPOINT: pick}
 
-    async def check(self, headers: Mapping[str, str], body: bytes) -> Answer:
+    healthy = True
+
+    def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
+        return Held(BodyBudget(0, 0), "", 0)  # nothing held: the fixed answer reads no body
+
+    async def check(self, headers: Mapping[str, str], body: bytes, *, held: Held) -> Answer:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return Answer(200, self.metadata, [])

@@ -71,7 +71,12 @@ async def main(settings: Settings) -> None:
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
     checks = None
     if settings.http_port is not None:
-        checks = HttpCheckServer(service, drain_s=settings.http_drain_seconds)
+        # A body larger than a tenant's share can never be held: refused at its head.
+        checks = HttpCheckServer(
+            service,
+            max_body=settings.decision.tenant_body_bytes_in_flight,
+            drain_s=settings.http_drain_seconds,
+        )
         await checks.start(settings.serve.host, settings.http_port)
 
     def add(server: grpc.aio.Server) -> None:
@@ -91,7 +96,14 @@ async def main(settings: Settings) -> None:
             await limiter.stop()
         await bodies.close()
 
-    await serve(NAME, settings.serve, add, stop, on_drain=checks.drain if checks else None)
+    await serve(
+        NAME,
+        settings.serve,
+        add,
+        stop,
+        on_drain=checks.drain if checks else None,
+        healthy=lambda: service.healthy,  # its body pool broken beyond replacement: not serving
+    )
 
 
 def picking(settings: Settings) -> router_settings.Settings:

@@ -44,7 +44,9 @@ def read(raw: bytes, settings: DecisionSettings) -> Body:
     if not raw:
         return Body("none")
     try:
-        request = json.loads(raw)
+        # UTF-8 only: json.loads would take UTF-16 or UTF-32 bytes too, which the pod may read
+        # otherwise than we did. A BOM is refused as well (json.loads refuses it in a str).
+        request = json.loads(raw.decode())
     except RecursionError:  # Python's parser gives up around 1,000 levels; the pod's too
         return Body("too_deep")
     except ValueError:

@@ -9,6 +9,12 @@ Only Envoy talks to this port, as its HTTP/1.1 client does: one request at a tim
 connection, the body with a content-length. Anything else is refused and the connection closed;
 a check that raises is a 500, which Envoy takes for the service failing (it fails closed).
 
+A check is authenticated, and its body's declared length held in the replica's budget, as soon
+as its head has arrived (`receive`): a stranger's check, or one over its tenant's share or the
+replica's total, is answered at once and its body never buffered. What a connection buffers
+besides is a head, or the start of the next request while one is checked (then it stops
+reading): the budget bounds the memory of every body in the process.
+
 Stopping (SIGTERM) drains first, for at least `drain_s` whatever else the process waits for:
 every answer tells Envoy to fail the host's health check at once and the health path answers
 503, so Envoy takes its checks to other replicas; every answer closes its connection
@@ -18,20 +24,23 @@ reset the check it had just sent). Then the listener closes and what is left wit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Protocol, cast
 
 from extauthz import metrics
+from extauthz.budget import Held
 from extauthz.service import Answer
-from llmgw import authzhttp
+from llmgw import authzhttp, wire
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 128 * 1024  # above Envoy's 60 KiB of request headers, and the request line
 # Above any request-body limit Envoy is given (it sends no more; the decision refuses a body
-# above its own limit with its OpenAI error): a bound on what a connection may buffer.
+# above its own limit with its OpenAI error): a larger declared length is malformed. What all
+# connections buffer together is bounded by the service's body budget.
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _CRLF2 = b"\r\n\r\n"
 
@@ -41,10 +50,15 @@ def _line(name: str, value: str) -> str:
 
 
 def encode(answer: Answer) -> bytes:
-    """The answer as an HTTP/1.1 response. Every 5xx is sent as a 429: Envoy would take a 5xx
-    for this server failing (the breaker's 503 is the only one; a local-reply mapper restores
-    it by its metadata, envoy/envoy.yaml.j2)."""
-    status = 429 if answer.status >= 500 else answer.status
+    """The answer as an HTTP/1.1 response. Every 5xx is sent as a 429 with the status meant in
+    its metadata (wire.META_STATUS): Envoy would take a 5xx for this server failing; a
+    local-reply mapper restores it (envoy/envoy.yaml.j2)."""
+    status = answer.status
+    if status >= 500:
+        answer = dataclasses.replace(
+            answer, metadata={**answer.metadata, wire.META_STATUS: str(status)}
+        )
+        status = 429
     parts = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Denied'}\r\n"]
     seen: set[tuple[str, str]] = set()
     pairs: Iterable[tuple[str, str]] = answer.client_headers
@@ -66,10 +80,11 @@ _ERROR = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n"
 
 
 _DRAINING = f"\r\nconnection: close\r\n{authzhttp.IMMEDIATE_FAIL}: true\r\n".encode()
+_CLOSE = b"\r\nconnection: close\r\n"
 
 
-def _health(draining: bool) -> bytes:
-    status = "503 Draining" if draining else f"{authzhttp.HEALTHY} No Content"
+def _health(healthy: bool) -> bytes:
+    status = f"{authzhttp.HEALTHY} No Content" if healthy else "503 Unavailable"
     return f"HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n".encode()
 
 
@@ -125,6 +140,8 @@ def parse_head(raw: bytes, max_body: int) -> _Head:
     length = int(declared)
     if length > max_body:
         raise _Refused(_refusal(413, "Content Too Large"), "too_large")
+    if length and path == authzhttp.HEALTH_PATH:  # answered at its head: nothing to hold a body
+        raise _Refused(_refusal(400, "Bad Request"), "malformed")
     return _Head(headers, length, headers.get("connection", "").lower() != "close")
 
 
@@ -136,7 +153,10 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.head: _Head | None = None
+        self.held: Held | None = None  # the body's bytes, from its head until its check starts
         self.task: asyncio.Task[None] | None = None
+        self.paused = False
+        self.dropping = 0  # bytes of a turned-away body still to come, read and dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -145,13 +165,31 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.transport = None
+        if self.held is not None:
+            self.held.release()
         if self.task is not None:
             self.task.cancel()  # Envoy gave up on the check (its timeout): nobody waits for it
 
     def data_received(self, data: bytes) -> None:
+        if self.dropping:
+            self.dropping -= len(data)
+            if self.dropping <= 0 and self.transport is not None:
+                self.transport.close()
+            return
         self.buffer += data
         if self.task is None:
             self.next_request()
+        expected = self.head.length if self.head is not None else 0
+        transport = self.transport
+        if (
+            len(self.buffer) > expected + MAX_HEAD_BYTES
+            and transport
+            and not transport.is_closing()
+        ):
+            # More than a head ahead (the next request while one is checked): Envoy never
+            # sends it, and what a connection buffers stays bounded.
+            transport.pause_reading()
+            self.paused = True
 
     @property
     def idle(self) -> bool:
@@ -166,35 +204,42 @@ class _Connection(asyncio.Protocol):
                     self.refuse(_Refused(_refusal(431, "Headers Too Large"), "too_large"))
                 return
             try:
-                self.head = parse_head(bytes(self.buffer[:end]), self.server.max_body)
+                head = parse_head(bytes(self.buffer[:end]), self.server.max_body)
             except _Refused as refused:
                 self.refuse(refused)
                 return
             del self.buffer[: end + 4]
+            if head.headers[":path"] == authzhttp.HEALTH_PATH:
+                self.write(_health(self.server.healthy), head)
+                return
+            if head.headers[":path"] == authzhttp.KEY_PATH:
+                self.turn_away(encode(self.server.service.key(head.headers)), head)
+                return
+            received = self.server.service.receive(head.headers, head.length)
+            if isinstance(received, Answer):
+                self.turn_away(encode(received), head)
+                return
+            self.head, self.held = head, received
         head = self.head
         if len(self.buffer) < head.length:
             return
         body = bytes(self.buffer[: head.length])
         del self.buffer[: head.length]
-        self.head = None
-        path = head.headers[":path"]
-        if path == authzhttp.HEALTH_PATH:
-            self.write(_health(self.server.draining), head)
-            return
-        if path == authzhttp.KEY_PATH:
-            self.write(encode(self.server.service.key(head.headers)), head)
-            return
-        self.task = asyncio.get_running_loop().create_task(self.answer(head, body))
+        held, self.head, self.held = self.held, None, None
+        assert held is not None
+        self.task = asyncio.get_running_loop().create_task(self.answer(head, body, held))
 
-    async def answer(self, head: _Head, body: bytes) -> None:
+    async def answer(self, head: _Head, body: bytes, held: Held) -> None:
         try:
-            response = encode(await self.server.service.check(head.headers, body))
+            response = encode(await self.server.service.check(head.headers, body, held=held))
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug costs this check (Envoy fails it closed), never the server
             log.exception("check failed")
             metrics.http_errors("error").inc()
             response = _ERROR
+        finally:
+            held.release()
         self.task = None
         self.write(response, head)
 
@@ -211,8 +256,28 @@ class _Connection(asyncio.Protocol):
         transport.write(response)
         if not head.keep_alive:
             transport.close()
-        elif self.buffer:
+            return
+        if self.paused:
+            self.paused = False
+            transport.resume_reading()
+        if self.buffer:
             self.next_request()
+
+    def turn_away(self, response: bytes, head: _Head) -> None:
+        """Answer a check at its head, its body never buffered: dropped if it is all here
+        already (the connection serves on), else the connection closes, its body read and
+        dropped until then (closed with bytes unread, it would be reset, and the reset can
+        reach Envoy before the answer does)."""
+        if len(self.buffer) >= head.length:
+            del self.buffer[: head.length]
+            self.write(response, head)
+            return
+        transport = self.transport
+        if transport is None:
+            return
+        transport.write(response.replace(b"\r\n", _DRAINING if self.server.draining else _CLOSE, 1))
+        self.dropping = head.length - len(self.buffer)
+        self.buffer.clear()
 
     def refuse(self, refused: _Refused) -> None:
         metrics.http_errors(refused.cause).inc()
@@ -223,9 +288,15 @@ class _Connection(asyncio.Protocol):
 
 
 class Checks(Protocol):
-    """What the server answers with: AuthorizationService.check and .key."""
+    """What the server answers with: AuthorizationService's `key` (whose key a request
+    carries, asked at its headers), `receive` at a check's head, `check` with the body."""
 
-    async def check(self, headers: Mapping[str, str], body: bytes) -> Answer: ...
+    @property
+    def healthy(self) -> bool: ...
+
+    def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held: ...
+
+    async def check(self, headers: Mapping[str, str], body: bytes, *, held: Held) -> Answer: ...
 
     def key(self, headers: Mapping[str, str]) -> Answer: ...
 
@@ -241,6 +312,11 @@ class HttpCheckServer:
         self.draining = False
         self._drained_at = 0.0
         self._server: asyncio.Server | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """What the health path answers: not draining, and the service able to check."""
+        return not self.draining and self.service.healthy
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: a free port); the port."""

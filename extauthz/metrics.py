@@ -22,6 +22,10 @@ POOLED_BODIES = Counter(
     "llmgw_extauthz_pooled_bodies_total",
     "Request bodies large enough to be read in the body pool, off the event loop.",
 )
+POOL_RESTARTS = Counter(
+    "llmgw_extauthz_body_pool_restarts_total",
+    "Body pools replaced after their worker died (killed, out of memory).",
+)
 PICK_ERRORS = Counter(
     "llmgw_extauthz_pick_errors_total",
     "Picks by the router in this process that raised: the request went on without one.",

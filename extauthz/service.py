@@ -11,6 +11,11 @@ given back if not.
 Neither needs an exchange of its own. Both fail open: a limiter or router that raises costs
 the admission or the pick, not the request (Redis down is the limiter's own degraded mode).
 
+The key is verified from the headers before the body is read (`receive`): a stranger's body is
+never parsed, nor over HTTP even received. From then until it is answered, a check holds its
+body's bytes in the replica's budget (extauthz/budget.py): past the tenant's share a 429, past
+the replica's total a 503, at once.
+
 Hot path (one call per request): no span is started when tracing is off."""
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +43,7 @@ from opentelemetry import trace
 from extauthz import metrics
 from extauthz.body import Body
 from extauthz.body import read as read_body
+from extauthz.budget import BodyBudget, Held
 from extauthz.decision import Decider, key_entry
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, Deny
@@ -111,7 +118,33 @@ class Answer:
 
 
 def denied(deny: Deny) -> Answer:
-    return Answer(deny.status, {}, [_JSON], body=deny.body())
+    return Answer(deny.status, {}, [_JSON, *deny.headers], body=deny.body())
+
+
+_RETRY_SOON = (("retry-after", "1"),)
+
+
+def too_many_bodies(tenant: str, share: int) -> Deny:
+    return Deny(
+        429,
+        "too_many_bodies_in_flight",
+        f"Tenant {tenant} has more request bodies in flight than its share of {share} bytes "
+        "allows. Please retry shortly.",
+        type="requests",  # OpenAI's type of a rate limit on requests
+        tenant=tenant,
+        headers=_RETRY_SOON,
+    )
+
+
+def overloaded(tenant: str | None) -> Deny:
+    return Deny(
+        503,
+        "overloaded",
+        "The gateway is overloaded. Please retry shortly.",
+        type="server_error",
+        tenant=tenant,
+        headers=_RETRY_SOON,
+    )
 
 
 def refused(allow: Allow, verdict: Verdict) -> Answer:
@@ -247,19 +280,34 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
+class PoolDown(Exception):
+    """The body pool read no body: its worker died under it twice, or no new one starts."""
+
+
 class BodyPool:
     """Large bodies are read in a worker process, so that one tenant's megabytes of JSON never
     hold the event loop that decides everyone's requests (`json.loads` holds the GIL: a thread
-    would not help). Small ones are read inline: the hop costs more than they do."""
+    would not help). Small ones are read inline: the hop costs more than they do.
+
+    A worker that dies (killed, out of memory) breaks its whole executor: it is replaced at once,
+    and unhealthy only while no replacement can be made."""
 
     def __init__(self, decider: Decider, from_bytes: int, workers: int = 1) -> None:
         self.decider = decider
         self.from_bytes = from_bytes
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = self._new_executor()
+
+    def _new_executor(self) -> ProcessPoolExecutor:
         # spawn, not fork: this process runs gRPC's threads.
         context = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
+        return ProcessPoolExecutor(
+            self.workers, mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
         )
+
+    @property
+    def healthy(self) -> bool:
+        return self._pool is not None
 
     async def start(self) -> None:
         """Start the workers now, not on the first large body."""
@@ -273,13 +321,42 @@ class BodyPool:
         return await self._run(body)
 
     async def _run(self, body: bytes) -> Body:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, read_body, body, self.decider.settings
-        )
+        """The body read in a worker; on a broken pool, once more on its replacement (not
+        twice: the body may be what killed it)."""
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            pool = self._pool or self._replace(None)
+            if pool is None:
+                break
+            try:
+                return await loop.run_in_executor(pool, read_body, body, self.decider.settings)
+            except (BrokenProcessPool, OSError):  # OSError: a worker could not be started
+                self._replace(pool)
+        raise PoolDown
+
+    def _replace(self, broken: ProcessPoolExecutor | None) -> ProcessPoolExecutor | None:
+        """A new pool for `broken`, unless another check replaced it already; None if none
+        can be made (tried again on the next large body)."""
+        if self._pool is not broken:
+            return self._pool
+        if broken is not None:
+            # Not cancel_futures: its pending bodies fail as broken and are read again or
+            # answered; cancelled, their checks would end unanswered.
+            broken.shutdown(wait=False)
+        try:
+            self._pool = self._new_executor()
+        except Exception:
+            log.exception("body pool not replaced")
+            self._pool = None
+            return None
+        log.warning("body pool replaced: its worker died")
+        metrics.POOL_RESTARTS.inc()
+        return self._pool
 
     async def close(self) -> None:
         """Stop the workers and wait until they have exited (a worker mid-body finishes it)."""
-        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        if self._pool is not None:
+            await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
 
 
 class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
@@ -303,6 +380,14 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.router = router
         self.limiter = limiter
         self.admit_timeout_s = admit_timeout_s
+        self.budget = BodyBudget(
+            decider.settings.body_bytes_in_flight, decider.settings.tenant_body_bytes_in_flight
+        )
+
+    @property
+    def healthy(self) -> bool:
+        """False while the body pool is broken beyond replacement (health checks fail)."""
+        return self.bodies is None or self.bodies.healthy
 
     async def respond(self, decision: Decision) -> Answer:
         if not isinstance(decision, Allow):
@@ -355,49 +440,84 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         answer briefly: a stranger's upload is refused before it is read."""
         entry = key_entry(self.store.current, headers, self.clock())
         if isinstance(entry, Deny):
-            metrics.decisions(entry.code, "").inc()
-            return denied(entry)
+            return self.refuse(entry)
         return Answer(200, {}, [(wire.HEADER_TENANT, entry.tenant.id)])
+
+    def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
+        """A check's head: its key verified and its body's declared `length` held for its
+        tenant until the check is answered; or the denial, before any of the body is read."""
+        key = key_entry(self.store.current, headers, self.clock())
+        if isinstance(key, Deny):
+            return self.refuse(key)
+        tenant = key.tenant.id
+        held = self.budget.take(tenant, length)
+        if isinstance(held, Held):
+            return held
+        if held == "tenant":
+            return self.refuse(too_many_bodies(tenant, self.budget.per_tenant))
+        return self.refuse(overloaded(tenant))
+
+    def refuse(self, deny: Deny) -> Answer:
+        self.count(deny)
+        return denied(deny)
+
+    def count(self, decision: Decision) -> None:
+        """The decision in the metrics, and on the check's span when tracing."""
+        if isinstance(decision, Allow):
+            result, tenant = "allow", decision.tenant
+        else:
+            result, tenant = decision.code, decision.tenant or ""
+        metrics.decisions(result, tenant).inc()
+        if not self.tracing:
+            return
+        span = trace.get_current_span()
+        if isinstance(decision, Allow):
+            span.set_attribute("session.id", decision.session)
+            if decision.model is not None:
+                span.set_attribute("llm.request.model", decision.model)
+        else:
+            span.set_attribute("http.response.status_code", decision.status)
+        span.set_attribute("llmgw.decision", result)
+        if tenant:
+            span.set_attribute("tenant.id", tenant)
 
     async def check(
         self,
         headers: Mapping[str, str],
         body: bytes,
         carrier: Iterable[tuple[str, str | bytes]] = (),
+        held: Held | None = None,
     ) -> Answer:
         """One check: `headers` with lower-case names and the pseudo-headers `:method` and
-        `:path`; `carrier`, the call's own trace context (gRPC metadata), if any."""
-        parsed = await self.bodies.read(body) if self.bodies is not None else None
+        `:path`; `carrier`, the call's own trace context (gRPC metadata), if any; `held`, the
+        body's bytes if `receive` held them already (over HTTP, from the head on)."""
         if not self.tracing:
-            started = time.perf_counter()
-            decision = self.decider.decide(self.store.current, headers, body, self.clock(), parsed)
-            metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-            if isinstance(decision, Allow):
-                metrics.decisions("allow", decision.tenant).inc()
-            else:
-                metrics.decisions(decision.code, decision.tenant or "").inc()
-            return await self.respond(decision)
+            return await self._check(headers, body, held)
         with self.tracer.start_as_current_span(
             "extauthz.check",
             context=parent_context(carrier, headers),
             kind=trace.SpanKind.SERVER,
-        ) as span:
-            started = time.perf_counter()
-            decision = self.decider.decide(self.store.current, headers, body, self.clock(), parsed)
-            metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-            if isinstance(decision, Allow):
-                result, tenant = "allow", decision.tenant
-                span.set_attribute("session.id", decision.session)
-                if decision.model is not None:
-                    span.set_attribute("llm.request.model", decision.model)
-            else:
-                result, tenant = decision.code, decision.tenant or ""
-                span.set_attribute("http.response.status_code", decision.status)
-            metrics.decisions(result, tenant).inc()
-            span.set_attribute("llmgw.decision", result)
-            if tenant:
-                span.set_attribute("tenant.id", tenant)
-            return await self.respond(decision)
+        ):
+            return await self._check(headers, body, held)
+
+    async def _check(self, headers: Mapping[str, str], body: bytes, held: Held | None) -> Answer:
+        if held is None:
+            received = self.receive(headers, len(body))
+            if isinstance(received, Answer):
+                return received
+            try:
+                return await self._check(headers, body, received)
+            finally:
+                received.release()
+        try:
+            parsed = await self.bodies.read(body) if self.bodies is not None else None
+        except PoolDown:
+            return self.refuse(overloaded(held.tenant))
+        started = time.perf_counter()
+        decision = self.decider.decide(self.store.current, headers, body, self.clock(), parsed)
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        self.count(decision)
+        return await self.respond(decision)
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -48,10 +48,26 @@ class DecisionSettings(Strict):
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
     # Bodies from this size on are read in a worker process (extauthz/service.py BodyPool).
     pool_body_bytes: int = Field(default=256 * 1024, ge=1)
+    # Body bytes this replica holds at once (received, in the body pool, being decided; by
+    # declared length, extauthz/budget.py), in total and per tenant: past a tenant's share its
+    # next check is a 429, past the total any check with a body is a 503, both at once. Sized
+    # for a 1 GiB container: the pool's worker holds a copy of what it reads, and JSON's objects
+    # take several times the bytes they came from.
+    body_bytes_in_flight: int = Field(default=256 * 1024 * 1024, gt=0)
+    tenant_body_bytes_in_flight: int = Field(default=64 * 1024 * 1024, gt=0)
     # Each tenant's priority to vLLM's scheduler as x-vllm-priority (llmgw/priority.py). Off:
     # every request gets vLLM's default 0 (first come, first served); a client's own value still
     # never reaches the scheduler.
     engine_priority: bool = True
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> DecisionSettings:
+        if not self.max_body_bytes <= self.tenant_body_bytes_in_flight <= self.body_bytes_in_flight:
+            raise ValueError(
+                "tenant_body_bytes_in_flight: between max_body_bytes (else a body of the largest "
+                "size is never received) and body_bytes_in_flight"
+            )
+        return self
 
     def output_cap(self, tenant: TenantView, request: RequestFacts) -> int:
         """The most output per sequence a request of this tenant gets: the tier's cap, within

@@ -142,6 +142,7 @@ class Deny:
     type: str = "invalid_request_error"
     param: str | None = None
     tenant: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()  # besides content-type (retry-after)
 
     def body(self) -> bytes:
         """The OpenAI error envelope."""

@@ -12,9 +12,10 @@ answer's headers by name (envoy/envoy.yaml.j2 renders the matchers from this mod
   Envoy's rate-limit filter) is not sent, which is why this mode needs the rate limiter inside
   extauthz (llmgw/envoyconf.py).
 
-Envoy takes any 5xx from an HTTP authorization server for the server failing: the breaker's 503
-is sent as a 429, which Envoy's local-reply mapper turns back into the 503 by its
-`circuit_open` metadata (extauthz/httpserver.py)."""
+Envoy takes any 5xx from an HTTP authorization server for the server failing: a 5xx denial (the
+breaker's 503, extauthz overloaded) is sent as a 429 carrying the status meant in its `status`
+metadata, which Envoy's local-reply mapper restores (the breaker's also by its `circuit_open`;
+extauthz/httpserver.py)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ STRINGS = frozenset(
         wire.META_BODY_SUFFIX,
         wire.META_ALLOWED_MODELS,
         wire.DESTINATION_ENDPOINT,
+        wire.META_STATUS,
     }
 )
 METADATA = NUMBERS | FLAGS | STRINGS

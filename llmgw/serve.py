@@ -43,12 +43,14 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     health_services: Sequence[str] = (),
     on_drain: Callable[[], None] | None = None,
+    healthy: Callable[[], bool] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for `grace_seconds` (and call
     `on_drain` first: what else the service serves starts draining at the same time), then
     `on_stop`.
 
-    gRPC health answers SERVING for "", `name` and each of `health_services`."""
+    gRPC health answers SERVING for "", `name` and each of `health_services`; NOT_SERVING
+    while `healthy()` is false, if given (checked every second)."""
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),
@@ -65,8 +67,12 @@ async def serve(
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, settings.metrics_host)
     await server.start()
-    for service in ("", name, *health_services):
+    names = ("", name, *health_services)
+    for service in names:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    follower = None
+    if healthy is not None:
+        follower = asyncio.create_task(follow_health(health_servicer, names, healthy))
     log.info("serving", extra={"service": name, "port": port, "metrics": settings.metrics_port})
 
     stop = asyncio.Event()
@@ -77,10 +83,35 @@ async def serve(
     log.info("stopping", extra={"service": name})
     if on_drain is not None:
         on_drain()
+    if follower is not None:
+        follower.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
     if on_stop is not None:
         await on_stop()
+
+
+async def follow_health(
+    servicer: HealthServicer,
+    names: Sequence[str],
+    healthy: Callable[[], bool],
+    every_s: float = 1.0,
+) -> None:
+    """Keep gRPC health at what `healthy()` says, looked at every `every_s`."""
+    serving = True
+    while True:
+        await asyncio.sleep(every_s)
+        if healthy() == serving:
+            continue
+        serving = not serving
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        log.warning("health changed", extra={"serving": serving})
+        for service in names:
+            await servicer.set(service, status)
 
 
 class HasLogLevel(Protocol):

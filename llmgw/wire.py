@@ -113,6 +113,10 @@ META_BORROWED_TOKENS = "borrowed_tokens"
 # local-reply mapper keeps as it is; behind the rate-limit filter (a 429 by Envoy's rule) the
 # mapper turns it into the 503 (envoy/envoy.yaml.j2).
 META_CIRCUIT_OPEN = "circuit_open"
+# Over HTTP, on every denial of status 500 or more, which extauthz sends as a 429 (Envoy takes a
+# 5xx from an HTTP authorization server for the server failing): the status meant, as a string
+# ("503": the breaker's, or extauthz overloaded), for a local-reply mapper to restore.
+META_STATUS = "status"
 # The output cap per sequence the pod gets instead of extauthz's, when the tenant's hard budget
 # has less left than the request's estimate (ratelimit/admit.lua). Envoy appends it to the
 # request body after the limiter's answer (envoy/rewrite.lua): metadata, not a header, so a

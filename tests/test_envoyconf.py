@@ -50,7 +50,10 @@ def test_access_log_config_is_valid(tmp_path: Path) -> None:
 def test_retries_never_follow_a_response(tmp_path: Path) -> None:
     config = render_and_validate(tmp_path, EnvoySettings(), [Address(port=8001)])
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    for route in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]:
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    to_pods = [r for r in routes if "route" in r]  # the last is a 404 for every other path
+    assert len(to_pods) == len(routes) - 1 and "direct_response" in routes[-1]
+    for route in to_pods:
         policy = route["route"]["retry_policy"]
         assert set(policy["retry_on"].split(",")) == {
             "connect-failure",
@@ -100,6 +103,7 @@ def test_the_router_inside_extauthz_makes_no_ext_proc_call(
     """The pick is read from ext_authz's metadata and the router's outcomes go to extauthz;
     with the router apart, ext_proc and envoy.lb as before."""
     base = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
+    base += ["--extauthz-keys", "extauthz:9011"]
     configs = {}
     for name, extra in (("inside", ["--router-in-extauthz"]), ("apart", ["--router", "r:9003"])):
         assert cli.main(base + extra) == 0
@@ -126,6 +130,7 @@ def test_the_router_inside_extauthz_makes_no_ext_proc_call(
 def test_render_envoy_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["render-envoy", "--upstream", "vllm-0:8000", "--upstream", "vllm-1:8000"]
     argv += ["--extauthz", "extauthz:9001", "--ratelimit", "10.0.0.7:9002"]  # a name, an IP
+    argv += ["--extauthz-keys", "extauthz:9011"]
     assert cli.main(argv) == 0
     path = tmp_path / "out.yaml"
     path.write_text(capsys.readouterr().out)
@@ -192,11 +197,13 @@ def test_the_check_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     mappers = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"
     ]["local_reply_config"]["mappers"]
-    breaker = mappers[0]
+    assert mappers[0]["filter"]["metadata_filter"]["matcher"]["filter"] == "llmgw.authn"
+    breaker = mappers[1]
     assert breaker["status_code"] == 503
     (status, meta) = breaker["filter"]["and_filter"]["filters"]
     assert status["status_code_filter"]["comparison"]["value"]["default_value"] == 429
-    assert meta["metadata_filter"]["matcher"]["value"] == {"string_match": {"exact": "true"}}
+    assert meta["metadata_filter"]["matcher"]["path"] == [{"key": "status"}]
+    assert meta["metadata_filter"]["matcher"]["value"] == {"string_match": {"exact": "503"}}
     for apart in (["--ratelimit", "rl:9002", "--router-in-extauthz"], ["--router", "r:9003"]):
         assert cli.main([*base, *apart, "--extauthz-http", "extauthz:9011"]) != 0
         assert "extauthz_http: needs extauthz" in capsys.readouterr().err

@@ -102,6 +102,19 @@ def test_no_key_is_refused_before_the_body_is_buffered(
     assert waited < 2.0  # not the idle or request timeout (10 s, 30 s)
 
 
+def test_a_strangers_large_body_is_refused_by_extauthz_at_its_head(
+    recorded: tuple[Stack, RecordingPod],
+) -> None:
+    """A key of our shape but nobody's, with 4 MB: extauthz answers at the check's head and
+    drops the body Envoy sends after it; Envoy passes the 401 on, and checks go on."""
+    stack, _ = recorded
+    body = json.dumps({"model": MODEL, "messages": [], "x": "a" * (4 << 20)}).encode()
+    for _ in range(2):
+        reply = post(stack, body, authorization=f"Bearer sk-llmgw-{'y' * 43}")
+        refused(reply, 401, "invalid_api_key")
+    assert post(stack, json.dumps({"model": MODEL, "messages": []}).encode()).status == 200
+
+
 def test_no_log_holds_a_key(recorded: tuple[Stack, RecordingPod]) -> None:
     """A run full of denied requests: no log file of any process holds the keys it used."""
     stack, _ = recorded

@@ -1,17 +1,25 @@
-"""Shared fixtures of the extauthz tests: a tenants file with keys in every state, a decider."""
+"""Shared fixtures of the extauthz tests: a tenants file with keys in every state, a decider,
+a service reading every body in its pool."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import tenants
 from extauthz.decision import Decider
+from extauthz.service import AuthorizationService, BodyPool
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
+from extauthz.store import tenants_store
 from extauthz.types import Limits, Tenant, TenantsFile
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 
@@ -84,3 +92,37 @@ def make_decider(**settings: object) -> Decider:
 @pytest.fixture
 def decider() -> Decider:
     return make_decider(max_body_bytes=10_000)
+
+
+@pytest.fixture
+async def pooled(
+    tenants_file: Path, tiers_file: Path, keys: Keys
+) -> AsyncIterator[tuple[AuthorizationService, BodyPool]]:
+    """The service with every body read in the pool, its worker started."""
+    decider = make_decider()
+    pool = BodyPool(decider, from_bytes=1)
+    await pool.start()
+    store = tenants_store(tenants_file, tiers_file)
+    service = AuthorizationService(store, decider, TracerProvider().get_tracer("t"), bodies=pool)
+    try:
+        yield service, pool
+    finally:
+        await pool.close()
+
+
+def kill_worker(pool: BodyPool) -> None:
+    """SIGKILL the pool's worker (as the OOM killer would) and wait until it is gone."""
+    executor = pool._pool
+    assert executor is not None and executor._processes
+    (pid,) = executor._processes
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(1000):  # a bound against a hang, not a speed
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except FileNotFoundError:  # reaped by the executor
+            return
+        if state == b"Z":  # dead, not yet reaped
+            return
+        time.sleep(0.01)
+    raise AssertionError("the worker outlived its SIGKILL")

@@ -398,6 +398,16 @@ GENERATION = {":path": "/v1/chat/completions", ":method": "POST"}
         (b"{not json", {}, 400, "invalid_json"),
         (b"[1, 2]", {}, 400, "invalid_json"),
         (b"", {}, 400, "invalid_json"),
+        # UTF-8 only: json.loads alone reads UTF-16 and UTF-32 (by BOM or by its zero bytes).
+        (chat().decode().encode("utf-16"), {}, 400, "invalid_json"),
+        (chat().decode().encode("utf-32-le"), {}, 400, "invalid_json"),
+        (b"\xef\xbb\xbf" + chat(), {}, 400, "invalid_json"),  # UTF-8's BOM
+        (
+            chat(content="\udcff").replace(b"\\udcff", b"\xed\xb3\xbf"),
+            {},
+            400,
+            "invalid_json",
+        ),  # a lone surrogate
         (json.dumps({"messages": []}).encode(), {}, 400, "missing_model"),
         (json.dumps({"model": ["m"], "messages": []}).encode(), {}, 400, "missing_model"),
         (chat(), {"content-encoding": "gzip"}, 415, "unsupported_content_encoding"),

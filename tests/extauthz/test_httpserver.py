@@ -23,14 +23,15 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import metrics
-from extauthz.httpserver import HttpCheckServer, encode
-from extauthz.service import Answer, AuthorizationService, check_response
+from extauthz.budget import BodyBudget, Held
+from extauthz.httpserver import MAX_HEAD_BYTES, HttpCheckServer, encode
+from extauthz.service import Answer, AuthorizationService, BodyPool, check_response
 from extauthz.store import tenants_store
 from llmgw import authzhttp, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings, Health, Services
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok
 from llmgw.structs import to_dict
-from tests.extauthz.conftest import SECRET, Keys, make_decider
+from tests.extauthz.conftest import SECRET, Keys, kill_worker, make_decider
 from tests.extauthz.test_service import CHAT
 from tests.recording_pod import recording_pod
 
@@ -75,11 +76,21 @@ class Fake:
         self.delay_s = 0.0
         self.fail = False
         self.cancelled = 0
+        self.healthy = True
+        self.gate = asyncio.Event()  # cleared: checks wait until it is set
+        self.gate.set()
 
-    async def check(self, headers: Mapping[str, str], body: bytes) -> Answer:
+    def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
+        return Held(BodyBudget(0, 0), "", 0)
+
+    def key(self, headers: Mapping[str, str]) -> Answer:
+        return Answer(200, {}, [(wire.HEADER_TENANT, "acme")])
+
+    async def check(self, headers: Mapping[str, str], body: bytes, *, held: Held) -> Answer:
         self.seen.append((dict(headers), body))
         self.arrived.set()
         try:
+            await self.gate.wait()
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -186,6 +197,7 @@ def test_breaker_refusal_is_sent_as_429() -> None:
     reply = Response(*encode(answer).split(b"\r\n\r\n", 1))
     assert reply.status == 429  # Envoy would take a 503 for extauthz failing
     assert reply.get(wire.META_CIRCUIT_OPEN) == "true"
+    assert reply.get(wire.META_STATUS) == "503"  # the status meant, for Envoy to restore
     assert reply.get("retry-after") == "3"
 
 
@@ -279,6 +291,33 @@ async def test_a_check_that_raises_is_a_500_and_the_server_goes_on(fake: tuple[F
     assert (await exchange(port, request({}))).status == 500  # Envoy fails it closed
     service.fail = False
     assert (await exchange(port, request({}))).status == 200
+
+
+async def test_a_connection_buffers_at_most_a_head_ahead() -> None:
+    """Bytes after a request whose check runs (Envoy sends none) are not read on without end:
+    the connection stops reading until its answer, then reads on."""
+    service = Fake()
+    service.gate.clear()
+    server = HttpCheckServer(service)
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request({}, path="/one") + request({}, b"y" * (4 << 20), path="/two"))
+        await asyncio.wait_for(service.arrived.wait(), 10)
+        (conn,) = server.connections
+        assert conn.transport is not None
+        for _ in range(500):  # a bound against a hang, not a speed
+            if not conn.transport.is_reading():
+                break
+            await asyncio.sleep(0.01)
+        assert not conn.transport.is_reading()
+        assert len(conn.buffer) < MAX_HEAD_BYTES + (1 << 20)  # a head, and one read at most
+        service.gate.set()
+        replies = [await asyncio.wait_for(read_response(reader), 10) for _ in range(2)]
+        assert [r.get(wire.META_TENANT) for r in replies] == ["/one", "/two"]
+    finally:
+        writer.close()
+        await server.stop(0.5)
 
 
 async def test_envoy_hanging_up_cancels_the_check(fake: tuple[Fake, int]) -> None:
@@ -474,3 +513,32 @@ async def test_sigterm_drains_the_check_port_before_it_closes(
         assert await asyncio.to_thread(proc.stop) == 0, proc.log_tail()
     finally:
         proc.stop()
+
+
+async def test_health_fails_while_the_pool_cannot_be_replaced(
+    pooled: tuple[AuthorizationService, BodyPool], keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, pool = pooled
+    server = HttpCheckServer(service)
+    port = await server.start("127.0.0.1", 0)
+    health = request({}, path=authzhttp.HEALTH_PATH, method="GET")
+    acme = {"api-key": keys.acme}
+    try:
+        assert (await exchange(port, health)).status == authzhttp.HEALTHY
+
+        def no_process() -> None:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(pool, "_new_executor", no_process)
+        kill_worker(pool)
+        reply = await exchange(port, request(acme, CHAT))
+        assert reply.status == 429 and reply.get(wire.META_STATUS) == "503"
+        assert json.loads(reply.body)["error"]["code"] == "overloaded"
+        assert not service.healthy
+        assert (await exchange(port, health)).status == 503
+
+        monkeypatch.undo()  # processes can be started again: the next large body replaces it
+        assert (await exchange(port, request(acme, CHAT))).status == 200
+        assert (await exchange(port, health)).status == authzhttp.HEALTHY
+    finally:
+        await server.stop(0.5)

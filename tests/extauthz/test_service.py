@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from extauthz import cli, metrics
 from extauthz.__main__ import cli as service_cli
-from extauthz.service import AuthorizationService, register
+from extauthz.service import AuthorizationService, BodyPool, register
 from extauthz.store import TenantsStore, tenants_store
 from llmgw import wire
 from llmgw.facts import MESSAGE_TOKENS
@@ -38,7 +38,7 @@ from router.fleet import Fleet, FleetSettings
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
 from router.runtime import Router
 from router.types import PodMetrics
-from tests.extauthz.conftest import SECRET, TIERS_YAML, Keys, make_decider
+from tests.extauthz.conftest import SECRET, TIERS_YAML, Keys, kill_worker, make_decider
 from tests.router.test_service import log_entry, send_log
 
 Stub: Any = external_auth_pb2_grpc.AuthorizationStub
@@ -433,3 +433,31 @@ def test_no_body_pool_process_outlives_a_killed_extauthz(
     os.kill(proc.pid, signal.SIGKILL)
     proc.stop()
     assert not _gone(workers), "body-pool processes outlived a SIGKILLed extauthz"
+
+
+def _check_headers(key: str) -> dict[str, str]:
+    return {":method": "POST", ":path": wire.CHAT_PATH, "api-key": key}
+
+
+async def test_a_strangers_body_is_never_read(
+    pooled: tuple[AuthorizationService, BodyPool], keys: Keys
+) -> None:
+    service, _ = pooled
+    before = metrics.POOLED_BODIES._value.get()
+    answer = await service.check(_check_headers("sk-llmgw-nope"), CHAT)
+    assert answer.status == 401
+    assert metrics.POOLED_BODIES._value.get() == before  # the key first, from the headers
+    assert (await service.check(_check_headers(keys.acme), CHAT)).status == 200
+    assert metrics.POOLED_BODIES._value.get() == before + 1
+
+
+async def test_a_killed_pool_worker_is_replaced_at_once(
+    pooled: tuple[AuthorizationService, BodyPool], keys: Keys
+) -> None:
+    service, pool = pooled
+    kill_worker(pool)
+    restarts = metrics.POOL_RESTARTS._value.get()
+    assert (await service.check(_check_headers(keys.acme), CHAT)).status == 200
+    assert metrics.POOL_RESTARTS._value.get() == restarts + 1
+    assert pool.healthy and service.healthy
+    assert (await service.check(_check_headers(keys.acme), CHAT)).status == 200
