@@ -81,8 +81,9 @@ async def test_tenants_past_the_limit_are_other(monkeypatch: pytest.MonkeyPatch)
         "llmgw_ledger_requests_total", {"tenant": OTHER, "model": OTHER, "outcome": "refused"}
     )
     await record(
-        [outcome(i, tenant=t, status=403, outcome="refused") for i, t in enumerate(tenants)]
-    )
+        [outcome(i, tenant=t, model=run, status=403, outcome="refused")  # a model never served
+         for i, t in enumerate(tenants)]
+    )  # fmt: skip
     assert set(tenants) & labels("tenant") == set(tenants[:2])
     after = REGISTRY.get_sample_value(
         "llmgw_ledger_requests_total", {"tenant": OTHER, "model": OTHER, "outcome": "refused"}
