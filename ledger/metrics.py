@@ -101,7 +101,7 @@ BREAKER_RECOVERY_SECONDS = Histogram(
     buckets=(5, 15, 30, 60, 120, 300, 600, 1200, 2400, 4800),
 )
 
-MODELS = Bounded(64)  # the models served; the composition root sets the limit
+MODELS = Bounded(64)  # the models served; the composition root sets metrics.model_labels
 
 
 def served(o: Outcome) -> None:
