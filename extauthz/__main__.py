@@ -47,6 +47,7 @@ def cache_secret(settings: Settings) -> bytes:
 
 async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
+    telemetry.TENANTS.limit = settings.metrics.tenant_labels
     store = tenants_store(settings.tenants_file, settings.tiers_file)
     decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
     bodies = BodyPool(decider, settings.decision.pool_body_bytes)
@@ -116,9 +117,9 @@ def picking(settings: Settings) -> router_settings.Settings:
 
 
 def admitting(settings: Settings) -> ratelimit_settings.Settings:
-    """The settings of the rate limiter this process holds (its serve and tracing do not apply:
-    it decides inside extauthz's Check). Its tier table is extauthz's: a tier is defined once,
-    and a limiter on another table would put a tenant's custom tier on the default one."""
+    """The settings of the rate limiter this process holds (its serve, tracing and metrics do not
+    apply: it decides inside extauthz's Check). Its tier table is extauthz's: a tier is defined
+    once, and a limiter on another table would put a tenant's custom tier on the default one."""
     held = ratelimit_settings.check(settings.ratelimit_config)
     if held.limits_file is None:
         return held.model_copy(update={"limits_file": settings.tiers_file})

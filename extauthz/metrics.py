@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmgw import telemetry
 from llmgw.telemetry import Children
 
 DECISIONS = Counter(
@@ -16,7 +17,7 @@ DECISION_SECONDS = Histogram(
     "Time to decide one check, excluding its transport (gRPC or HTTP).",
     buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
 )
-decisions = Children(DECISIONS)  # (result, tenant), looked up once per pair
+decisions = Children(DECISIONS, tenant=telemetry.TENANTS.admit)  # (result, tenant), once per pair
 TENANTS = Gauge("llmgw_extauthz_tenants", "Tenants in the live snapshot.")
 POOLED_BODIES = Counter(
     "llmgw_extauthz_pooled_bodies_total",

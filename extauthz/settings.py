@@ -12,7 +12,7 @@ from llmgw import facts
 from llmgw.config import Strict
 from llmgw.facts import RequestFacts
 from llmgw.serve import ServeSettings
-from llmgw.telemetry import TracingSettings
+from llmgw.telemetry import MetricsSettings, TracingSettings
 
 ENV_PREFIX = "LLMGW_EXTAUTHZ"
 Tokens = Annotated[int, Field(ge=1, le=facts.MAX_OUTPUT_TOKENS)]
@@ -86,6 +86,7 @@ class DecisionSettings(Strict):
 class Settings(Strict):
     serve: ServeSettings = ServeSettings()
     tracing: TracingSettings = TracingSettings()
+    metrics: MetricsSettings = MetricsSettings()  # the held limiter's too
     log_level: str = "info"
     tenants_file: Path = Path("tenants.yaml")
     tiers_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from ledger import metrics
 from ledger.alerts import Alerts
 from ledger.breaker import Breakers
 from ledger.db import Ledger
@@ -30,6 +31,8 @@ NAME = "ledger"
 
 async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
+    telemetry.TENANTS.limit = settings.metrics.tenant_labels
+    metrics.MODELS.limit = settings.metrics.model_labels
     db = (
         Ledger(settings.database_url.get_secret_value(), backlog_max=settings.backlog_max)
         if settings.database_url is not None

@@ -114,7 +114,7 @@ class Breakers:
         for t in transitions:
             detail = t.detail()
             if t.kind == "trip":
-                metrics.BREAKER_TRIPS.labels(t.tenant, t.tier, t.cause, str(t.reopen).lower()).inc()
+                metrics.breaker_trips(t.tenant, t.tier, t.cause, str(t.reopen).lower()).inc()
                 metrics.BREAKER_OPEN_SECONDS.labels(t.tier).observe(t.cooldown_ms / 1000)
                 spec = self.tiers().tier(t.tier).breaker
                 if self.alert is not None and spec is not None and spec.alert:

@@ -1,10 +1,16 @@
-"""Prometheus collectors of the ledger's outcome stream (the database writer has its own, db.py)."""
+"""Prometheus collectors of the ledger's outcome stream (the database writer has its own, db.py).
+
+Bounded: a tenant past the process's first `metrics.tenant_labels` is `other` (llmgw/telemetry.py
+TENANTS); a model is its own label only once a pod has served it (a 2xx), and only the first
+`metrics.model_labels` such, else `other`: the client writes the model, and a request refused
+before any pod names whatever it likes."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from llmgw.telemetry import Children
+from llmgw.outcome import Outcome
+from llmgw.telemetry import TENANTS, Bounded, Children
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -95,10 +101,21 @@ BREAKER_RECOVERY_SECONDS = Histogram(
     buckets=(5, 15, 30, 60, 120, 300, 600, 1200, 2400, 4800),
 )
 
+MODELS = Bounded(64)  # the models served; the composition root sets metrics.model_labels
+
+
+def served(o: Outcome) -> None:
+    """Learns the outcome's model if a pod answered it with a 2xx: a pod serves only models it
+    has, so the set is the fleet's, whatever the clients write."""
+    if o.pod and 200 <= o.status < 300:
+        MODELS.admit(o.model)
+
+
 # Looked up once per label set (every outcome updates them).
-requests = Children(REQUESTS)
-tokens = Children(TOKENS)
+requests = Children(REQUESTS, tenant=TENANTS.admit, model=MODELS.label)
+tokens = Children(TOKENS, tenant=TENANTS.admit, model=MODELS.label)
 settlements = Children(SETTLEMENTS)
-unchecked = Children(UNCHECKED)
-ttft = Children(TTFT)
-duration = Children(DURATION)
+unchecked = Children(UNCHECKED, tenant=TENANTS.admit)
+ttft = Children(TTFT, tenant=TENANTS.admit, model=MODELS.label)
+duration = Children(DURATION, tenant=TENANTS.admit, model=MODELS.label)
+breaker_trips = Children(BREAKER_TRIPS, tenant=TENANTS.admit)

@@ -184,6 +184,7 @@ class Recorder:
 
 
 def _count(o: Outcome) -> None:
+    metrics.served(o)  # before the labels: the first answer for a model counts under it
     labels = (o.tenant, o.model)
     metrics.requests(*labels, o.outcome).inc()
     for kind, n in (

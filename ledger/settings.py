@@ -10,7 +10,7 @@ from ledger.alerts import AlertKind
 from ledger.detectors import Rules
 from llmgw.config import Strict
 from llmgw.serve import ServeSettings
-from llmgw.telemetry import TracingSettings
+from llmgw.telemetry import MetricsSettings, TracingSettings
 
 ENV_PREFIX = "LLMGW_LEDGER"
 
@@ -63,9 +63,15 @@ class AlertSettings(Strict):
         return self
 
 
+class LedgerMetricsSettings(MetricsSettings):
+    # Models with a label of their own (the first a pod served); the rest are `other`.
+    model_labels: int = Field(default=64, ge=0)
+
+
 class Settings(Strict):
     serve: ServeSettings = ServeSettings(port=8084)
     tracing: TracingSettings = TracingSettings()
+    metrics: LedgerMetricsSettings = LedgerMetricsSettings()
     log_level: str = "info"
     # postgresql://user:password@host:port/db; None: outcomes are settled and counted, not stored.
     database_url: SecretStr | None = None

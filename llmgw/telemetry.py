@@ -1,9 +1,11 @@
-"""OpenTelemetry tracing for the services (OTLP/gRPC export when an endpoint is configured), and
-cheap access to labelled Prometheus counters on the request path."""
+"""OpenTelemetry tracing for the services (OTLP/gRPC export when an endpoint is configured),
+cheap access to labelled Prometheus counters on the request path, and the bound on the values of
+a label that a client's traffic can name (tenants, models): every series costs memory in the
+service and in Prometheus, so no client may add them without bound."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Generic, TypeVar
 
 from opentelemetry import propagate, trace
@@ -12,6 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client.metrics import MetricWrapperBase
+from pydantic import Field
 
 from llmgw.config import Strict
 
@@ -19,6 +22,12 @@ from llmgw.config import Strict
 class TracingSettings(Strict):
     otlp_endpoint: str | None = None  # e.g. "http://127.0.0.1:4317"; None: spans are not exported
     sample_ratio: float = 1.0
+
+
+class MetricsSettings(Strict):
+    # Tenants with a label of their own in the per-tenant metrics (the first to be seen); the
+    # rest are counted as `other`. Per-tenant detail beyond them: the ledger (`llmgw usage`).
+    tenant_labels: int = Field(default=200, ge=0)
 
 
 def setup(service: str, settings: TracingSettings) -> trace.Tracer:
@@ -59,6 +68,41 @@ def parent_context(
 _TRACE_KEYS = ("traceparent", "tracestate")
 
 
+OTHER = "other"  # the label of every value past a bound
+
+
+class Bounded:
+    """The values one label may take: the first `limit` distinct ones admitted keep a label of
+    their own for the process's lifetime, later ones read as `other`. Sticky, so a counter never
+    moves from one series to another and stays monotonic. Values in `fixed` (e.g. "": no tenant)
+    always keep theirs and take no room."""
+
+    def __init__(self, limit: int, fixed: Iterable[str] = ()) -> None:
+        self.limit = limit
+        self._fixed = frozenset(fixed)
+        self._kept: set[str] = set()
+
+    def admit(self, value: str) -> str:
+        """`value`'s label, admitting it while there is room."""
+        if value in self._kept or value in self._fixed:
+            return value
+        if len(self._kept) >= self.limit:
+            return OTHER
+        self._kept.add(value)
+        return value
+
+    def label(self, value: str) -> str:
+        """`value`'s label, admitting nothing."""
+        return value if value in self._kept or value in self._fixed else OTHER
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+# The tenants of every per-tenant metric in this process (one set: a tenant is `other`
+# everywhere or nowhere); the composition root sets its limit (MetricsSettings).
+TENANTS = Bounded(MetricsSettings().tenant_labels, fixed=("",))
+
 M = TypeVar("M", bound=MetricWrapperBase)
 
 
@@ -66,13 +110,22 @@ class Children(Generic[M]):
     """`metric.labels(*values)` remembered per label tuple (values in the metric's label order):
     prometheus_client's own lookup (validation, a lock, a dict) costs more than the update on
     every decision. Holds the same child objects the metric does, so values read through either
-    agree; a child is made when first used, as `labels()` would, so no series appears early."""
+    agree; a child is made when first used, as `labels()` would, so no series appears early.
+    `bounds` maps a label's name to what its value becomes (e.g. `tenant=TENANTS.admit`), applied
+    before the lookup so this cache is bounded as the metric is."""
 
-    def __init__(self, metric: M) -> None:
+    def __init__(self, metric: M, **bounds: Callable[[str], str]) -> None:
         self._metric = metric
         self._children: dict[tuple[str, ...], M] = {}
+        names = list(metric._labelnames)
+        self._bounds = [(names.index(name), bound) for name, bound in bounds.items()]
 
     def __call__(self, *values: str) -> M:
+        if self._bounds:
+            bounded = list(values)
+            for i, bound in self._bounds:
+                bounded[i] = bound(bounded[i])
+            values = tuple(bounded)
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = self._metric.labels(*values)

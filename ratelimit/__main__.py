@@ -17,6 +17,7 @@ NAME = "ratelimit"
 
 
 async def main(settings: Settings) -> None:
+    telemetry.TENANTS.limit = settings.metrics.tenant_labels
     limiter = RateLimiter(settings)
     await limiter.start()
     servicer = RateLimitService(limiter.limiter, telemetry.setup(NAME, settings.tracing))

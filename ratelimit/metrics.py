@@ -1,11 +1,12 @@
 """Prometheus collectors of the rate limiter (labels: tenant, tier), served by the process that
-holds it: extauthz, or `python -m ratelimit`."""
+holds it: extauthz, or `python -m ratelimit`. Tenants past the process's first
+`metrics.tenant_labels` are `other` (llmgw/telemetry.py TENANTS)."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from llmgw.telemetry import Children
+from llmgw.telemetry import TENANTS, Children
 
 DECISIONS = Counter(
     "llmgw_ratelimit_decisions_total",
@@ -53,9 +54,9 @@ DECISION_SECONDS = Histogram(
 
 
 # The children the decision path increments, looked up once per label tuple.
-decisions = Children(DECISIONS)
-over_limit = Children(OVER_LIMIT)
-near_limit = Children(NEAR_LIMIT)
-borrowed = Children(BORROWED)
-capped = Children(CAPPED)
-degraded_decisions = Children(DEGRADED_DECISIONS)
+decisions = Children(DECISIONS, tenant=TENANTS.admit)
+over_limit = Children(OVER_LIMIT, tenant=TENANTS.admit)
+near_limit = Children(NEAR_LIMIT, tenant=TENANTS.admit)
+borrowed = Children(BORROWED, tenant=TENANTS.admit)
+capped = Children(CAPPED, tenant=TENANTS.admit)
+degraded_decisions = Children(DEGRADED_DECISIONS, tenant=TENANTS.admit)

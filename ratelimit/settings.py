@@ -8,7 +8,7 @@ from pydantic import Field, SecretStr
 
 from llmgw.config import Strict, load
 from llmgw.serve import ServeSettings
-from llmgw.telemetry import TracingSettings
+from llmgw.telemetry import MetricsSettings, TracingSettings
 from llmgw.tiers import load_tiers
 
 ENV_PREFIX = "LLMGW_RATELIMIT"
@@ -38,6 +38,7 @@ class FleetSettings(Strict):
 class Settings(Strict):
     serve: ServeSettings = ServeSettings(port=8082)
     tracing: TracingSettings = TracingSettings()
+    metrics: MetricsSettings = MetricsSettings()
     log_level: str = "info"
     limits_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
