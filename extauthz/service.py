@@ -47,7 +47,7 @@ from extauthz.budget import BodyBudget, Held
 from extauthz.decision import Decider, key_entry
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, Deny
-from llmgw import wire
+from llmgw import authzhttp, wire
 from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
 from ratelimit import admission
@@ -122,6 +122,7 @@ def denied(deny: Deny) -> Answer:
 
 
 _RETRY_SOON = (("retry-after", "1"),)
+_PLAUSIBLE_WAIT_MS = 60_000  # a check "waiting" longer than this: the clocks disagree
 
 
 def too_many_bodies(tenant: str, share: int) -> Deny:
@@ -446,6 +447,8 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
     def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
         """A check's head: its key verified and its body's declared `length` held for its
         tenant until the check is answered; or the denial, before any of the body is read."""
+        if self._late(headers):
+            return self.refuse(overloaded(None))
         key = key_entry(self.store.current, headers, self.clock())
         if isinstance(key, Deny):
             return self.refuse(key)
@@ -456,6 +459,18 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         if held == "tenant":
             return self.refuse(too_many_bodies(tenant, self.budget.per_tenant))
         return self.refuse(overloaded(tenant))
+
+    def _late(self, headers: Mapping[str, str]) -> bool:
+        """The check has waited (in Envoy's queue for this server, and in this one) since its
+        body was whole so long that Envoy would give up on it before the answer: shed now, with
+        an answer the client can act on (503 overloaded, retry-after), at no cost to anyone's
+        quota, rather than Envoy's timeout later. Envoy's clock stamps it (envoy/authn.lua): a
+        stamp from the future, or implausibly old (clocks apart), is not trusted."""
+        stamp = headers.get(authzhttp.BODY_AT)
+        if stamp is None or not stamp.isdigit():
+            return False
+        waited_ms = self.clock() * 1000 - int(stamp)
+        return self.decider.settings.shed_after_ms <= waited_ms <= _PLAUSIBLE_WAIT_MS
 
     def refuse(self, deny: Deny) -> Answer:
         self.count(deny)

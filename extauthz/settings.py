@@ -54,6 +54,12 @@ class DecisionSettings(Strict):
     # for a 1 GiB container: the pool's worker holds a copy of what it reads, and JSON's objects
     # take several times the bytes they came from.
     body_bytes_in_flight: int = Field(default=256 * 1024 * 1024, gt=0)
+    # A check that has waited this long since Envoy had its body (authzhttp.BODY_AT: in Envoy's
+    # queue for this server, and in it) is shed at once (503 overloaded, retry-after): with the
+    # admission's own budget (admit_timeout_ms, 1 s) still within Envoy's wait for the check
+    # (2 s), so the client gets an answer it can act on, not Envoy's timeout, and nobody's
+    # quota is touched.
+    shed_after_ms: float = Field(default=1000.0, gt=0)
     tenant_body_bytes_in_flight: int = Field(default=64 * 1024 * 1024, gt=0)
     # Each tenant's priority to vLLM's scheduler as x-vllm-priority (llmgw/priority.py). Off:
     # every request gets vLLM's default 0 (first come, first served); a client's own value still

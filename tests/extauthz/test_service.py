@@ -29,7 +29,7 @@ from extauthz import cli, metrics
 from extauthz.__main__ import cli as service_cli
 from extauthz.service import AuthorizationService, BodyPool, register
 from extauthz.store import TenantsStore, tenants_store
-from llmgw import wire
+from llmgw import authzhttp, wire
 from llmgw.facts import MESSAGE_TOKENS
 from llmgw.procs import Process, free_port, grpc_serving
 from llmgw.reload import RELOADS
@@ -461,3 +461,23 @@ async def test_a_killed_pool_worker_is_replaced_at_once(
     assert metrics.POOL_RESTARTS._value.get() == restarts + 1
     assert pool.healthy and service.healthy
     assert (await service.check(_check_headers(keys.acme), CHAT)).status == 200
+
+
+@pytest.mark.parametrize(
+    ("waited_s", "shed"), [(1.2, True), (0.1, False), (-5.0, False), (3600.0, False)]
+)
+async def test_a_check_that_waited_too_long_is_shed_before_anything_else(
+    pooled: tuple[AuthorizationService, BodyPool], keys: Keys, waited_s: float, shed: bool
+) -> None:
+    """A check whose body Envoy had more than shed_after_ms ago is answered 503 overloaded with
+    retry-after, before its key is even looked up; a fresh one is decided; a stamp from the
+    future or from an hour ago (clocks apart) is not trusted."""
+    service, _ = pooled
+    stamp = str(int((time.time() - waited_s) * 1000))
+    answer = await service.check({**_check_headers(keys.acme), authzhttp.BODY_AT: stamp}, CHAT)
+    if shed:
+        assert answer.status == 503
+        assert json.loads(answer.body)["error"]["code"] == "overloaded"
+        assert ("retry-after", "1") in answer.client_headers
+    else:
+        assert answer.status == 200
