@@ -63,9 +63,12 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
         update["admin"] = _listen(args.admin)
     elif settings.admin.port == 0:
         update["admin"] = Address(port=ADMIN_PORT)
+    if args.stats:
+        update["stats"] = _listen(args.stats)
     if args.otlp:
         update["otlp"] = envoyconf.parse_endpoint(args.otlp)
-    settings = settings.model_copy(update=update)
+    # Validated again: a model_copy would take an admin on 0.0.0.0 unchecked.
+    settings = envoyconf.EnvoySettings.model_validate({**settings.model_dump(), **update})
     named = {
         name: envoyconf.parse_endpoint(getattr(args, name))
         for name in RENDERED_SERVICES
@@ -135,6 +138,11 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--otlp", metavar="HOST:PORT", help="OpenTelemetry collector (OTLP/gRPC)")
     render.add_argument(
         "--admin", metavar="HOST:PORT", help=f"admin (default 127.0.0.1:{ADMIN_PORT})"
+    )
+    render.add_argument(
+        "--stats",
+        metavar="HOST:PORT",
+        help="a listener serving only the admin's /ready and /stats/prometheus (probes, scrapes)",
     )
     render.add_argument(
         "--insecure-no-auth",

@@ -43,7 +43,7 @@ from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, red
 from llmgw.stack import Stack
 from ratelimit.redis_store import REPLICAS_KEY
 from tests.conftest import api_key
-from tests.envoy_config import grpc_loggers, pick_sources
+from tests.envoy_config import check_admin_private, grpc_loggers, pick_sources
 from tests.http import call
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ START_TIMEOUT = 90  # a Python service's start on a loaded 2-core box, several a
 # The command in the compose file's header, and the test that keeps compose/envoy.yaml current.
 RENDER = {
     "--listen": "0.0.0.0:8080",
-    "--admin": "0.0.0.0:9901",
+    "--stats": "0.0.0.0:9902",  # the admin stays on loopback
     "--extauthz": "extauthz:9001",
     "--extauthz-http": "extauthz:9011",  # Envoy's checks (LLMGW_EXTAUTHZ__HTTP_PORT)
     "--ledger": "ledger:9004",
@@ -183,7 +183,7 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     assert "envoy.filters.http.ratelimit" not in rendered
     config = yaml.safe_load(rendered)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {"pods", *OURS, "extauthz_http", "otel"}
+    assert set(clusters) == {"pods", *OURS, "extauthz_http", "otel", "admin"}
     for name in (*OURS, "extauthz_http", "otel"):
         assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
     # override_host takes the pick from ext_authz's metadata; the router's access log (how each
@@ -191,6 +191,7 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
     assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
+    check_admin_private(config)
     envoyconf.validate(COMPOSE / "envoy.yaml")
 
 
@@ -423,7 +424,9 @@ def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -
     for target in targets["vllm"]:
         assert "vllm:num_requests_running" in exported(fetch(started.url(target)))
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
-    assert targets["envoy"] == [RENDER["--admin"].replace("0.0.0.0", "envoy")]
+    assert targets["envoy"] == [RENDER["--stats"].replace("0.0.0.0", "envoy")]
+    # The health check asks the stats listener too (the admin is on Envoy's loopback).
+    assert "/dev/tcp/127.0.0.1/9902" in " ".join(services["envoy"]["healthcheck"]["test"])
 
 
 def test_the_dashboard_names_only_metrics_that_are_exported(started: Started, stack: Stack) -> None:

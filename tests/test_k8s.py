@@ -31,7 +31,7 @@ from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
 from llmgw import config, envoyconf, wire
 from router.settings import redis_address
-from tests.envoy_config import grpc_loggers, pick_sources
+from tests.envoy_config import check_admin_private, grpc_loggers, pick_sources
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
@@ -116,9 +116,12 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
     assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
-    # Every cluster names a Service of the manifests on one of its ports.
+    check_admin_private(config)
+    # Every cluster but the admin (Envoy's own loopback) names a Service of the manifests.
     services = {d["metadata"]["name"]: d for d in docs() if d["kind"] == "Service"}
-    for cluster in yaml.safe_load(mounted)["static_resources"]["clusters"]:
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "admin":
+            continue
         assert cluster["type"] == "STRICT_DNS", cluster["name"]
         for group in cluster["load_assignment"]["endpoints"]:
             for endpoint in group["lb_endpoints"]:
@@ -127,6 +130,22 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
                 assert sock["port_value"] in {p["port"] for p in service["spec"]["ports"]}
                 if service["metadata"]["name"] in (*SERVICES, "vllm"):
                     assert service["spec"]["clusterIP"] == "None"  # every replica resolved
+
+
+def test_probes_and_scrapes_reach_envoy_through_its_stats_listener() -> None:
+    """Nothing outside the pod reaches the admin (loopback): the readiness probe, the Service,
+    the ServiceMonitor and the NetworkPolicy name the stats listener's port."""
+    config = yaml.safe_load(rendered())
+    stats = next(x for x in config["static_resources"]["listeners"] if x["name"] == "stats")
+    port = stats["address"]["socket_address"]["port_value"]
+    envoy = container("envoy")
+    assert {p["name"]: p["containerPort"] for p in envoy["ports"]} == {"http": 8080, "stats": port}
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "stats"}
+    ports = find("Service", "envoy")["spec"]["ports"]
+    assert {p["name"]: p["targetPort"] for p in ports} == {"http": "http", "stats": "stats"}
+    endpoints = find("ServiceMonitor", "llmgw-envoy")["spec"]["endpoints"]
+    assert [(e["port"], e["path"]) for e in endpoints] == [("stats", "/stats/prometheus")]
+    assert ingress_from("envoy") == [({"anyone"}, {8080}), ({"monitoring"}, {port})]
 
 
 def env_of(name: str) -> dict[str, str]:
