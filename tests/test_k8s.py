@@ -148,6 +148,24 @@ def test_probes_and_scrapes_reach_envoy_through_its_stats_listener() -> None:
     assert ingress_from("envoy") == [({"anyone"}, {8080}), ({"monitoring"}, {port})]
 
 
+def bytes_of(quantity: str) -> int:
+    """A Kubernetes memory quantity (binary suffixes, or plain bytes) in bytes."""
+    for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti"), start=1):
+        if quantity.endswith(suffix):
+            return int(quantity.removesuffix(suffix)) * 1024**i
+    return int(quantity)
+
+
+def test_envoys_memory_limit_leaves_room_above_its_heap_bound() -> None:
+    """The overload manager sheds near max_heap_size_bytes; a memory limit below that (plus
+    what Envoy holds outside its heap) kills the pod first, and every stream with it."""
+    overload = yaml.safe_load(rendered())["overload_manager"]
+    heap = next(m for m in overload["resource_monitors"] if m["name"].endswith("fixed_heap"))
+    bound = heap["typed_config"]["max_heap_size_bytes"]
+    limit = bytes_of(container("envoy")["resources"]["limits"]["memory"])
+    assert limit >= bound + 512 * 1024**2, (limit, bound)
+
+
 def env_of(name: str) -> dict[str, str]:
     """The container's environment, with Secret and downward-API values stood in for."""
     out = {}
