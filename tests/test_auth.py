@@ -131,12 +131,19 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
         "x-llmgw-model": "other",
         "x-llmgw-made-up": "1",
         "x-gateway-destination-endpoint": "127.0.0.1:1",
+        "x-gateway-destination-endpoint-served": "127.0.0.1:1",
+        "x-data-parallel-rank": "3",  # vLLM's pick of a data-parallel engine
     }
     with recording_pod() as pod:
         settings = stack_settings().model_copy(update={"upstreams": (pod.address,), "pods": 0})
         with Stack(settings, tmp_path / "stack") as stack:
             key = api_key(stack, "free")
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            # vLLM's engine request id, when no X-Request-Id names it.
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "request_id": "forged",
+            }
             reply = call(
                 "POST", f"{stack.base_url}/chat/completions", body, {**bearer(key), **forged}
             )
@@ -149,7 +156,12 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
     assert received.headers["x-llmgw-model"] == MODEL
     assert received.headers["x-llmgw-priority"] != "10"
     assert "x-llmgw-made-up" not in received.headers
-    assert "x-gateway-destination-endpoint" not in received.headers
+    for name in ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served"):
+        assert name not in received.headers
+    assert "x-data-parallel-rank" not in received.headers
+    # The gateway's request id, in the header and the body alike.
+    assert received.headers["x-request-id"] == reply.headers["x-request-id"]
+    assert received.body["request_id"] == reply.headers["x-request-id"]
     # The pod never sees the client's key.
     assert "authorization" not in received.headers
     assert all(key not in value for value in received.headers.values())
