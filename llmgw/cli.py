@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
 def cmd_up(args: argparse.Namespace) -> int:
     from llmgw.launcher import supervise
 
+    # Owner-only, whatever the children create (Envoy's access log, Redis's files, configs).
+    os.umask(0o077)
     settings = _stack_settings(args)
     state_dir = args.state_dir / time.strftime("run-%Y%m%d-%H%M%S")
     return supervise(Stack(settings, state_dir), args.ready_file)

@@ -102,7 +102,9 @@ class Stack:
     # Composition.
 
     def start(self) -> Stack:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only: the logs, the rendered configs and the tenants file are the operator's.
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.state_dir.chmod(0o700)
         try:
             self._start_redis()
             self._start_pods()
@@ -276,7 +278,9 @@ class Stack:
             }
         )
         config = self.state_dir / "envoy.yaml"
-        config.write_text(envoyconf.render(settings, self.listen, self.pods, self.services))
+        # Owner-only: it will hold the pods' API key.
+        with os.fdopen(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(envoyconf.render(settings, self.listen, self.pods, self.services))
         argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart"]
         argv += ["--base-id", str(self.admin.port), "--concurrency", str(settings.concurrency)]
         argv += ["--file-flush-interval-msec", "200", "--log-level", "warn"]
