@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,7 @@ def env_of(name: str) -> dict[str, str]:
             out[var["name"]] = (
                 "postgresql://u:p@postgres:5432/db"
                 if "URL" in var["name"]
-                else ("0123456789abcdef" * 4)
+                else secrets.token_hex(32)
             )
         else:
             out[var["name"]] = "0"
@@ -209,6 +210,26 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     hpa = find("HorizontalPodAutoscaler", name)["spec"]
     assert hpa["scaleTargetRef"]["name"] == name
     assert hpa["scaleTargetRef"]["kind"] == workload(name)["kind"]
+
+
+def example_secret(name: str, key: str) -> str:
+    path = K8S / "examples" / "secrets.yaml"
+    doc = next(d for d in yaml.safe_load_all(path.read_text()) if d["metadata"]["name"] == name)
+    return str(doc["stringData"][key])
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_each_service_refuses_the_example_secrets_as_they_are(name: str) -> None:
+    """Applied unedited, examples/secrets.yaml would make its placeholders the session HMAC key
+    and the Redis password: the services refuse to start with them."""
+    env = env_of(name)
+    for var in container(name)["env"]:
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None and "URL" not in var["name"]:
+            env[var["name"]] = example_secret(ref["name"], ref["key"])
+    settings_module = importlib.import_module(f"{name}.settings")
+    with pytest.raises(config.ConfigError, match="placeholder"):
+        config.load(settings_module.Settings, None, f"LLMGW_{name.upper()}", env)
 
 
 def test_extauthz_replicas_get_distinct_session_worker_ids() -> None:
