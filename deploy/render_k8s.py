@@ -33,6 +33,8 @@ RENDER = [
     "--ratelimit-in-extauthz",  # and the rate limiter (its ADMIT): no rate-limit call or Service
     "--ledger",
     "ledger:9004",
+    "--pod-key-env",  # the pods' vLLM key, from the Secret llmgw-vllm in Envoy's environment
+    "VLLM_API_KEY",
 ]
 
 HEADER = """\

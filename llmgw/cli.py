@@ -61,13 +61,15 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
             "who reaches it. Pass --insecure-no-auth to render it anyway."
         )
     settings = config.load(envoyconf.EnvoySettings, args.config, "LLMGW_ENVOY")
-    update: dict[str, Address] = {}
+    update: dict[str, Address | str] = {}
     if args.admin:
         update["admin"] = _listen(args.admin)
     elif settings.admin.port == 0:
         update["admin"] = Address(port=ADMIN_PORT)
     if args.stats:
         update["stats"] = _listen(args.stats)
+    if args.pod_key_env:
+        update["pod_key_env"] = args.pod_key_env
     if args.otlp:
         update["otlp"] = envoyconf.parse_endpoint(args.otlp)
     # Validated again: a model_copy would take an admin on 0.0.0.0 unchecked.
@@ -146,6 +148,12 @@ def parser() -> argparse.ArgumentParser:
         "--stats",
         metavar="HOST:PORT",
         help="a listener serving only the admin's /ready and /stats/prometheus (probes, scrapes)",
+    )
+    render.add_argument(
+        "--pod-key-env",
+        metavar="NAME",
+        help="Envoy's environment variable holding the pods' vLLM --api-key (sent as "
+        "`authorization: Bearer KEY`)",
     )
     render.add_argument(
         "--insecure-no-auth",

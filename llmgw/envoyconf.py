@@ -144,6 +144,9 @@ class EnvoySettings(Strict):
     admin: Address = Address()
     # A listener serving only STATS_PATHS from the admin, for probes and Prometheus; None: none.
     stats: Address | None = None
+    # The environment variable (Envoy's) holding the pods' vLLM --api-key, sent to them as
+    # `authorization: Bearer KEY`; None: the pods take requests without a key.
+    pod_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     timeouts: Timeouts = Timeouts()
     retries: Retries = Retries()
     health: Health = Health()

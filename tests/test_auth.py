@@ -167,6 +167,26 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
     assert all(key not in value for value in received.headers.values())
 
 
+def test_the_pods_serve_v1_only_to_the_gateway(stack: Stack) -> None:
+    """The pods ask for their API key (vLLM's --api-key): /v1 straight to a pod is vLLM's 401,
+    with no key or a tenant's; /health and /metrics stay open. Through Envoy, which sends the
+    key, the request is served, and nothing of the key comes back to the client."""
+    assert stack.pod_api_key
+    pod = stack.pod_url(0)
+    body = {"model": served_model(stack), "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, bearer(api_key(stack)), bearer(stack.pod_api_key[:-1])):
+        for method, path, sent in [("POST", "/v1/completions", body), ("GET", "/v1/models", None)]:
+            refused = call(method, f"{pod}{path}", sent, headers)
+            assert (refused.status, refused.json()) == (401, {"error": "Unauthorized"}), path
+    assert call("GET", f"{pod}/health").status == 200
+    assert call("GET", f"{pod}/metrics").status == 200
+    served = call("GET", f"{pod}/v1/models", headers=bearer(stack.pod_api_key))
+    assert served.status == 200
+    reply = call("POST", f"{stack.base_url}/completions", body, bearer(api_key(stack)))
+    assert reply.status == 200, reply.body
+    assert stack.pod_api_key not in f"{reply.headers}{reply.body!r}"
+
+
 def test_the_pods_own_session_and_rate_headers_never_reach_the_client(tmp_path: Path) -> None:
     """The gateway's x-session-id and x-ratelimit-* are the only ones the client gets: over HTTP
     Envoy appends the check's headers to the pod's response, so a pod (or a proxy in front of a

@@ -60,6 +60,7 @@ RENDER = {
     "--extauthz-http": "extauthz:9011",  # Envoy's checks (LLMGW_EXTAUTHZ__HTTP_PORT)
     "--ledger": "ledger:9004",
     "--otlp": "otel-collector:4317",
+    "--pod-key-env": "VLLM_API_KEY",  # the pods' key, from Envoy's environment
 }
 # extauthz holds the router and the rate limiter (LLMGW_EXTAUTHZ__PICK, __ADMIT).
 RENDER_FLAGS = ("--router-in-extauthz", "--ratelimit-in-extauthz")
@@ -70,6 +71,7 @@ INTERPOLATION = {
     "POSTGRES_PASSWORD": "compose-test",
     "REDIS_PASSWORD": secrets.token_hex(16),
     "GRAFANA_ADMIN_PASSWORD": "compose-test",
+    "VLLM_API_KEY": secrets.token_hex(32),
 }
 
 
@@ -151,6 +153,12 @@ def test_compose_runs_the_whole_product() -> None:
     held = [k for k in extauthz if k.startswith(("LLMGW_ROUTER__", "LLMGW_RATELIMIT__"))]
     assert not [k for k in held if "__SERVE__" in k or "__TRACING__" in k]
     assert any("postgresql/data" in v for v in services["postgres"]["volumes"])
+    # The pods ask for one key on /v1; Envoy sends it (--pod-key-env), and the router scraping
+    # their /v1/models.
+    pod_key = "${VLLM_API_KEY:?set VLLM_API_KEY (openssl rand -hex 32)}"
+    for name in ("vllm-0", "vllm-1", "envoy"):
+        assert services[name]["environment"]["VLLM_API_KEY"] == pod_key, name
+    assert extauthz["LLMGW_ROUTER__FLEET__POD_API_KEY"] == pod_key
     # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
     # pod around Envoy.
     published = {name: s["ports"] for name, s in services.items() if "ports" in s}
@@ -276,7 +284,11 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
             port = run.port(host, int(pod_port))
             argv = [sys.executable, "-m", "llmgw.sim", "--port", str(port), "--time-scale", "0.05"]
             ready = http_ok(f"http://127.0.0.1:{port}/health")
-            run.processes.append(Process(host, argv, ready, tmp / f"{host}.log"))
+            # The pod's key, as the compose file gives it to vLLM.
+            pod_env = spec["services"][host]["environment"]
+            key = {"VLLM_API_KEY": interpolate(pod_env["VLLM_API_KEY"], INTERPOLATION)}
+            env = {**os.environ, **key}
+            run.processes.append(Process(host, argv, ready, tmp / f"{host}.log", env))
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         for name, service in spec["services"].items():
             if service.get("image") != IMAGE:

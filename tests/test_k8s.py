@@ -232,6 +232,27 @@ def test_each_service_refuses_the_example_secrets_as_they_are(name: str) -> None
         config.load(settings_module.Settings, None, f"LLMGW_{name.upper()}", env)
 
 
+def test_the_pods_key_reaches_the_pods_envoy_and_the_router_from_one_secret() -> None:
+    """vLLM asks for VLLM_API_KEY on /v1; Envoy sends it from its environment (never in the
+    ConfigMap), the router in extauthz with its /v1/models scrapes."""
+    ref = {"secretKeyRef": {"name": "llmgw-vllm", "key": "api-key"}}
+    wanted = {"vllm": "VLLM_API_KEY", "envoy": "VLLM_API_KEY"}
+    wanted["extauthz"] = "LLMGW_ROUTER__FLEET__POD_API_KEY"
+    for name, variable in wanted.items():
+        var = next(v for v in container(name)["env"] if v["name"] == variable)
+        assert var["valueFrom"] == ref, name
+    assert example_secret("llmgw-vllm", "api-key")
+    config = yaml.safe_load(rendered())
+    openai = next(x for x in config["static_resources"]["listeners"] if x["name"] == "openai")
+    (vhost,) = openai["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"
+    ]
+    header = {"key": "authorization", "value": "Bearer %ENVIRONMENT(VLLM_API_KEY)%"}
+    assert vhost["request_headers_to_add"] == [
+        {"header": header, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+    ]
+
+
 def test_extauthz_replicas_get_distinct_session_worker_ids() -> None:
     """Session IDs are Snowflake IDs: two replicas with one worker ID could mint the same."""
     assert workload("extauthz")["kind"] == "StatefulSet"
