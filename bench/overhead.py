@@ -116,10 +116,17 @@ def main() -> None:
                 Path(tmp) / "envoy",
             )
         )
-        pod = base.pod_url(0)
-        targets = {"direct": (f"{pod}/v1", ""), "envoy": (base.base_url, "")}
+        pod, pod_key = base.pod_url(0), base.pod_api_key or ""
+        targets = {"direct": (f"{pod}/v1", pod_key), "envoy": (base.base_url, "")}
         for name, services in list(CONFIGS.items())[1:]:
-            settings = StackSettings(listen=Address(port=0), upstreams=(pod,), services=services)
+            settings = StackSettings.model_validate(
+                {
+                    "listen": Address(port=0),
+                    "upstreams": (pod,),
+                    "services": services,
+                    "pod_api_key": pod_key,
+                }
+            )
             stack = stacks.enter_context(Stack(settings, Path(tmp) / name))
             targets[name] = (stack.base_url, stack.tenants[-1]["api_key"])  # platinum
         samples = asyncio.run(measure(targets, args))

@@ -21,8 +21,8 @@ RENDER = [
     "render-envoy",
     "--listen",
     "0.0.0.0:8080",
-    "--admin",
-    "0.0.0.0:9901",
+    "--stats",  # /ready and /stats/prometheus only; the admin stays on 127.0.0.1:9901
+    "0.0.0.0:9902",
     "--upstream",
     "vllm:8000",
     "--extauthz",
@@ -33,6 +33,8 @@ RENDER = [
     "--ratelimit-in-extauthz",  # and the rate limiter (its ADMIT): no rate-limit call or Service
     "--ledger",
     "ledger:9004",
+    "--pod-key-env",  # the pods' vLLM key, from the Secret llmgw-vllm in Envoy's environment
+    "VLLM_API_KEY",
 ]
 
 HEADER = """\

@@ -7,6 +7,7 @@ the replica's Snowflake sequence and a missing `x-request-id` is filled with a r
 from __future__ import annotations
 
 import hmac
+import json
 import uuid
 from collections.abc import Mapping
 
@@ -184,8 +185,11 @@ class Decider:
             # the JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON
             # parser, like this one, keeps the last of duplicate keys).
             # Spelled as json.dumps spells the members, at a fraction of its cost: the salt is
-            # hex and the caps are ints, so nothing needs escaping.
+            # hex and the caps are ints, so nothing needs escaping. vLLM names the engine's
+            # request after the X-Request-Id header (Envoy's), else the body's `request_id`:
+            # ours either way, never a client's (one in flight under that id would collide).
             suffix = f'"cache_salt": "{self.cache_salt(tenant.cache_group)}"'
+            suffix += f', "request_id": {json.dumps(request_id)}'
             if path != wire.EMBEDDINGS_PATH:
                 suffix += f', "max_tokens": {request_facts.max_output}'
                 if path == wire.CHAT_PATH:  # vLLM's chat reads this one first

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 
 from extauthz.types import TenantView
 from llmgw import facts
 from llmgw.config import Strict
 from llmgw.facts import RequestFacts
+from llmgw.secret import Secret
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
 
@@ -19,8 +20,8 @@ Tokens = Annotated[int, Field(ge=1, le=facts.MAX_OUTPUT_TOKENS)]
 
 
 class SessionSettings(Strict):
-    secret: SecretStr = Field(min_length=32)  # HMAC key; the same on every replica
-    previous_secret: SecretStr | None = Field(default=None, min_length=32)  # during rotation
+    secret: Secret = Field(min_length=32)  # HMAC key; the same on every replica
+    previous_secret: Secret | None = Field(default=None, min_length=32)  # during rotation
     worker_id: int = Field(default=0, ge=0, le=1023)  # unique per replica
     max_age_seconds: float = Field(default=86_400.0, ge=0)  # 0: sessions never expire
 

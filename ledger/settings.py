@@ -9,6 +9,7 @@ from pydantic import Field, HttpUrl, SecretStr, model_validator
 from ledger.alerts import AlertKind
 from ledger.detectors import Rules
 from llmgw.config import Strict
+from llmgw.secret import Secret
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
 
@@ -18,7 +19,7 @@ ENV_PREFIX = "LLMGW_LEDGER"
 class RedisSettings(Strict):
     host: str = "127.0.0.1"
     port: int = 6379
-    password: SecretStr | None = None  # Redis's requirepass; None: no AUTH
+    password: Secret | None = None  # Redis's requirepass; None: no AUTH
     # host:port is one node of a Redis Cluster; the others are found from it (llmgw/cluster.py).
     # Run the cluster with `cluster-require-full-coverage no`: else while one master is down
     # (until its replica takes over; for good without one) every slot stalls, not just its own.
@@ -37,14 +38,14 @@ class SettleSettings(Strict):
 
 class WebhookSettings(Strict):
     url: HttpUrl
-    secret: SecretStr | None = Field(default=None, min_length=16)  # HMAC key; None: alerts.secret
+    secret: Secret | None = Field(default=None, min_length=16)  # HMAC key; None: alerts.secret
 
 
 class AlertSettings(Strict):
     """Alert hooks (ledger/alerts.py): the rules, and the webhooks of each alert kind."""
 
     # The HMAC key of every webhook without its own (16 characters at least, like the hooks').
-    secret: SecretStr | None = Field(default=None, min_length=16)
+    secret: Secret | None = Field(default=None, min_length=16)
     hooks: dict[AlertKind, list[WebhookSettings]] = Field(default_factory=dict)
     rules: Rules = Rules()
     interval_s: float = Field(default=1.0, gt=0)  # how often the rules are evaluated

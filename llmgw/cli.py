@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
 def cmd_up(args: argparse.Namespace) -> int:
     from llmgw.launcher import supervise
 
+    # Owner-only, whatever the children create (Envoy's access log, Redis's files, configs).
+    os.umask(0o077)
     settings = _stack_settings(args)
     state_dir = args.state_dir / time.strftime("run-%Y%m%d-%H%M%S")
     return supervise(Stack(settings, state_dir), args.ready_file)
@@ -58,14 +61,19 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
             "who reaches it. Pass --insecure-no-auth to render it anyway."
         )
     settings = config.load(envoyconf.EnvoySettings, args.config, "LLMGW_ENVOY")
-    update: dict[str, Address] = {}
+    update: dict[str, Address | str] = {}
     if args.admin:
         update["admin"] = _listen(args.admin)
     elif settings.admin.port == 0:
         update["admin"] = Address(port=ADMIN_PORT)
+    if args.stats:
+        update["stats"] = _listen(args.stats)
+    if args.pod_key_env:
+        update["pod_key_env"] = args.pod_key_env
     if args.otlp:
         update["otlp"] = envoyconf.parse_endpoint(args.otlp)
-    settings = settings.model_copy(update=update)
+    # Validated again: a model_copy would take an admin on 0.0.0.0 unchecked.
+    settings = envoyconf.EnvoySettings.model_validate({**settings.model_dump(), **update})
     named = {
         name: envoyconf.parse_endpoint(getattr(args, name))
         for name in RENDERED_SERVICES
@@ -144,6 +152,17 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--otlp", metavar="HOST:PORT", help="OpenTelemetry collector (OTLP/gRPC)")
     render.add_argument(
         "--admin", metavar="HOST:PORT", help=f"admin (default 127.0.0.1:{ADMIN_PORT})"
+    )
+    render.add_argument(
+        "--stats",
+        metavar="HOST:PORT",
+        help="a listener serving only the admin's /ready and /stats/prometheus (probes, scrapes)",
+    )
+    render.add_argument(
+        "--pod-key-env",
+        metavar="NAME",
+        help="Envoy's environment variable holding the pods' vLLM --api-key (sent as "
+        "`authorization: Bearer KEY`)",
     )
     render.add_argument(
         "--insecure-no-auth",

@@ -164,8 +164,18 @@ class Services(Strict):
         return [(name, a) for name, a in named if a is not None]
 
 
+# What the stats listener serves from the admin: readiness for probes, metrics for scrapers.
+STATS_PATHS = ("/ready", "/stats/prometheus")
+
+
 class EnvoySettings(Strict):
+    # Loopback only: the admin stops Envoy (/quitquitquit), dumps its config, changes log levels.
     admin: Address = Address()
+    # A listener serving only STATS_PATHS from the admin, for probes and Prometheus; None: none.
+    stats: Address | None = None
+    # The environment variable (Envoy's) holding the pods' vLLM --api-key, sent to them as
+    # `authorization: Bearer KEY`; None: the pods take requests without a key.
+    pod_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     timeouts: Timeouts = Timeouts()
     retries: Retries = Retries()
     health: Health = Health()
@@ -184,6 +194,15 @@ class EnvoySettings(Strict):
     access_log_path: str | None = None
     otlp: Address | None = None  # an OpenTelemetry collector (OTLP/gRPC); None: no tracing
     tracing_percent: float = Field(default=100.0, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _admin_on_loopback(self) -> EnvoySettings:
+        if not (_is_ip(self.admin.host) and ipaddress.ip_address(self.admin.host).is_loopback):
+            raise ValueError(
+                f"admin: {self.admin.host} is not a loopback address; Envoy's admin can stop it "
+                "and dump its config. Expose readiness and metrics with `stats` instead."
+            )
+        return self
 
 
 def parse_endpoint(spec: str) -> Address:
@@ -290,6 +309,7 @@ def render(
         services=services or Services(),
         local_replies=_local_replies(settings.max_request_bytes),
         usage_fields=USAGE_FIELDS,
+        stats_paths=STATS_PATHS,
         pods={
             "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",
             "endpoints": pods,

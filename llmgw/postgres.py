@@ -30,7 +30,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from llmgw.procs import Process, StartError, free_port
+from llmgw.procs import Process, StartError, free_port, open_log
 
 USER = "llmgw"  # the database superuser
 DATABASE = "llmgw"
@@ -180,7 +180,7 @@ class Postgres(Process):
         new.rename(self.data_dir)
 
     def _run(self, argv: list[str], stdin: str) -> None:
-        with open(self.log_path, "ab") as log:
+        with open_log(self.log_path) as log:
             done = subprocess.run(
                 _as_server_user(argv),
                 input=stdin.encode(),

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from llmgw.resp import encode
 
@@ -51,6 +52,13 @@ def _with_parent(argv: Sequence[str]) -> list[str]:
 
 
 # Readiness probes: each returns True once the child answers.
+
+
+def open_log(path: Path) -> BinaryIO:
+    """A child's log, for appending; owner-only (0600) when created, whatever the umask: logs
+    name tenants, sessions and key IDs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 def tcp_open(host: str, port: int) -> Callable[[], bool]:
@@ -157,8 +165,7 @@ class Process:
 
     def spawn(self) -> Process:
         """Start the child without waiting for it (see `wait_ready`)."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open_log(self.log_path) as log:
             self.popen = subprocess.Popen(
                 _with_parent(self.argv),
                 stdout=log,

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import redis
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from extauthz.demo import seed_demo
 from llmgw import envoyconf
-from llmgw.config import Strict
+from llmgw.config import Strict, reveal
 from llmgw.envoyconf import Address, EnvoySettings, Services
 from llmgw.postgres import Postgres
 from llmgw.procs import (
@@ -35,6 +35,7 @@ from llmgw.procs import (
 )
 
 SIM_MODULE = "llmgw.sim"
+POD_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable for --api-key; Envoy's too (pod_key_env)
 ServiceName = Literal["extauthz", "ratelimit", "router", "ledger"]
 
 
@@ -43,6 +44,9 @@ class StackSettings(Strict):
     pods: int = Field(default=2, ge=0)
     # Real vLLM servers (host:port or http://host:port); when given, no pods are simulated.
     upstreams: tuple[str, ...] = ()
+    # The pods' vLLM --api-key: the upstreams' if they ask for one; None with simulated pods:
+    # one is generated, so that only the gateway and the router reach their /v1.
+    pod_api_key: SecretStr | None = None
     sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m llmgw.sim --help`
     pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
@@ -89,6 +93,7 @@ class Stack:
         # Hex: redis-server reads an argv value starting with "--" as the next option, and
         # token_urlsafe starts with "--" once in 4,096 (a stack that then failed to start).
         self.redis_password = secrets.token_hex(24)
+        self.pod_api_key = reveal(settings.pod_api_key)
         self.database_url: str | None = None
         self.services = Services()
         self.metrics: dict[str, str] = {}
@@ -102,7 +107,9 @@ class Stack:
     # Composition.
 
     def start(self) -> Stack:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only: the logs, the rendered configs and the tenants file are the operator's.
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.state_dir.chmod(0o700)
         try:
             self._start_redis()
             self._start_pods()
@@ -147,6 +154,7 @@ class Stack:
             return
         if self.settings.pods < 1:
             raise ValueError("need --pods >= 1 or at least one --upstream")
+        self.pod_api_key = self.pod_api_key or secrets.token_hex(32)
         self.pods = [Address(port=free_port()) for _ in range(self.settings.pods)]
         self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
         for proc in self.pod_processes:
@@ -164,7 +172,14 @@ class Stack:
         argv += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
         if index < len(self.settings.pod_args):
             argv += self.settings.pod_args[index]
-        return self._process(f"pod-{index}", argv, http_ok(f"http://{pod.host}:{pod.port}/health"))
+        ready = http_ok(f"http://{pod.host}:{pod.port}/health")
+        return self._process(f"pod-{index}", argv, ready, self._pod_key_env())
+
+    def _pod_key_env(self) -> dict[str, str] | None:
+        """The environment with the pods' key (not in argv: `ps` shows that), or None."""
+        if self.pod_api_key is None:
+            return None
+        return {**os.environ, POD_KEY_ENV: self.pod_api_key}
 
     def _start_services(self) -> None:
         """Each service the settings name, with the settings it needs from the stack."""
@@ -233,10 +248,13 @@ class Stack:
             self.metrics[name] = self.metrics["extauthz"]
 
     def _router_settings(self) -> dict[str, str]:
-        return {
+        settings = {
             "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
             "REDIS_URL": self.redis_url,
         }
+        if self.pod_api_key is not None:  # for its /v1/models scrapes
+            settings["FLEET__POD_API_KEY"] = self.pod_api_key
+        return settings
 
     def _database(self) -> str:
         """The ledger's database: the one the settings name, else a local server of ours."""
@@ -275,14 +293,17 @@ class Stack:
             update={
                 "admin": self.admin,
                 "access_log_path": self.settings.envoy.access_log_path or str(self.access_log),
+                "pod_key_env": None if self.pod_api_key is None else POD_KEY_ENV,
             }
         )
         config = self.state_dir / "envoy.yaml"
-        config.write_text(envoyconf.render(settings, self.listen, self.pods, self.services))
+        # Owner-only whatever the umask, like the logs (the pods' key is in Envoy's environment).
+        with os.fdopen(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(envoyconf.render(settings, self.listen, self.pods, self.services))
         argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart"]
         argv += ["--base-id", str(self.admin.port), "--concurrency", str(settings.concurrency)]
         argv += ["--file-flush-interval-msec", "200", "--log-level", "warn"]
-        self._process("envoy", argv, http_ok(f"{self.admin_url}/ready")).start(
+        self._process("envoy", argv, http_ok(f"{self.admin_url}/ready"), self._pod_key_env()).start(
             self.settings.start_timeout
         )
 

@@ -19,6 +19,8 @@ HEADER_MODEL = "x-llmgw-model"
 HEADER_TOKEN_ESTIMATE = "x-llmgw-token-estimate"
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
+# vLLM sends a request with this header to that data-parallel rank: a pick the router makes.
+HEADER_DATA_PARALLEL_RANK = "x-data-parallel-rank"
 # vLLM's own (0.33 reads it and lets it override the body's `priority`): extauthz sets it from
 # the tenant's priority (llmgw/priority.py), so what the pod schedules by is what we decided.
 HEADER_VLLM_PRIORITY = "x-vllm-priority"
@@ -83,7 +85,9 @@ TRUSTED_HEADERS = (
     HEADER_MODEL,
     HEADER_TOKEN_ESTIMATE,
     HEADER_VLLM_PRIORITY,
+    HEADER_DATA_PARALLEL_RANK,
     DESTINATION_ENDPOINT,
+    SERVED_ENDPOINT,
 )
 
 # Rate limiting.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field
 
 from llmgw.config import Strict, load
+from llmgw.secret import Secret
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
 from llmgw.tiers import load_tiers
@@ -17,7 +18,7 @@ ENV_PREFIX = "LLMGW_RATELIMIT"
 class RedisSettings(Strict):
     host: str = "127.0.0.1"
     port: int = 6379
-    password: SecretStr | None = None  # Redis's requirepass; None: no AUTH
+    password: Secret | None = None  # Redis's requirepass; None: no AUTH
     # host:port is one node of a Redis Cluster; the others are found from it (llmgw/cluster.py).
     # Run the cluster with `cluster-require-full-coverage no`: else while one master is down
     # (until its replica takes over; for good without one) every slot stalls, not just its own.

@@ -49,6 +49,7 @@ from llmgw import wire
 from llmgw.config import Strict
 from llmgw.link import RedisLink
 from llmgw.resp import RespError
+from llmgw.secret import Secret
 from router import metrics
 from router.capacity import Capacity, utilisation
 from router.scrape import fetch_models, scrape_metrics
@@ -93,6 +94,8 @@ class FleetSettings(Strict):
     # with several replicas: Check calls are spread over them, but each Envoy worker's
     # access-log stream goes to one, so most outcomes reach a replica that did not pick.
     in_flight_ttl: float = Field(default=10.0, gt=0)
+    # The pods' vLLM --api-key, sent with every scrape: /v1/models needs it (/metrics does not).
+    pod_api_key: Secret | None = None
 
     @field_validator("pods")
     @classmethod
@@ -301,9 +304,15 @@ class Fleet:
             self.snapshots[pod] = PodMetrics(pod, started, ok=False, models=models)
         metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
 
+    def scrape_session(self) -> aiohttp.ClientSession:
+        """A session for the scrapes, sending the pods' key when they ask for one."""
+        key = self.settings.pod_api_key
+        headers = {} if key is None else {"authorization": f"Bearer {key.get_secret_value()}"}
+        return aiohttp.ClientSession(headers=headers)
+
     async def run_scrapes(self) -> None:
         interval = self.settings.scrape_interval
-        async with aiohttp.ClientSession() as session:
+        async with self.scrape_session() as session:
             while True:
                 started = self.clock()
                 await self.scrape_once(session)

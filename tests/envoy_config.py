@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 Config = dict[str, Any]
 
 
 def _manager(config: Config) -> Any:
-    (listener,) = config["static_resources"]["listeners"]
+    listener = next(x for x in config["static_resources"]["listeners"] if x["name"] == "openai")
     return listener["filter_chains"][0]["filters"][0]["typed_config"]
 
 
@@ -33,3 +34,23 @@ def pick_sources(config: Config) -> list[Any]:
     policy = pods["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     return policy["typed_config"]["override_host_sources"]  # type: ignore[no-any-return]
+
+
+def check_admin_private(config: Config) -> None:
+    """The admin listens on loopback only; the `stats` listener sends GET /ready and GET
+    /stats/prometheus to it (cluster `admin`, that loopback address) and 404s anything else."""
+    admin = config["admin"]["address"]["socket_address"]
+    assert ipaddress.ip_address(admin["address"]).is_loopback, admin
+    listener = next(x for x in config["static_resources"]["listeners"] if x["name"] == "stats")
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (vhost,) = manager["route_config"]["virtual_hosts"]
+    *routed, rest = vhost["routes"]
+    get = [{"name": ":method", "string_match": {"exact": "GET"}}]
+    assert [r["match"] for r in routed] == [
+        {"path": p, "headers": get} for p in ("/ready", "/stats/prometheus")
+    ]
+    assert all(r["route"] == {"cluster": "admin"} for r in routed)
+    assert rest == {"match": {"prefix": "/"}, "direct_response": {"status": 404}}
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "admin")
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == admin

@@ -133,12 +133,19 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
         "x-llmgw-model": "other",
         "x-llmgw-made-up": "1",
         "x-gateway-destination-endpoint": "127.0.0.1:1",
+        "x-gateway-destination-endpoint-served": "127.0.0.1:1",
+        "x-data-parallel-rank": "3",  # vLLM's pick of a data-parallel engine
     }
     with recording_pod() as pod:
         settings = stack_settings().model_copy(update={"upstreams": (pod.address,), "pods": 0})
         with Stack(settings, tmp_path / "stack") as stack:
             key = api_key(stack, "free")
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            # vLLM's engine request id, when no X-Request-Id names it.
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "request_id": "forged",
+            }
             reply = call(
                 "POST", f"{stack.base_url}/chat/completions", body, {**bearer(key), **forged}
             )
@@ -151,10 +158,35 @@ def test_forged_context_headers_never_reach_the_pod(tmp_path: Path) -> None:
     assert received.headers["x-llmgw-model"] == MODEL
     assert received.headers["x-llmgw-priority"] != "10"
     assert "x-llmgw-made-up" not in received.headers
-    assert "x-gateway-destination-endpoint" not in received.headers
+    for name in ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served"):
+        assert name not in received.headers
+    assert "x-data-parallel-rank" not in received.headers
+    # The gateway's request id, in the header and the body alike.
+    assert received.headers["x-request-id"] == reply.headers["x-request-id"]
+    assert received.body["request_id"] == reply.headers["x-request-id"]
     # The pod never sees the client's key.
     assert "authorization" not in received.headers
     assert all(key not in value for value in received.headers.values())
+
+
+def test_the_pods_serve_v1_only_to_the_gateway(stack: Stack) -> None:
+    """The pods ask for their API key (vLLM's --api-key): /v1 straight to a pod is vLLM's 401,
+    with no key or a tenant's; /health and /metrics stay open. Through Envoy, which sends the
+    key, the request is served, and nothing of the key comes back to the client."""
+    assert stack.pod_api_key
+    pod = stack.pod_url(0)
+    body = {"model": served_model(stack), "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, bearer(api_key(stack)), bearer(stack.pod_api_key[:-1])):
+        for method, path, sent in [("POST", "/v1/completions", body), ("GET", "/v1/models", None)]:
+            refused = call(method, f"{pod}{path}", sent, headers)
+            assert (refused.status, refused.json()) == (401, {"error": "Unauthorized"}), path
+    assert call("GET", f"{pod}/health").status == 200
+    assert call("GET", f"{pod}/metrics").status == 200
+    served = call("GET", f"{pod}/v1/models", headers=bearer(stack.pod_api_key))
+    assert served.status == 200
+    reply = call("POST", f"{stack.base_url}/completions", body, bearer(api_key(stack)))
+    assert reply.status == 200, reply.body
+    assert stack.pod_api_key not in f"{reply.headers}{reply.body!r}"
 
 
 def test_the_pods_own_session_and_rate_headers_never_reach_the_client(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, red
 from llmgw.stack import Stack
 from ratelimit.redis_store import REPLICAS_KEY
 from tests.conftest import api_key
-from tests.envoy_config import grpc_loggers, pick_sources
+from tests.envoy_config import check_admin_private, grpc_loggers, pick_sources
 from tests.http import call
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,11 +55,12 @@ START_TIMEOUT = 90  # a Python service's start on a loaded 2-core box, several a
 # The command in the compose file's header, and the test that keeps compose/envoy.yaml current.
 RENDER = {
     "--listen": "0.0.0.0:8080",
-    "--admin": "0.0.0.0:9901",
+    "--stats": "0.0.0.0:9902",  # the admin stays on loopback
     "--extauthz": "extauthz:9001",
     "--extauthz-http": "extauthz:9011",  # Envoy's checks (LLMGW_EXTAUTHZ__HTTP_PORT)
     "--ledger": "ledger:9004",
     "--otlp": "otel-collector:4317",
+    "--pod-key-env": "VLLM_API_KEY",  # the pods' key, from Envoy's environment
 }
 # extauthz holds the router and the rate limiter (LLMGW_EXTAUTHZ__PICK, __ADMIT).
 RENDER_FLAGS = ("--router-in-extauthz", "--ratelimit-in-extauthz")
@@ -70,6 +71,7 @@ INTERPOLATION = {
     "POSTGRES_PASSWORD": "compose-test",
     "REDIS_PASSWORD": secrets.token_hex(16),
     "GRAFANA_ADMIN_PASSWORD": "compose-test",
+    "VLLM_API_KEY": secrets.token_hex(32),
 }
 
 
@@ -151,6 +153,12 @@ def test_compose_runs_the_whole_product() -> None:
     held = [k for k in extauthz if k.startswith(("LLMGW_ROUTER__", "LLMGW_RATELIMIT__"))]
     assert not [k for k in held if "__SERVE__" in k or "__TRACING__" in k]
     assert any("postgresql/data" in v for v in services["postgres"]["volumes"])
+    # The pods ask for one key on /v1; Envoy sends it (--pod-key-env), and the router scraping
+    # their /v1/models.
+    pod_key = "${VLLM_API_KEY:?set VLLM_API_KEY (openssl rand -hex 32)}"
+    for name in ("vllm-0", "vllm-1", "envoy"):
+        assert services[name]["environment"]["VLLM_API_KEY"] == pod_key, name
+    assert extauthz["LLMGW_ROUTER__FLEET__POD_API_KEY"] == pod_key
     # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
     # pod around Envoy.
     published = {name: s["ports"] for name, s in services.items() if "ports" in s}
@@ -183,7 +191,7 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     assert "envoy.filters.http.ratelimit" not in rendered
     config = yaml.safe_load(rendered)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {"pods", *OURS, "extauthz_http", "otel"}
+    assert set(clusters) == {"pods", *OURS, "extauthz_http", "otel", "admin"}
     for name in (*OURS, "extauthz_http", "otel"):
         assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
     # override_host takes the pick from ext_authz's metadata; the router's access log (how each
@@ -191,6 +199,7 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
     assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
+    check_admin_private(config)
     envoyconf.validate(COMPOSE / "envoy.yaml")
 
 
@@ -275,7 +284,11 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
             port = run.port(host, int(pod_port))
             argv = [sys.executable, "-m", "llmgw.sim", "--port", str(port), "--time-scale", "0.05"]
             ready = http_ok(f"http://127.0.0.1:{port}/health")
-            run.processes.append(Process(host, argv, ready, tmp / f"{host}.log"))
+            # The pod's key, as the compose file gives it to vLLM.
+            pod_env = spec["services"][host]["environment"]
+            key = {"VLLM_API_KEY": interpolate(pod_env["VLLM_API_KEY"], INTERPOLATION)}
+            env = {**os.environ, **key}
+            run.processes.append(Process(host, argv, ready, tmp / f"{host}.log", env))
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         for name, service in spec["services"].items():
             if service.get("image") != IMAGE:
@@ -423,7 +436,9 @@ def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -
     for target in targets["vllm"]:
         assert "vllm:num_requests_running" in exported(fetch(started.url(target)))
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
-    assert targets["envoy"] == [RENDER["--admin"].replace("0.0.0.0", "envoy")]
+    assert targets["envoy"] == [RENDER["--stats"].replace("0.0.0.0", "envoy")]
+    # The health check asks the stats listener too (the admin is on Envoy's loopback).
+    assert "/dev/tcp/127.0.0.1/9902" in " ".join(services["envoy"]["healthcheck"]["test"])
 
 
 def test_the_dashboard_names_only_metrics_that_are_exported(started: Started, stack: Stack) -> None:

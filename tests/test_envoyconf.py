@@ -10,10 +10,12 @@ import yaml
 
 from llmgw import authzhttp, cli, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings
+from llmgw.procs import Process, bin_path, free_port, http_ok
 from ratelimit import response
 from ratelimit.response import rate_headers
 from ratelimit.types import KindState, Unit, Verdict
-from tests.envoy_config import grpc_loggers, http_filters, pick_sources
+from tests.envoy_config import check_admin_private, grpc_loggers, http_filters, pick_sources
+from tests.http import call
 
 
 def render_and_validate(tmp_path: Path, settings: EnvoySettings, pods: list[Address]) -> dict:  # type: ignore[type-arg]
@@ -249,3 +251,42 @@ def test_every_header_the_check_sets_reaches_its_place() -> None:
         headers, _ = response.refusal(dataclasses.replace(verdict, refusal=refusal))
         for name, _ in headers:
             assert name in authzhttp.CLIENT_EXACT, name
+
+
+def test_render_envoy_refuses_an_admin_off_loopback(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["render-envoy", "--upstream", "vllm-0:8000", "--insecure-no-auth"]
+    assert cli.main([*argv, "--admin", "0.0.0.0:9901"]) == 2
+    assert "not a loopback address" in capsys.readouterr().err
+    assert cli.main([*argv, "--stats", "0.0.0.0:9902"]) == 0
+    check_admin_private(yaml.safe_load(capsys.readouterr().out))
+
+
+def test_the_stats_listener_serves_readiness_and_metrics_and_nothing_else(tmp_path: Path) -> None:
+    """A real Envoy: /ready and /stats/prometheus through the stats listener; the admin's other
+    endpoints (stopping Envoy, its config with every address) are a 404 there."""
+    admin, stats = Address(port=free_port()), Address(port=free_port())
+    settings = EnvoySettings(admin=admin, stats=stats)
+    config = render_and_validate(tmp_path, settings, [Address(port=free_port())])
+    check_admin_private(config)
+    argv = [bin_path("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart"]
+    argv += ["--base-id", str(admin.port), "--concurrency", "1", "--log-level", "warn"]
+    envoy = Process(
+        "envoy", argv, http_ok(f"http://127.0.0.1:{stats.port}/ready"), tmp_path / "e.log"
+    )
+    try:
+        envoy.start(60)
+        base = f"http://127.0.0.1:{stats.port}"
+        assert call("GET", f"{base}/ready").body == b"LIVE\n"
+        assert b"envoy_server_live" in call("GET", f"{base}/stats/prometheus").body
+        for method, path in [
+            ("POST", "/quitquitquit"),
+            ("GET", "/config_dump"),
+            ("POST", "/logging?level=trace"),
+            ("GET", "/stats"),
+            ("POST", "/ready"),
+            ("GET", "/stats/prometheus/../../config_dump"),
+        ]:
+            assert call(method, f"{base}{path}").status == 404, (method, path)
+        assert envoy.alive
+    finally:
+        envoy.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
 from llmgw import config, envoyconf, wire
 from router.settings import redis_address
-from tests.envoy_config import grpc_loggers, pick_sources
+from tests.envoy_config import check_admin_private, grpc_loggers, pick_sources
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
@@ -116,9 +117,12 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
     assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
-    # Every cluster names a Service of the manifests on one of its ports.
+    check_admin_private(config)
+    # Every cluster but the admin (Envoy's own loopback) names a Service of the manifests.
     services = {d["metadata"]["name"]: d for d in docs() if d["kind"] == "Service"}
-    for cluster in yaml.safe_load(mounted)["static_resources"]["clusters"]:
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "admin":
+            continue
         assert cluster["type"] == "STRICT_DNS", cluster["name"]
         for group in cluster["load_assignment"]["endpoints"]:
             for endpoint in group["lb_endpoints"]:
@@ -127,6 +131,40 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
                 assert sock["port_value"] in {p["port"] for p in service["spec"]["ports"]}
                 if service["metadata"]["name"] in (*SERVICES, "vllm"):
                     assert service["spec"]["clusterIP"] == "None"  # every replica resolved
+
+
+def test_probes_and_scrapes_reach_envoy_through_its_stats_listener() -> None:
+    """Nothing outside the pod reaches the admin (loopback): the readiness probe, the Service,
+    the ServiceMonitor and the NetworkPolicy name the stats listener's port."""
+    config = yaml.safe_load(rendered())
+    stats = next(x for x in config["static_resources"]["listeners"] if x["name"] == "stats")
+    port = stats["address"]["socket_address"]["port_value"]
+    envoy = container("envoy")
+    assert {p["name"]: p["containerPort"] for p in envoy["ports"]} == {"http": 8080, "stats": port}
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "stats"}
+    ports = find("Service", "envoy")["spec"]["ports"]
+    assert {p["name"]: p["targetPort"] for p in ports} == {"http": "http", "stats": "stats"}
+    endpoints = find("ServiceMonitor", "llmgw-envoy")["spec"]["endpoints"]
+    assert [(e["port"], e["path"]) for e in endpoints] == [("stats", "/stats/prometheus")]
+    assert ingress_from("envoy") == [({"anyone"}, {8080}), ({"monitoring"}, {port})]
+
+
+def bytes_of(quantity: str) -> int:
+    """A Kubernetes memory quantity (binary suffixes, or plain bytes) in bytes."""
+    for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti"), start=1):
+        if quantity.endswith(suffix):
+            return int(quantity.removesuffix(suffix)) * 1024**i
+    return int(quantity)
+
+
+def test_envoys_memory_limit_leaves_room_above_its_heap_bound() -> None:
+    """The overload manager sheds near max_heap_size_bytes; a memory limit below that (plus
+    what Envoy holds outside its heap) kills the pod first, and every stream with it."""
+    overload = yaml.safe_load(rendered())["overload_manager"]
+    heap = next(m for m in overload["resource_monitors"] if m["name"].endswith("fixed_heap"))
+    bound = heap["typed_config"]["max_heap_size_bytes"]
+    limit = bytes_of(container("envoy")["resources"]["limits"]["memory"])
+    assert limit >= bound + 512 * 1024**2, (limit, bound)
 
 
 def env_of(name: str) -> dict[str, str]:
@@ -139,7 +177,7 @@ def env_of(name: str) -> dict[str, str]:
             out[var["name"]] = (
                 "postgresql://u:p@postgres:5432/db"
                 if "URL" in var["name"]
-                else ("0123456789abcdef" * 4)
+                else secrets.token_hex(32)
             )
         else:
             out[var["name"]] = "0"
@@ -172,6 +210,47 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     hpa = find("HorizontalPodAutoscaler", name)["spec"]
     assert hpa["scaleTargetRef"]["name"] == name
     assert hpa["scaleTargetRef"]["kind"] == workload(name)["kind"]
+
+
+def example_secret(name: str, key: str) -> str:
+    path = K8S / "examples" / "secrets.yaml"
+    doc = next(d for d in yaml.safe_load_all(path.read_text()) if d["metadata"]["name"] == name)
+    return str(doc["stringData"][key])
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_each_service_refuses_the_example_secrets_as_they_are(name: str) -> None:
+    """Applied unedited, examples/secrets.yaml would make its placeholders the session HMAC key
+    and the Redis password: the services refuse to start with them."""
+    env = env_of(name)
+    for var in container(name)["env"]:
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None and "URL" not in var["name"]:
+            env[var["name"]] = example_secret(ref["name"], ref["key"])
+    settings_module = importlib.import_module(f"{name}.settings")
+    with pytest.raises(config.ConfigError, match="placeholder"):
+        config.load(settings_module.Settings, None, f"LLMGW_{name.upper()}", env)
+
+
+def test_the_pods_key_reaches_the_pods_envoy_and_the_router_from_one_secret() -> None:
+    """vLLM asks for VLLM_API_KEY on /v1; Envoy sends it from its environment (never in the
+    ConfigMap), the router in extauthz with its /v1/models scrapes."""
+    ref = {"secretKeyRef": {"name": "llmgw-vllm", "key": "api-key"}}
+    wanted = {"vllm": "VLLM_API_KEY", "envoy": "VLLM_API_KEY"}
+    wanted["extauthz"] = "LLMGW_ROUTER__FLEET__POD_API_KEY"
+    for name, variable in wanted.items():
+        var = next(v for v in container(name)["env"] if v["name"] == variable)
+        assert var["valueFrom"] == ref, name
+    assert example_secret("llmgw-vllm", "api-key")
+    config = yaml.safe_load(rendered())
+    openai = next(x for x in config["static_resources"]["listeners"] if x["name"] == "openai")
+    (vhost,) = openai["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"
+    ]
+    header = {"key": "authorization", "value": "Bearer %ENVIRONMENT(VLLM_API_KEY)%"}
+    assert vhost["request_headers_to_add"] == [
+        {"header": header, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+    ]
 
 
 def test_extauthz_replicas_get_distinct_session_worker_ids() -> None:

@@ -73,6 +73,10 @@ def test_up_serves_and_stops_cleanly(
     assert "base_url" in log.read_text()
     ready = Path(info["logs"]).parent.parent / "ready.json"  # the fixture's --ready-file
     assert ready.stat().st_mode & 0o077 == 0  # it holds API keys and the database password
+    # The run directory and everything in it (logs, configs, the tenants file) are owner-only.
+    run = Path(info["logs"])
+    for path in [run, *run.rglob("*")]:
+        assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
     assert info["database_url"] not in log.read_text()
     # Redis's generated password: in the ready file's URL only, not on stdout, in a child's log
     # or in Redis's command line as `ps` shows it (redis-server rewrites its process title).

@@ -223,7 +223,12 @@ def test_two_router_replicas_keep_sessions_on_one_pod(tmp_path: Path) -> None:
     first = stack_settings(pods=3).model_copy(update={"services": ("router",)})
     with Stack(first, tmp_path / "a") as a:
         second = StackSettings.model_validate(
-            first.model_dump() | {"pods": 0, "upstreams": tuple(a.pod_url(i) for i in range(3))}
+            first.model_dump()
+            | {
+                "pods": 0,
+                "upstreams": tuple(a.pod_url(i) for i in range(3)),
+                "pod_api_key": a.pod_api_key,
+            }
         )
         with Stack(second, tmp_path / "b") as b:
             for n in range(4):

@@ -115,6 +115,36 @@ def test_a_strangers_large_body_is_refused_by_extauthz_at_its_head(
     assert post(stack, json.dumps({"model": MODEL, "messages": []}).encode()).status == 200
 
 
+@pytest.mark.parametrize(
+    "auth",
+    [
+        "",
+        "authorization: Bearer not-our-key\r\n",
+        f"authorization: Bearer sk-llmgw-{'n' * 43}\r\n",  # our shape, nobody's key
+    ],
+)
+def test_expect_100_continue_without_a_key_gets_the_401_and_sends_no_body(
+    recorded: tuple[Stack, RecordingPod], auth: str
+) -> None:
+    """`Expect: 100-continue` is answered by Envoy itself (proxy_100_continue unset), before any
+    filter: the stranger's 401 follows at once, from its headers, and Envoy closes the
+    connection. Not one byte of the declared body is sent here, and nothing waits for it."""
+    stack, _ = recorded
+    with socket.create_connection((stack.listen.host, stack.listen.port), timeout=5) as sock:
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: 8000000\r\nexpect: 100-continue\r\n{auth}\r\n"
+        )
+        sock.sendall(head.encode())
+        reply = b""
+        while chunk := sock.recv(65536):  # until Envoy closes (a timeout fails the test)
+            reply += chunk
+    statuses = [line for line in reply.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+    assert statuses[-1].startswith(b"HTTP/1.1 401"), reply[:200]
+    assert b"connection: close" in reply.lower()
+    assert b'"invalid_api_key"' in reply
+
+
 def test_no_log_holds_a_key(recorded: tuple[Stack, RecordingPod]) -> None:
     """A run full of denied requests: no log file of any process holds the keys it used."""
     stack, _ = recorded

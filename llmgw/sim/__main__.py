@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from llmgw.sim.profile import PROFILES
 from llmgw.sim.types import DEFAULT_MODEL, SimSettings
 
 ENV_PREFIX = "LLMGW_SIM"
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for --api-key
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
         help="what --force-include-usage does: per-chunk (default, vLLM >= 0.20: usage on "
         "every chunk and a final usage chunk) or final (vLLM 0.18: the final chunk only)",
     )
+    p.add_argument(
+        "--api-key",
+        help="/v1/* needs `Authorization: Bearer KEY`, as vLLM's --api-key (default: "
+        f"${API_KEY_ENV}; prefer it: a flag shows in ps)",
+    )
     p.add_argument("--config", type=Path, help="YAML file of settings (field names as above)")
     return p
 
@@ -77,6 +84,8 @@ def settings_from(argv: list[str]) -> SimSettings:
     args = vars(parser().parse_args(argv))
     path = args.pop("config")
     base = load(SimSettings, path, ENV_PREFIX)
+    if args["api_key"] is None:
+        args["api_key"] = os.environ.get(API_KEY_ENV) or None
     flags: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
     return validate(SimSettings, base.model_dump() | flags, "flags")
 

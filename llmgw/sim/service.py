@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -57,7 +58,8 @@ class Service:
         # vLLM (uvicorn) sets no body size limit; aiohttp's default 1 MiB would answer a plain
         # text 413 that no vLLM sends.
         app = web.Application(
-            middlewares=[self._starlette_errors, self._inject_faults], client_max_size=1 << 30
+            middlewares=[self._starlette_errors, self._authenticate, self._inject_faults],
+            client_max_size=1 << 30,
         )
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
@@ -78,6 +80,19 @@ class Service:
             return json_response(not_found_route(), 404)
         except web.HTTPMethodNotAllowed:
             return json_response({"detail": "Method Not Allowed"}, 405)
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """vLLM's AuthenticationMiddleware: with an API key, every /v1 path but OPTIONS needs
+        `Authorization: Bearer KEY`, else a 401 before routing; /health and /metrics stay open."""
+        key = self.settings.api_key
+        if key is None or not request.path.startswith("/v1") or request.method == "OPTIONS":
+            return await handler(request)
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        expected = key.get_secret_value().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
+            return json_response({"error": "Unauthorized"}, 401)
+        return await handler(request)
 
     @web.middleware
     async def _inject_faults(self, request: web.Request, handler: Handler) -> web.StreamResponse:

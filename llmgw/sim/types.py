@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from llmgw.config import Strict
 
@@ -40,6 +40,8 @@ class SimSettings(Strict):
     force_include_usage: bool = False
     usage_mode: UsageMode = "per-chunk"  # what force_include_usage does (vLLM 0.33 by default)
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # vLLM's --api-key (or VLLM_API_KEY): /v1/* needs `Authorization: Bearer KEY`. None: open.
+    api_key: SecretStr | None = None
 
 
 class Faults(Strict):

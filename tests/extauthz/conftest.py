@@ -23,7 +23,7 @@ from extauthz.store import tenants_store
 from extauthz.types import Limits, Tenant, TenantsFile
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 
-SECRET = b"s" * 32
+SECRET = b"9f2c41e8a7b3d6055f1e2a9c0b7d64e3"  # varied: settings refuse "ssss…"
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 NOW_S = NOW.timestamp()
 # The tier table beside the tenants file: the built-in tiers and a custom one.

@@ -443,8 +443,8 @@ def test_a_webhook_without_a_secret_is_refused(tmp_path: Path) -> None:
     env = {f"{ENV_PREFIX}__ALERTS__SECRET": "from-the-environment"}
     assert load(Settings, config, ENV_PREFIX, env).alerts.hooks["fleet_5xx"][0].secret is None
     with pytest.raises(ConfigError, match=r"alerts\.secret: .*at least 16") as short:
-        load(Settings, config, ENV_PREFIX, {f"{ENV_PREFIX}__ALERTS__SECRET": "guessable"})
-    assert "guessable" not in str(short.value)
+        load(Settings, config, ENV_PREFIX, {f"{ENV_PREFIX}__ALERTS__SECRET": "guessable-pass"})
+    assert "guessable-pass" not in str(short.value)
     config.write_text("alerts:\n  hooks:\n    fleet_500: [{url: 'https://ops.example/h'}]\n")
     with pytest.raises(ConfigError, match=r"alerts\.hooks\.fleet_500"):
         load(Settings, config, ENV_PREFIX, env)

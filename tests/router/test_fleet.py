@@ -12,6 +12,8 @@ import redis.asyncio
 
 from llmgw import wire
 from llmgw.link import RedisLink
+from llmgw.sim.pod import SimPod
+from llmgw.sim.types import DEFAULT_MODEL, SimSettings
 from router import scrape
 from router.fleet import DnsTarget, Fleet, FleetSettings
 from router.scrape import parse_metrics
@@ -62,6 +64,20 @@ async def test_scrape_reads_metrics_and_models(fake_pods: list[FakePod]) -> None
     assert snap.kv_tokens == 2048 * 16 and snap.models == frozenset({"m"})
     assert fleet.snapshots[b.pod].models == frozenset({"other"})
     assert all(c.healthy and c.fresh for c in fleet.candidates())
+
+
+async def test_the_scrapes_send_the_pods_key() -> None:
+    """A pod run with vLLM's --api-key answers /v1/models only with it: without the key the
+    router would know none of its models."""
+    key = "9f2c41e8a7b3d6055f1e2a9c0b7d64e3"
+    async with SimPod(SimSettings(port=0, api_key=key)) as pod:
+        address = pod.url.removeprefix("http://")
+        for given, models in ((None, frozenset()), (key, frozenset({DEFAULT_MODEL}))):
+            fleet = Fleet(FleetSettings(scrape_timeout=1.0, pod_api_key=given))
+            fleet.set_pods([address])
+            async with fleet.scrape_session() as session:
+                await fleet.scrape_once(session)
+            assert fleet.snapshots[address].models == models, given
 
 
 async def test_candidates_carry_each_pods_speed_from_its_inter_token_latency(
