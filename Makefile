@@ -3,8 +3,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
+# Each run's temporary files in a directory of its own: two suites at once (a second checkout's
+# `make test`) must not clean up each other's stacks, as pytest's shared default does.
+PYTEST  = d=$$(mktemp -d /tmp/llmgw-test.XXXXXX); $(PY) -m pytest -p no:cacheprovider --basetemp=$$d $(ARGS); rc=$$?; rm -rf $$d; [ $$rc -eq 0 ]
 
-.PHONY: install up test lint bench clean
+.PHONY: install up test test-repeat lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,7 +27,11 @@ up: $(STAMP)
 
 ## lint, type-check, then the whole test suite against real Envoy and Redis
 test: $(STAMP) lint
-	$(PY) -m pytest $(ARGS)
+	@$(PYTEST)
+
+## the whole suite N times in a row, stopping at the first failure (make test-repeat N=5)
+test-repeat: $(STAMP) lint
+	@for i in $$(seq $(or $(N),5)); do echo "== run $$i of $(or $(N),5)"; ( $(PYTEST) ) || exit 1; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
