@@ -217,15 +217,15 @@ class TrivialStack(Stack):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         a = Address(port=port)
         picks, admits = self.settings.router_in_extauthz, self.settings.ratelimit_in_extauthz
-        http = None
-        if self.settings.extauthz_http and picks and admits:
-            http = Address(port=free_port())
-            argv += ["--http-port", str(http.port)]
+        http = Address(port=free_port())  # the key at the headers; the check too when inside
+        argv += ["--http-port", str(http.port)]
+        checked_over_http = self.settings.extauthz_http and picks and admits
         self._process("trivial", argv, grpc_serving(f"127.0.0.1:{port}"), env).start(
             self.settings.start_timeout
         )
         self.services = Services(
-            extauthz_http=http,
+            extauthz_http=http if checked_over_http else None,
+            extauthz_keys=None if checked_over_http else http,
             extauthz=a,
             ratelimit=None if admits else a,
             router=None if picks else a,

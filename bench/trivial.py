@@ -129,6 +129,9 @@ class HttpCheck:
     def receive(self, headers: Mapping[str, str], length: int) -> Answer | Held:
         return Held(BodyBudget(0, 0), "", 0)  # nothing held: the fixed answer reads no body
 
+    def key(self, headers: Mapping[str, str]) -> Answer:
+        return Answer(200, {}, [(wire.HEADER_TENANT, str(FACTS[wire.META_TENANT]))])
+
     async def check(self, headers: Mapping[str, str], body: bytes, *, held: Held) -> Answer:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

@@ -26,6 +26,7 @@ def _rate_limits() -> list[Any]:
     pods = [envoyconf.Address(host="127.0.0.1", port=1)]
     services = envoyconf.Services(
         extauthz=envoyconf.Address(port=2),
+        extauthz_keys=envoyconf.Address(port=4),
         ratelimit=envoyconf.Address(port=3),
     )
     rendered = envoyconf.render(envoyconf.EnvoySettings(), envoyconf.Address(), pods, services)
