@@ -67,7 +67,7 @@ HEALTHY = 204
 KEY_PATH = "/.llmgw/extauthz/key"
 # Set by envoy/authn.lua when the request's body is whole, in milliseconds since the epoch: how
 # long the check then waited (in Envoy's queue for this server, and in it) before it is decided.
-BODY_AT = wire.HEADER_PREFIX + "body-at"
+BODY_AT = wire.HEADER_BODY_AT
 # On every answer of a draining server: Envoy fails the host's active health check at once (its
 # router reads it on any response), so the next checks go elsewhere before the next interval.
 IMMEDIATE_FAIL = "x-envoy-immediate-health-check-fail"

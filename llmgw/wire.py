@@ -17,6 +17,9 @@ HEADER_TIER = "x-llmgw-tier"
 HEADER_PRIORITY = "x-llmgw-priority"
 HEADER_MODEL = "x-llmgw-model"
 HEADER_TOKEN_ESTIMATE = "x-llmgw-token-estimate"
+# When Envoy had a request's whole body (ms since the epoch): extauthz sheds a check that then
+# waited too long (llmgw/authzhttp.py BODY_AT).
+HEADER_BODY_AT = "x-llmgw-body-at"
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
 # vLLM sends a request with this header to that data-parallel rank: a pick the router makes.
@@ -84,6 +87,7 @@ TRUSTED_HEADERS = (
     HEADER_PRIORITY,
     HEADER_MODEL,
     HEADER_TOKEN_ESTIMATE,
+    HEADER_BODY_AT,
     HEADER_VLLM_PRIORITY,
     HEADER_DATA_PARALLEL_RANK,
     DESTINATION_ENDPOINT,
