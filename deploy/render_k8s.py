@@ -33,6 +33,8 @@ RENDER = [
     "--ratelimit-in-extauthz",  # and the rate limiter (its ADMIT): no rate-limit call or Service
     "--ledger",
     "ledger:9004",
+    "--tls",  # mutual TLS to the services, Envoy's pair from the Secret llmgw-tls
+    "/etc/envoy-tls",
 ]
 
 HEADER = """\

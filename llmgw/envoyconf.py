@@ -135,6 +135,16 @@ class Services(Strict):
         return [(name, a) for name, a in named if a is not None]
 
 
+class UpstreamTls(Strict):
+    """Envoy's side of mutual TLS with the services (llmgw/certs.py), as paths Envoy reads: its
+    client certificate and key, and the CA each service's certificate must chain to. Each
+    service's must also carry the service's name (its cluster's) as a SAN."""
+
+    cert: str
+    key: str
+    ca: str
+
+
 class EnvoySettings(Strict):
     admin: Address = Address()
     timeouts: Timeouts = Timeouts()
@@ -154,6 +164,9 @@ class EnvoySettings(Strict):
     access_log_path: str | None = None
     otlp: Address | None = None  # an OpenTelemetry collector (OTLP/gRPC); None: no tracing
     tracing_percent: float = Field(default=100.0, ge=0, le=100)
+    # Mutual TLS to extauthz, the rate limiter, the router and the ledger; None: plaintext, and
+    # whoever reaches their ports can report outcomes (tests of one service only).
+    tls: UpstreamTls | None = None
 
 
 def parse_endpoint(spec: str) -> Address:

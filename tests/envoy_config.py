@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from llmgw import certs, envoyconf
 
 Config = dict[str, Any]
 
@@ -33,3 +36,12 @@ def pick_sources(config: Config) -> list[Any]:
     policy = pods["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     return policy["typed_config"]["override_host_sources"]  # type: ignore[no-any-return]
+
+
+def validated_with_certs(rendered: str, tls_dir: str, tmp: Path) -> None:
+    """`envoy --mode validate` of a config that reads its certificates from `tls_dir` (a
+    container's path, absent here: Envoy refuses a missing file), with fresh ones in its place."""
+    local = certs.generate(tmp / "tls")
+    path = tmp / "envoy.yaml"
+    path.write_text(rendered.replace(f"{tls_dir}/", f"{local}/"))
+    envoyconf.validate(path)
