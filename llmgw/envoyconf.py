@@ -143,6 +143,10 @@ class UpstreamTls(Strict):
     cert: str
     key: str
     ca: str
+    # Envoy's connect timeout to the services, which includes the handshake: a burst of new
+    # connections is handshaken one at a time by a service's event loop. Measured: a cold burst
+    # of 200 checks on a loaded 2-core box, 162 of 242 connections timed out at 0.25 s (503s).
+    connect_timeout: str = "1s"
 
 
 class EnvoySettings(Strict):

@@ -238,6 +238,22 @@ class Stack:
         )
         for name in held:  # their metrics are served by the process that holds them
             self.metrics[name] = self.metrics["extauthz"]
+        if "router" in names and self.pod_processes:
+            self._wait_pickable()
+
+    def _wait_pickable(self) -> None:
+        """Until the router has scraped every simulated pod: a burst sent as soon as the stack
+        is up would otherwise find no pod it may pick (Envoy's fallback would)."""
+        wanted = [f'llmgw_router_pod_pickable{{pod="{p.host}:{p.port}"}} 1.0' for p in self.pods]
+        deadline = time.monotonic() + self.settings.start_timeout
+        while True:
+            with urllib.request.urlopen(self.metrics["router"], timeout=5) as reply:
+                text = reply.read().decode()
+            if all(line in text for line in wanted):
+                return
+            if time.monotonic() > deadline:
+                raise StartError(f"the router never found the pods pickable: {wanted}")
+            time.sleep(0.05)
 
     def _router_settings(self) -> dict[str, str]:
         return {
