@@ -25,6 +25,7 @@ core, then with every process moved to all cores.
 
     python -m bench.cpu [--requests 3000] [--concurrency 16] [--rate 20] [--streams 16]
     python -m bench.cpu --only "full chain;trivial handlers"   # those CPU rows, no latency tables
+    python -m bench.cpu --only "full chain" --no-tls   # without mutual TLS to the services
 """
 
 from __future__ import annotations
@@ -308,6 +309,9 @@ class Bench:
             router_in_extauthz="router" not in config.apart,
             ratelimit_in_extauthz="ratelimit" not in config.apart,
             extauthz_http=not config.grpc_check,
+            # Mutual TLS between Envoy and the services, as deployed; bench/trivial.py speaks
+            # plaintext (its floor is without TLS), and --no-tls measures what TLS costs.
+            tls=services is not None and not self.args.no_tls,
             ratelimit_limits=self.limits,
             envoy=EnvoySettings(concurrency=1),
         )
@@ -534,6 +538,9 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=32)
     parser.add_argument("--token-interval-ms", type=float, default=10.0)
     parser.add_argument("--no-pin", action="store_true", help="do not pin stack and client")
+    parser.add_argument(
+        "--no-tls", action="store_true", help="plaintext between Envoy and the services"
+    )
     parser.add_argument(
         "--only",
         help="';'-separated configurations to measure (e.g. 'full chain;trivial handlers'); "

@@ -35,6 +35,8 @@ RENDER = [
     "ledger:9004",
     "--pod-key-env",  # the pods' vLLM key, from the Secret llmgw-vllm in Envoy's environment
     "VLLM_API_KEY",
+    "--tls",  # mutual TLS to the services, Envoy's pair from the Secret llmgw-tls
+    "/etc/envoy-tls",
 ]
 
 HEADER = """\

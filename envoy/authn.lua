@@ -9,7 +9,10 @@
 
 local KEY_PATH = "{{ authzhttp.KEY_PATH }}"
 local TENANT_HEADER = "{{ wire.HEADER_TENANT }}"
-local CLUSTER = "{{ services.key_cluster }}"
+local CLUSTER = "extauthz_keys"
+local ASKED_AT = "{{ authzhttp.BODY_AT }}"
+local STATUS = "{{ wire.META_STATUS }}"
+local KEY_TIMEOUT_MS = {{ settings.uploads.key_timeout_ms }}
 local KEY_TTL_MS = {{ settings.uploads.key_cache_ms }}
 local KEY_CACHE_MAX = {{ settings.uploads.key_cache_entries }}
 local NAMESPACE = "llmgw.authn"
@@ -28,6 +31,8 @@ local MISSING_HEADERS, MISSING = refusal("401", "invalid_request_error", "invali
   "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'api-key: KEY'.")
 local DOWN_HEADERS, DOWN = refusal("503", "server_error", "authorization_unavailable",
   "The authorization service is unavailable; please retry.", true)
+local BUSY_HEADERS, BUSY = refusal("503", "server_error", "overloaded",
+  "The gateway is overloaded. Please retry shortly.", true)
 
 -- Per worker (each Envoy worker thread has its own Lua state).
 keys = keys or {}        -- credential headers -> {tenant, expires_ms}
@@ -43,14 +48,17 @@ local function tenant_of(handle, headers, now)
   if cached ~= nil and cached[2] > now then
     return cached[1]
   end
-  local ask = {[":method"] = "GET", [":path"] = KEY_PATH, [":authority"] = "extauthz"}
+  -- Stamped: extauthz sheds a question that waited too long (503 overloaded) rather than let
+  -- it time out here.
+  local ask = {[":method"] = "GET", [":path"] = KEY_PATH, [":authority"] = "extauthz",
+    [ASKED_AT] = tostring(now)}
   if auth ~= nil then
     ask["authorization"] = auth
   end
   if api_key ~= nil then
     ask["api-key"] = api_key
   end
-  local answer, body = handle:httpCall(CLUSTER, ask, "", 1000)
+  local answer, body = handle:httpCall(CLUSTER, ask, "", KEY_TIMEOUT_MS)
   local status = answer[":status"]
   if status == "200" and answer[TENANT_HEADER] ~= nil then
     if key_count >= KEY_CACHE_MAX then
@@ -62,8 +70,15 @@ local function tenant_of(handle, headers, now)
     keys[credential] = {answer[TENANT_HEADER], now + KEY_TTL_MS}
     return answer[TENANT_HEADER]
   end
-  if status == "401" then
-    return nil, {[":status"] = "401", ["content-type"] = "application/json"}, body
+  if answer["content-type"] == "application/json" then
+    -- extauthz's own refusal (a bad key's 401, an overloaded 503 sent with its status beside
+    -- it: authzhttp.py), passed on as it is.
+    local refused = {[":status"] = answer[STATUS] or status, ["content-type"] = "application/json"}
+    refused["retry-after"] = answer["retry-after"]
+    return nil, refused, body
+  end
+  if status == "504" then  -- no answer in time: extauthz is swamped
+    return nil, BUSY_HEADERS, BUSY
   end
   return nil, DOWN_HEADERS, DOWN
 end

@@ -20,6 +20,7 @@ from llmgw import telemetry
 from llmgw.config import ConfigError, load
 from llmgw.serve import command, serve
 from llmgw.tiers import load_tiers
+from llmgw.tls import server_context
 from ratelimit import settings as ratelimit_settings
 from ratelimit.runtime import RateLimiter
 from router import settings as router_settings
@@ -78,7 +79,10 @@ async def main(settings: Settings) -> None:
             max_body=settings.decision.tenant_body_bytes_in_flight,
             drain_s=settings.http_drain_seconds,
         )
-        await checks.start(settings.serve.host, settings.http_port)
+        # The check port takes the gRPC port's certificates: a client without one of the CA's
+        # fails the handshake (and only Envoy's client certificate is the CA's).
+        tls = server_context(settings.serve.tls) if settings.serve.tls else None
+        await checks.start(settings.serve.host, settings.http_port, tls)
 
     def add(server: grpc.aio.Server) -> None:
         register(service)(server)

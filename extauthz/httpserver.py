@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from typing import Protocol, cast
@@ -318,10 +319,10 @@ class HttpCheckServer:
         """What the health path answers: not draining, and the service able to check."""
         return not self.draining and self.service.healthy
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: a free port); the port."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on host:port (0: a free port), over `tls` if given (llmgw/tls.py); the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, ssl=tls)
         port = self._server.sockets[0].getsockname()[1]
         log.info("serving checks over HTTP", extra={"port": port})
         return int(port)

@@ -439,6 +439,8 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         """Whose key the headers present (authzhttp.KEY_PATH): the tenant, or the refusal.
         Envoy asks at a request's headers, before it buffers any of the body, and caches the
         answer briefly: a stranger's upload is refused before it is read."""
+        if self._late(headers):  # the question waited (a burst's): Envoy sees it stamped
+            return self.refuse(overloaded(None))
         entry = key_entry(self.store.current, headers, self.clock())
         if isinstance(entry, Deny):
             return self.refuse(entry)

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 from extauthz import cli as extauthz_cli
-from llmgw import config, envoyconf, logs, usage
+from llmgw import certs, config, envoyconf, logs, usage
 from llmgw.envoyconf import Address
 from llmgw.stack import Stack, StackSettings
+from llmgw.tls import ENVOY_IDENTITY
 
 ADMIN_PORT = 9901  # Envoy's conventional admin port, for rendered deployments
 
@@ -61,7 +62,7 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
             "who reaches it. Pass --insecure-no-auth to render it anyway."
         )
     settings = config.load(envoyconf.EnvoySettings, args.config, "LLMGW_ENVOY")
-    update: dict[str, Address | str] = {}
+    update: dict[str, Address | str | envoyconf.UpstreamTls] = {}
     if args.admin:
         update["admin"] = _listen(args.admin)
     elif settings.admin.port == 0:
@@ -72,6 +73,9 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
         update["pod_key_env"] = args.pod_key_env
     if args.otlp:
         update["otlp"] = envoyconf.parse_endpoint(args.otlp)
+    if args.tls:  # where Envoy reads them: `llmgw certs` names the files
+        pair, ca = f"{args.tls}/{ENVOY_IDENTITY}", f"{args.tls}/{certs.CA_FILE}"
+        update["tls"] = envoyconf.UpstreamTls(cert=f"{pair}.crt", key=f"{pair}.key", ca=ca)
     # Validated again: a model_copy would take an admin on 0.0.0.0 unchecked.
     settings = envoyconf.EnvoySettings.model_validate({**settings.model_dump(), **update})
     named = {
@@ -94,6 +98,15 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
     )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
     sys.stdout.write(envoyconf.render(settings, _listen(args.listen), pods, services))
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    out = certs.generate(args.out)
+    print(
+        f"{out}: {certs.CA_FILE}, {ENVOY_IDENTITY}.crt/key, "
+        + ", ".join(f"{s}.crt/key" for s in certs.SERVICES)
+    )
     return 0
 
 
@@ -169,7 +182,22 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="render without --extauthz: no API key checked, no tenant, no quota",
     )
+    render.add_argument(
+        "--tls",
+        metavar="DIR",
+        help="mutual TLS to the services with Envoy's certificates from `llmgw certs`, as Envoy "
+        "reads them: DIR/ca.crt, DIR/envoy.crt, DIR/envoy.key (without it: plaintext, and "
+        "whoever reaches the services' ports can report outcomes)",
+    )
     render.set_defaults(func=cmd_render_envoy)
+
+    made = sub.add_parser(
+        "certs",
+        help="a fresh CA, Envoy's client certificate and each service's server certificate "
+        "(mutual TLS between Envoy and the services)",
+    )
+    made.add_argument("--out", type=Path, required=True, help="directory (made 0700)")
+    made.set_defaults(func=cmd_certs)
 
     extauthz_cli.register(sub)  # `tenants` and `keys`
     usage.register(sub)  # `usage`, from the ledger

@@ -1,8 +1,9 @@
 """`python -m llmgw.health [HOST:PORT]`: exit 0 when a service answers SERVING on gRPC health.
 
-The image's health check. Without an argument it checks 127.0.0.1 on the port of the one
-service configured in the environment (`LLMGW_<SERVICE>__SERVE__PORT`), so one HEALTHCHECK line
-serves every service the image runs.
+The image's health check. Without an argument it checks 127.0.0.1 on the plaintext health port
+of the one service configured in the environment (`LLMGW_<SERVICE>__SERVE__HEALTH_PORT`, else
+its port, `…__SERVE__PORT`, when that is plaintext), so one HEALTHCHECK line serves every
+service the image runs. It speaks no TLS: a port with mutual TLS needs a health port beside it.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from collections.abc import Mapping
 
 from llmgw.procs import grpc_serving
 
-SUFFIX = "__SERVE__PORT"
+SUFFIXES = ("__SERVE__HEALTH_PORT", "__SERVE__PORT")  # first found wins
 
 
 def default_target(environ: Mapping[str, str]) -> str:
-    ports = {k: v for k, v in environ.items() if k.startswith("LLMGW_") and k.endswith(SUFFIX)}
-    if len(ports) != 1:
-        raise ValueError(f"expected one LLMGW_*{SUFFIX} variable, found {sorted(ports) or 'none'}")
-    return f"127.0.0.1:{next(iter(ports.values()))}"
+    for suffix in SUFFIXES:
+        ports = [v for k, v in environ.items() if k.startswith("LLMGW_") and k.endswith(suffix)]
+        if len(ports) > 1:
+            raise ValueError(f"expected one LLMGW_*{suffix} variable, found {len(ports)}")
+        if ports:
+            return f"127.0.0.1:{ports[0]}"
+    raise ValueError(f"no LLMGW_*{SUFFIXES[-1]} variable")
 
 
 def main(argv: list[str] | None = None) -> int:

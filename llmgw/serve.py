@@ -21,6 +21,7 @@ from pydantic import Field
 
 from llmgw import logs
 from llmgw.config import ConfigError, Strict
+from llmgw.tls import OnlyPeer, TlsSettings, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,12 @@ class ServeSettings(Strict):
     # Above Envoy's request-body limit (8 MiB) plus its framing: ext_authz receives whole bodies,
     # and gRPC's default of 4 MiB turned 4-8 MiB requests into "authorization unavailable".
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    # Mutual TLS on `port` (llmgw/tls.py): only Envoy's certificate gets a call answered. None:
+    # plaintext, anyone who reaches the port is served (tests of one service; never deployed).
+    tls: TlsSettings | None = None
+    # gRPC health alone, plaintext, on this port of `host`: for probes that speak no TLS
+    # (Kubernetes', the image's HEALTHCHECK). None: health only on `port`.
+    health_port: int | None = Field(default=None, ge=0, le=65535)
 
 
 async def serve(
@@ -51,22 +58,39 @@ async def serve(
 
     gRPC health answers SERVING for "", `name` and each of `health_services`; NOT_SERVING
     while `healthy()` is false, if given (checked every second)."""
+    tls = settings.tls
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
-        ]
+        ],
+        interceptors=[OnlyPeer(tls.peer)] if tls is not None else None,
     )
     register(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if tls is None:
+        log.warning(
+            "serving without TLS: anyone who reaches the port is served", extra={"service": name}
+        )
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(tls))
     if port == 0:
-        raise OSError(f"{name}: cannot bind {settings.host}:{settings.port}")
+        raise OSError(f"{name}: cannot bind {address}")
+    health = None
+    if settings.health_port is not None:
+        health = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health)
+        if health.add_insecure_port(f"{settings.host}:{settings.health_port}") == 0:
+            raise OSError(f"{name}: cannot bind health port {settings.health_port}")
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, settings.metrics_host)
     await server.start()
+    if health is not None:
+        await health.start()
     names = ("", name, *health_services)
     for service in names:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -87,6 +111,8 @@ async def serve(
         follower.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
+    if health is not None:  # NOT_SERVING until the port closes: draining, not dead
+        await health.stop(None)
     if on_stop is not None:
         await on_stop()
 

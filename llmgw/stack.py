@@ -19,9 +19,9 @@ import redis
 from pydantic import Field, SecretStr
 
 from extauthz.demo import seed_demo
-from llmgw import envoyconf
+from llmgw import certs, envoyconf
 from llmgw.config import Strict, reveal
-from llmgw.envoyconf import Address, EnvoySettings, Services
+from llmgw.envoyconf import Address, EnvoySettings, Services, UpstreamTls
 from llmgw.postgres import Postgres
 from llmgw.procs import (
     Process,
@@ -33,6 +33,7 @@ from llmgw.procs import (
     redis_ping,
     stop_all,
 )
+from llmgw.tls import ENVOY_IDENTITY
 
 SIM_MODULE = "llmgw.sim"
 POD_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable for --api-key; Envoy's too (pod_key_env)
@@ -73,6 +74,9 @@ class StackSettings(Strict):
     ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
     # extauthz hands each tenant's priority to the pods' scheduler (x-vllm-priority); off: all 0.
     engine_priority: bool = True
+    # Mutual TLS between Envoy and the services (llmgw/tls.py), with certificates made for the
+    # run in its state directory: only Envoy reports outcomes. Off only to measure what it costs.
+    tls: bool = True
     envoy: EnvoySettings = EnvoySettings()
     start_timeout: float = 60.0
 
@@ -103,6 +107,9 @@ class Stack:
             settings.ratelimit_limits.resolve() if settings.ratelimit_limits else None
         )
         self.tenants: list[dict[str, str]] = []
+        self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (llmgw/certs.py)
+        # The run's CA, in memory only: tests issue certificates of it (`ca.write`).
+        self.ca = certs.Authority()
 
     # Composition.
 
@@ -110,6 +117,8 @@ class Stack:
         # Owner-only: the logs, the rendered configs and the tenants file are the operator's.
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.state_dir.chmod(0o700)
+        if self.settings.tls:
+            certs.generate(self.certs, self.ca)
         try:
             self._start_redis()
             self._start_pods()
@@ -246,6 +255,22 @@ class Stack:
         )
         for name in held:  # their metrics are served by the process that holds them
             self.metrics[name] = self.metrics["extauthz"]
+        if "router" in names and self.pod_processes:
+            self._wait_pickable()
+
+    def _wait_pickable(self) -> None:
+        """Until the router has scraped every simulated pod: a burst sent as soon as the stack
+        is up would otherwise find no pod it may pick (Envoy's fallback would)."""
+        wanted = [f'llmgw_router_pod_pickable{{pod="{p.host}:{p.port}"}} 1.0' for p in self.pods]
+        deadline = time.monotonic() + self.settings.start_timeout
+        while True:
+            with urllib.request.urlopen(self.metrics["router"], timeout=5) as reply:
+                text = reply.read().decode()
+            if all(line in text for line in wanted):
+                return
+            if time.monotonic() > deadline:
+                raise StartError(f"the router never found the pods pickable: {wanted}")
+            time.sleep(0.05)
 
     def _router_settings(self) -> dict[str, str]:
         settings = {
@@ -271,13 +296,22 @@ class Stack:
     def _start_service(self, name: str, settings: dict[str, str], env: dict[str, str]) -> Address:
         """`python -m NAME` with its settings as LLMGW_NAME__... overrides (and `env`); ready
         when SERVING."""
-        port, metrics_port = free_port(), free_port()
-        settings = {**settings, "SERVE__PORT": str(port), "SERVE__METRICS_PORT": str(metrics_port)}
+        port, metrics_port, health_port = free_port(), free_port(), free_port()
+        settings = {
+            **settings,
+            "SERVE__PORT": str(port),
+            "SERVE__METRICS_PORT": str(metrics_port),
+            "SERVE__HEALTH_PORT": str(health_port),
+        }
+        if self.settings.tls:
+            settings["SERVE__TLS__CERT"] = str(self.certs / f"{name}.crt")
+            settings["SERVE__TLS__KEY"] = str(self.certs / f"{name}.key")
+            settings["SERVE__TLS__CA"] = str(self.certs / certs.CA_FILE)
         if (otlp := self.settings.envoy.otlp) is not None:
             settings["TRACING__OTLP_ENDPOINT"] = f"http://{otlp.host}:{otlp.port}"
         overrides = {f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}
         env = {**os.environ, **env, **overrides}
-        ready = grpc_serving(f"127.0.0.1:{port}")
+        ready = grpc_serving(f"127.0.0.1:{health_port}")
         self._process(name, [sys.executable, "-m", name], ready, env).start(
             self.settings.start_timeout
         )
@@ -294,6 +328,7 @@ class Stack:
                 "admin": self.admin,
                 "access_log_path": self.settings.envoy.access_log_path or str(self.access_log),
                 "pod_key_env": None if self.pod_api_key is None else POD_KEY_ENV,
+                "tls": self.envoy_tls,
             }
         )
         config = self.state_dir / "envoy.yaml"
@@ -306,6 +341,14 @@ class Stack:
         self._process("envoy", argv, http_ok(f"{self.admin_url}/ready"), self._pod_key_env()).start(
             self.settings.start_timeout
         )
+
+    @property
+    def envoy_tls(self) -> UpstreamTls | None:
+        """Envoy's side of the run's mutual TLS: its client pair and the CA."""
+        if not self.settings.tls:
+            return None
+        pem = {k: str(self.certs / f"{ENVOY_IDENTITY}.{k}") for k in ("crt", "key")}
+        return UpstreamTls(cert=pem["crt"], key=pem["key"], ca=str(self.certs / certs.CA_FILE))
 
     # Operations used by the launcher and by fault tests.
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 from typing import Any
+
+from llmgw import certs, envoyconf
 
 Config = dict[str, Any]
 
@@ -54,3 +57,12 @@ def check_admin_private(config: Config) -> None:
     cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "admin")
     (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert endpoint["endpoint"]["address"]["socket_address"] == admin
+
+
+def validated_with_certs(rendered: str, tls_dir: str, tmp: Path) -> None:
+    """`envoy --mode validate` of a config that reads its certificates from `tls_dir` (a
+    container's path, absent here: Envoy refuses a missing file), with fresh ones in its place."""
+    local = certs.generate(tmp / "tls")
+    path = tmp / "envoy.yaml"
+    path.write_text(rendered.replace(f"{tls_dir}/", f"{local}/"))
+    envoyconf.validate(path)

@@ -38,18 +38,25 @@ import pytest
 import redis
 import yaml
 
-from llmgw import cli, envoyconf, postgres, wire
+from llmgw import certs, cli, postgres, wire
+from llmgw.health import default_target
 from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
 from llmgw.stack import Stack
 from ratelimit.redis_store import REPLICAS_KEY
 from tests.conftest import api_key
-from tests.envoy_config import check_admin_private, grpc_loggers, pick_sources
+from tests.envoy_config import (
+    check_admin_private,
+    grpc_loggers,
+    pick_sources,
+    validated_with_certs,
+)
 from tests.http import call
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
 IMAGE = "${LLMGW_IMAGE:-llmgw:latest}"
+TLS_DIR = "/etc/llmgw-tls"  # where our services find compose/tls's files
 START_TIMEOUT = 90  # a Python service's start on a loaded 2-core box, several at once
 
 # The command in the compose file's header, and the test that keeps compose/envoy.yaml current.
@@ -61,6 +68,7 @@ RENDER = {
     "--ledger": "ledger:9004",
     "--otlp": "otel-collector:4317",
     "--pod-key-env": "VLLM_API_KEY",  # the pods' key, from Envoy's environment
+    "--tls": "/etc/envoy/tls",  # Envoy's certificates, mounted from compose/tls
 }
 # extauthz holds the router and the rate limiter (LLMGW_EXTAUTHZ__PICK, __ADMIT).
 RENDER_FLAGS = ("--router-in-extauthz", "--ratelimit-in-extauthz")
@@ -167,7 +175,7 @@ def test_compose_runs_the_whole_product() -> None:
 
 
 def test_compose_envoy_config_is_current_has_every_filter_and_validates(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     header = (COMPOSE / "docker-compose.yaml").read_text()
     for flag, value in RENDER.items():
@@ -199,8 +207,33 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
     assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
+    # Mutual TLS to each of ours, the HTTP check port included; the collector is not ours.
+    for name, cluster in clusters.items():
+        tls = cluster.get("transport_socket", {}).get("typed_config", {})
+        context = tls.get("common_tls_context", {})
+        sans = context.get("validation_context", {}).get("match_typed_subject_alt_names")
+        served = "extauthz" if name == "extauthz_http" else name  # whose certificate
+        wanted = [{"san_type": "DNS", "matcher": {"exact": served}}] if served in OURS else None
+        assert sans == wanted, name
     check_admin_private(config)
-    envoyconf.validate(COMPOSE / "envoy.yaml")
+    validated_with_certs(rendered, RENDER["--tls"], tmp_path)
+
+
+def test_each_container_mounts_its_own_certificate_and_key_only() -> None:
+    """Mutual TLS (llmgw/tls.py): each of ours serves with its own pair from compose/tls and
+    the CA; Envoy's mounts are where the rendered config (--tls) reads them. No other key."""
+    services = compose()["services"]
+    for name in OURS:
+        env = services[name]["environment"]
+        prefix = f"LLMGW_{name.upper()}__SERVE__TLS__"
+        named = {env[prefix + "CERT"], env[prefix + "KEY"], env[prefix + "CA"]}
+        files = {f"{name}.crt", f"{name}.key", certs.CA_FILE}
+        assert named == {f"{TLS_DIR}/{f}" for f in files}
+        mounts = {m for m in services[name].get("volumes", []) if m.startswith("./tls/")}
+        assert mounts == {f"./tls/{f}:{TLS_DIR}/{f}:ro" for f in files}, name
+    envoy = {m for m in services["envoy"]["volumes"] if m.startswith("./tls/")}
+    files = {certs.CA_FILE, "envoy.crt", "envoy.key"}
+    assert envoy == {f"./tls/{f}:{RENDER['--tls']}/{f}:ro" for f in files}
 
 
 def test_render_envoy_refuses_a_gateway_without_authentication(
@@ -252,6 +285,7 @@ def localise(
                     lambda m, s=service: f"127.0.0.1:{started.port(s, int(m.group(1)))}",
                     value,
                 )
+            value = value.replace(TLS_DIR, str(files.parent / "tls"))  # certs.generate's
             value = value.replace("/etc/llmgw", str(files))
         out[key] = value
     return out
@@ -264,6 +298,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
     run = Started(spec)
     files = tmp / "config"  # compose mounts ./config at /etc/llmgw
     shutil.copytree(COMPOSE / "config", files)
+    certs.generate(tmp / "tls")  # `llmgw certs --out compose/tls`
     try:
         # The compose file's own flags, with its password.
         redis_flags = [interpolate(f, INTERPOLATION) for f in spec["services"]["redis"]["command"]]
@@ -295,9 +330,8 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
                 continue
             env = localise(name, service.get("environment", {}), run, files)
             run.envs[name] = env
-            port = int(next(v for k, v in env.items() if k.endswith("__SERVE__PORT")))
             argv = [sys.executable, "-m", *service["command"]]
-            ready = grpc_serving(f"127.0.0.1:{port}")
+            ready = grpc_serving(default_target(env))  # the plaintext health port
             run.processes.append(Process(name, argv, ready, tmp / f"{name}.log", {**base, **env}))
         for proc in run.processes:
             proc.spawn()
@@ -325,6 +359,14 @@ def test_every_compose_service_of_ours_starts_here_and_passes_its_health_check(
             check=False,
         )
         assert result.returncode == 0, (name, result.stderr)
+
+
+def test_our_ports_take_only_tls_and_health_is_plaintext_on_its_own(started: Started) -> None:
+    for name in OURS:
+        env = started.envs[name]
+        port = env[f"LLMGW_{name.upper()}__SERVE__PORT"]
+        assert not grpc_serving(f"127.0.0.1:{port}")(), name  # plaintext: the handshake fails
+        assert grpc_serving(default_target(env))(), name
 
 
 def test_the_ledger_reaches_postgresql_with_the_compose_credentials(started: Started) -> None:

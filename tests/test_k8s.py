@@ -30,13 +30,19 @@ import yaml
 from deploy.render_k8s import configmap, rendered
 from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
-from llmgw import config, envoyconf, wire
+from llmgw import certs, config, wire
 from router.settings import redis_address
-from tests.envoy_config import check_admin_private, grpc_loggers, pick_sources
+from tests.envoy_config import (
+    check_admin_private,
+    grpc_loggers,
+    pick_sources,
+    validated_with_certs,
+)
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
 SERVICES = {"extauthz": 9001, "ledger": 9004}
+TLS_ENVOY, TLS_SERVICE = "/etc/envoy-tls", "/etc/llmgw-tls"  # the Secret llmgw-tls, mounted
 # extauthz reaches Redis for the rate limiter and the router it holds: quotas, the fleet load.
 STORES = {"redis": {"extauthz", "ledger"}, "postgres": {"ledger"}}
 
@@ -104,8 +110,7 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     )
     mounted = find("ConfigMap", "envoy-config")["data"]["envoy.yaml"]
     assert mounted == envoy_yaml
-    (tmp_path / "envoy.yaml").write_text(mounted)
-    envoyconf.validate(tmp_path / "envoy.yaml")
+    validated_with_certs(mounted, TLS_ENVOY, tmp_path)
     for needed in ("ext_authz", "http_grpc"):
         assert needed in mounted
     # The router and the rate limiter are extauthz's: no ext_proc or rate-limit call; the pick
@@ -194,12 +199,19 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     assert settings.serve.port == SERVICES[name]
     assert settings.serve.host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in box["ports"]}
-    expected = {"grpc": SERVICES[name], "metrics": settings.serve.metrics_port}
+    health = settings.serve.health_port
+    expected = {"grpc": SERVICES[name], "metrics": settings.serve.metrics_port, "health": health}
     if name == "extauthz":  # Envoy's checks, over HTTP
         expected["http-check"] = settings.http_port
     assert ports == expected
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert box[probe]["grpc"] == {"port": SERVICES[name]}
+    for probe in ("readinessProbe", "livenessProbe"):  # kubelet speaks no TLS: its own port
+        assert box[probe]["grpc"] == {"port": health}
+    # Mutual TLS (llmgw/tls.py) with its own pair and the CA from llmgw-tls, no other key.
+    tls = settings.serve.tls
+    assert tls is not None
+    files = {f"{name}.crt", f"{name}.key", certs.CA_FILE}
+    assert {tls.cert, tls.key, tls.ca} == {Path(TLS_SERVICE, f) for f in files}
+    assert mounted_secret(name, TLS_SERVICE) == files
     assert box["resources"]["requests"] and box["resources"]["limits"]
     assert box["securityContext"]["readOnlyRootFilesystem"] is True
     spec = workload(name)["spec"]["template"]["spec"]
@@ -251,6 +263,29 @@ def test_the_pods_key_reaches_the_pods_envoy_and_the_router_from_one_secret() ->
     assert vhost["request_headers_to_add"] == [
         {"header": header, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
     ]
+
+
+def mounted_secret(name: str, path: str) -> set[str]:
+    """The files of the Secret llmgw-tls that workload `name` mounts at `path`."""
+    mount = next(m for m in container(name)["volumeMounts"] if m["mountPath"] == path)
+    volumes = workload(name)["spec"]["template"]["spec"]["volumes"]
+    secret = next(v for v in volumes if v["name"] == mount["name"])["secret"]
+    assert secret["secretName"] == "llmgw-tls"
+    return {item["path"] for item in secret["items"] if item["key"] == item["path"]}
+
+
+def test_envoy_mounts_its_client_pair_where_its_config_reads_it() -> None:
+    config = yaml.safe_load(rendered())
+    named = set()
+    for cluster in config["static_resources"]["clusters"]:
+        if "transport_socket" in cluster:
+            context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+            (pair,) = context["tls_certificates"]
+            named |= {pair["certificate_chain"]["filename"], pair["private_key"]["filename"]}
+            named.add(context["validation_context"]["trusted_ca"]["filename"])
+    files = {"envoy.crt", "envoy.key", certs.CA_FILE}
+    assert named == {f"{TLS_ENVOY}/{f}" for f in files}
+    assert mounted_secret("envoy", TLS_ENVOY) == files
 
 
 def test_extauthz_replicas_get_distinct_session_worker_ids() -> None:

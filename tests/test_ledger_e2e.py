@@ -359,3 +359,6 @@ def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
     recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})  # the logs arrived
     after = ledger_stack.envoy_stats()
     assert [after.get(n, 0) - before.get(n, 0) for n in names] == [6, 6, 0, 0, 0, 0]
+    # The key asked at the headers is cached per Envoy worker: at most one question a worker.
+    keys = "cluster.extauthz_keys.upstream_rq_total"
+    assert after[keys] - before.get(keys, 0) <= ledger_stack.settings.envoy.concurrency
