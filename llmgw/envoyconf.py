@@ -248,10 +248,18 @@ def _reply(
     kind: str,
     code: str | None = None,
     flags: tuple[str, ...] = (),
+    retry_after: int | None = None,
 ) -> dict[str, Any]:
     """A mapper; `status` None matches every status (with `flags`); `kind` "passthrough" keeps
-    the reply's own body (ours, already in the OpenAI envelope)."""
-    return {"status": status, "message": message, "type": kind, "code": code, "flags": flags}
+    the reply's own body (ours, already in the OpenAI envelope); `retry_after`, seconds, added."""
+    return {
+        "status": status,
+        "message": message,
+        "type": kind,
+        "code": code,
+        "flags": flags,
+        "retry_after": retry_after,
+    }
 
 
 def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
@@ -275,11 +283,15 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
         _reply(431, body, "invalid_request_error"),
         _reply(500, body, "server_error"),
         _reply(502, body, "server_error"),
+        # The check failed (extauthz down, or not answering within the check's timeout): the
+        # same answer as envoy/authn.lua's, with a retry-after the SDK follows.
         _reply(
             503,
             "The authorization service is unavailable; please retry.",
             "server_error",
+            "authorization_unavailable",
             flags=("UAEX",),
+            retry_after=1,
         ),
         # extauthz's own denials: already OpenAI errors, kept as they are by the mappers below.
         _reply(None, body, "passthrough", flags=("UAEX",)),

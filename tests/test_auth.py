@@ -321,6 +321,8 @@ def test_auth_service_down_is_an_openai_503(own_stack: Stack) -> None:
     assert reply.status == 503, reply.body
     error = reply.json()["error"]
     assert error["type"] == "server_error" and "authorization" in error["message"]
+    assert error["code"] == "authorization_unavailable"
+    assert reply.headers["retry-after"] == "1"  # the SDK waits, then retries
 
 
 def test_bodies_up_to_envoys_limit_are_authorized_not_refused_as_unavailable(stack: Stack) -> None:

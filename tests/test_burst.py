@@ -35,14 +35,13 @@ def burst_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def rl_failures(stack: Stack) -> float:
-    """Admissions not decided: rate-limit calls and ext_authz checks that failed (timeout,
-    error, overflow) as Envoy counts them, and admissions the limiter inside extauthz gave up
-    (it raised or ran over its budget)."""
+    """Admissions that failed open: rate-limit calls that failed (timeout, error, overflow) as
+    Envoy counts them, and admissions the limiter inside extauthz gave up (it raised or ran over
+    its budget). A check that fails fails closed: its 503 (with retry-after) is counted by
+    `burst`, not here."""
     stats = stack.envoy_stats()
     failed: float = sum(
-        v
-        for k, v in stats.items()
-        if k.endswith((".ratelimit.error", ".failure_mode_allowed", ".ext_authz.error"))
+        v for k, v in stats.items() if k.endswith((".ratelimit.error", ".failure_mode_allowed"))
     )
     with urllib.request.urlopen(stack.metrics["extauthz"], timeout=5) as r:
         text = r.read().decode()
@@ -61,8 +60,9 @@ def unchecked(stack: Stack, tenant: str) -> float:
 
 async def burst(stack: Stack, key: str, size: int) -> Counter[int]:
     """`size` chat requests at once (one connection each); the statuses they got. A 503 must be
-    a check shed by extauthz, with retry-after (a busy machine queues the checks past what
-    Envoy would wait): anything else is a test failure."""
+    a check refused for overload (shed by extauthz, or failed closed by Envoy while its queue
+    for extauthz was past the check's timeout), with retry-after: a busy machine queues the
+    checks past what Envoy would wait. Anything else fails the test."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     start = asyncio.Event()
 
@@ -71,7 +71,7 @@ async def burst(stack: Stack, key: str, size: int) -> Counter[int]:
         async with session.post(f"{stack.base_url}/chat/completions", json=body) as resp:
             reply = await resp.json(content_type=None)
             if resp.status == 503:
-                assert reply["error"]["code"] == "overloaded", reply
+                assert reply["error"]["code"] in ("overloaded", "authorization_unavailable"), reply
                 assert "retry-after" in resp.headers, dict(resp.headers)
             return resp.status
 
