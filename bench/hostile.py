@@ -2,10 +2,10 @@
 
 One stack (real Envoy, every service, simulated pods). A valid tenant sends ordinary chat
 requests at a fixed rate; in alternating rounds, meanwhile, strangers (keys of our shape that
-are nobody's) keep `--stalled` uploads of 8 MB minus a byte open, each stalled after 1 KiB (one
-re-opened as soon as the gateway answers one), and `--bodies` senders post whole 8 MB bodies
-back to back. The table compares the tenant's success rate and latency with and without the
-attack, and each process's peak memory.
+are nobody's), from a process of their own, keep `--stalled` uploads of 8 MB minus a byte open,
+each stalled after 1 KiB and re-opened a second after the gateway answers it, and `--bodies`
+senders post whole 8 MB bodies back to back. The table compares the tenant's success rate and
+latency with and without the attack, and each process's peak memory.
 
     python -m bench.hostile [--rounds 3] [--seconds 5] [--rate 20] [--stalled 300] [--bodies 50]
 """
@@ -16,9 +16,11 @@ import argparse
 import asyncio
 import io
 import json
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -38,8 +40,9 @@ def rss_mib(pid: int | None) -> float:
     return float("nan")
 
 
-async def stalled_uploads(stack: Stack, n: int, stop: asyncio.Event) -> int:
-    """`n` stalled stranger uploads kept open until `stop`: how many the gateway answered."""
+async def stalled_uploads(host: str, port: int, n: int, stop: asyncio.Event) -> int:
+    """`n` stalled stranger uploads until `stop`, each re-opened a second after the gateway
+    answers it (an attacker keeping 300 open): how many the gateway answered."""
     head = (
         (
             "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -53,7 +56,7 @@ async def stalled_uploads(stack: Stack, n: int, stop: asyncio.Event) -> int:
     async def one() -> None:
         nonlocal answered
         while not stop.is_set():
-            reader, writer = await asyncio.open_connection(stack.listen.host, stack.listen.port)
+            reader, writer = await asyncio.open_connection(host, port)
             try:
                 writer.write(head)
                 read = asyncio.ensure_future(reader.read(65536))
@@ -65,13 +68,14 @@ async def stalled_uploads(stack: Stack, n: int, stop: asyncio.Event) -> int:
                     answered += 1
             finally:
                 writer.close()
+            await asyncio.sleep(1.0)
 
     await asyncio.gather(*(one() for _ in range(n)))
     return answered
 
 
-async def stranger_bodies(stack: Stack, n: int, stop: asyncio.Event) -> int:
-    """`n` senders of 8 MB stranger bodies until `stop`: how many were sent."""
+async def stranger_bodies(base_url: str, n: int, stop: asyncio.Event) -> int:
+    """`n` senders of 8 MB stranger bodies, back to back, until `stop`: how many were sent."""
     body = json.dumps({"model": SMALL["model"], "x": "a" * (8 * MB - 1024)}).encode()
     headers = {"authorization": f"Bearer {STRANGER}", "content-type": "application/json"}
     sent = 0
@@ -82,7 +86,7 @@ async def stranger_bodies(stack: Stack, n: int, stop: asyncio.Event) -> int:
             while not stop.is_set():
                 try:
                     async with session.post(
-                        f"{stack.base_url}/chat/completions", data=io.BytesIO(body), headers=headers
+                        f"{base_url}/chat/completions", data=io.BytesIO(body), headers=headers
                     ) as r:
                         await r.read()
                 except aiohttp.ClientError:
@@ -93,15 +97,32 @@ async def stranger_bodies(stack: Stack, n: int, stop: asyncio.Event) -> int:
     return sent
 
 
-async def round_(stack: Stack, args: argparse.Namespace, attacked: bool) -> dict[str, float]:
-    stop = asyncio.Event()
-    attacks = []
-    if attacked:
-        attacks = [
-            asyncio.create_task(stalled_uploads(stack, args.stalled, stop)),
-            asyncio.create_task(stranger_bodies(stack, args.bodies, stop)),
+def attack(stack_address: tuple[str, int], args: argparse.Namespace, stop: Any, out: Any) -> None:
+    """The strangers, in a process of their own: the tenant's client is not theirs to slow."""
+
+    async def main() -> None:
+        done = asyncio.Event()
+        host, port = stack_address
+        tasks = [
+            asyncio.create_task(stalled_uploads(host, port, args.stalled, done)),
+            asyncio.create_task(stranger_bodies(f"http://{host}:{port}/v1", args.bodies, done)),
         ]
-        await asyncio.sleep(1.0)  # the attack is running before the measurement starts
+        await asyncio.to_thread(stop.wait)
+        done.set()
+        out[0], out[1] = await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+
+
+async def round_(stack: Stack, args: argparse.Namespace, attacked: bool) -> dict[str, float]:
+    context = multiprocessing.get_context("spawn")
+    stop, out = context.Event(), context.Array("d", 2)
+    attacker = None
+    if attacked:
+        address = (stack.listen.host, stack.listen.port)
+        attacker = context.Process(target=attack, args=(address, args, stop, out))
+        attacker.start()
+        await asyncio.sleep(2.0)  # the attack is running before the measurement starts
     peaks = {name: 0.0 for name in ("envoy", "extauthz")}
     sampling = True
 
@@ -116,16 +137,17 @@ async def round_(stack: Stack, args: argparse.Namespace, attacked: bool) -> dict
     latencies, failed = await small_load(stack, key(stack, "platinum"), args.seconds, args.rate)
     sampling = False
     await sampler
-    stop.set()
-    counts = await asyncio.gather(*attacks)
+    if attacker is not None:
+        stop.set()
+        await asyncio.to_thread(attacker.join, 60)
     arr = np.array(latencies) * 1000
     total = len(latencies) + failed
     return {
         "ok": len(latencies) / total if total else 0.0,
         "p50": float(np.percentile(arr, 50)) if len(arr) else float("nan"),
         "p99": float(np.percentile(arr, 99)) if len(arr) else float("nan"),
-        "answered": float(counts[0]) if counts else 0.0,
-        "bodies": float(counts[1]) if counts else 0.0,
+        "answered": out[0],
+        "bodies": out[1],
         **{f"{name} MiB": peak for name, peak in peaks.items()},
     }
 

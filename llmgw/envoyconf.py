@@ -329,9 +329,12 @@ def render(
     # Exact methods: generation is POST only, the model list GET only; anything else is a 404.
     post = '[{name: ":method", string_match: {exact: POST}}]'
     get = '[{name: ":method", string_match: {exact: GET}}]'
-    routes = [f'{{path: "{p}", headers: {post}}}' for p in wire.GENERATION_PATHS] + [
-        f'{{path: "{wire.MODELS_PATH}", headers: {get}}}',
-        f'{{prefix: "{wire.MODELS_PATH}/", headers: {get}}}',
+    routes = [
+        {"match": f'{{path: "{p}", headers: {post}}}', "body": True}
+        for p in wire.GENERATION_PATHS
+    ] + [
+        {"match": f'{{path: "{wire.MODELS_PATH}", headers: {get}}}', "body": False},
+        {"match": f'{{prefix: "{wire.MODELS_PATH}/", headers: {get}}}', "body": False},
     ]
     return env.get_template(TEMPLATE).render(
         wire=wire,

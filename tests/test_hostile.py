@@ -5,7 +5,7 @@ valid tenant served all along. Latencies are a benchmark's (bench/hostile.py), n
 from __future__ import annotations
 
 import asyncio
-import io
+import contextlib
 import json
 import socket
 import time
@@ -103,22 +103,30 @@ def test_stalled_stranger_uploads_are_refused_at_their_headers(hostile: Stack) -
 
 
 async def _bodies(stack: Stack, count: int, size: int) -> list[int]:
+    """`count` concurrent POSTs of a `size`-byte body with a key of our shape that is nobody's:
+    each one's status, or -1 when the connection broke while the body was still being sent."""
     body = json.dumps({"model": MODEL, "messages": [], "x": "a" * size}).encode()
-    headers = {"authorization": f"Bearer sk-llmgw-{'z' * 43}", "content-type": "application/json"}
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nauthorization: Bearer sk-llmgw-{'z' * 43}\r\n\r\n"
+    ).encode()
 
-        async def one() -> int:
-            try:
-                async with session.post(
-                    f"{stack.base_url}/chat/completions", data=io.BytesIO(body), headers=headers
-                ) as resp:
-                    await resp.read()
-                    return resp.status
-            except aiohttp.ClientError:  # refused before its body was read: the send broke
-                return -1
+    async def one() -> int:
+        reader, writer = await asyncio.open_connection(stack.listen.host, stack.listen.port)
+        try:
+            writer.write(head + body)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            line = await reader.readline()
+            return int(line.split()[1]) if line.startswith(b"HTTP/1.1 ") else -1
+        except ConnectionError:
+            return -1
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
 
-        return list(await asyncio.gather(*(one() for _ in range(count))))
+    return list(await asyncio.gather(*(one() for _ in range(count))))
 
 
 def test_stranger_bodies_never_reach_extauthz(hostile: Stack) -> None:
@@ -169,3 +177,19 @@ def answer_or_none(sock: socket.socket) -> bytes | None:
             return sock.recv(65536) or None
     except TimeoutError:
         return None
+
+
+def test_a_gets_body_is_never_buffered(hostile: Stack) -> None:
+    """GET /v1/models with 8 MB declared and stalled after 1 KiB: no check waits for that body
+    (envoy/uploads.lua passes GETs, so it would be a tenant's uncounted upload): the model list
+    comes back while the body is still unsent."""
+    stack = hostile
+    sock = socket.create_connection((stack.listen.host, stack.listen.port), timeout=10)
+    with sock:
+        head = (
+            f"GET /v1/models HTTP/1.1\r\nhost: x\r\ncontent-length: {8 * MB}\r\n"
+            f"authorization: Bearer {api_key(stack)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b"x" * 1024)
+        reply = sock.recv(65536)  # a timeout (the check waiting for the body) fails the test
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
