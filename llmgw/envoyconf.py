@@ -330,8 +330,7 @@ def render(
     post = '[{name: ":method", string_match: {exact: POST}}]'
     get = '[{name: ":method", string_match: {exact: GET}}]'
     routes = [
-        {"match": f'{{path: "{p}", headers: {post}}}', "body": True}
-        for p in wire.GENERATION_PATHS
+        {"match": f'{{path: "{p}", headers: {post}}}', "body": True} for p in wire.GENERATION_PATHS
     ] + [
         {"match": f'{{path: "{wire.MODELS_PATH}", headers: {get}}}', "body": False},
         {"match": f'{{prefix: "{wire.MODELS_PATH}/", headers: {get}}}', "body": False},
