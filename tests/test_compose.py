@@ -199,8 +199,9 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     assert "envoy.filters.http.ratelimit" not in rendered
     config = yaml.safe_load(rendered)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {"pods", *OURS, "extauthz_http", "otel", "admin"}
-    for name in (*OURS, "extauthz_http", "otel"):
+    http = ("extauthz_http", "extauthz_keys")  # extauthz's HTTP port: checks, key questions
+    assert set(clusters) == {"pods", *OURS, *http, "otel", "admin"}
+    for name in (*OURS, *http, "otel"):
         assert clusters[name]["type"] == "STRICT_DNS", name  # compose names, resolved by Envoy
     # override_host takes the pick from ext_authz's metadata; the router's access log (how each
     # pick ended) goes to extauthz, which holds the router.
@@ -212,7 +213,7 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
         tls = cluster.get("transport_socket", {}).get("typed_config", {})
         context = tls.get("common_tls_context", {})
         sans = context.get("validation_context", {}).get("match_typed_subject_alt_names")
-        served = "extauthz" if name == "extauthz_http" else name  # whose certificate
+        served = "extauthz" if name in http else name  # whose certificate
         wanted = [{"san_type": "DNS", "matcher": {"exact": served}}] if served in OURS else None
         assert sans == wanted, name
     check_admin_private(config)

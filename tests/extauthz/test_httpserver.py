@@ -406,13 +406,13 @@ async def test_a_replica_that_stops_under_load_fails_no_check(tmp_path: Path) ->
         config = yaml.safe_load(
             envoyconf.render(settings, listen, [Address(host=host, port=int(pod_port))], where)
         )
-        cluster = next(
-            c for c in config["static_resources"]["clusters"] if c["name"] == "extauthz_http"
-        )
-        (endpoints,) = cluster["load_assignment"]["endpoints"]
-        second = copy.deepcopy(endpoints["lb_endpoints"][0])
-        second["endpoint"]["address"]["socket_address"]["address"] = "127.0.0.2"
-        endpoints["lb_endpoints"].append(second)
+        for cluster in config["static_resources"]["clusters"]:
+            if cluster["name"] not in ("extauthz_http", "extauthz_keys"):  # checks, key questions
+                continue
+            (endpoints,) = cluster["load_assignment"]["endpoints"]
+            second = copy.deepcopy(endpoints["lb_endpoints"][0])
+            second["endpoint"]["address"]["socket_address"]["address"] = "127.0.0.2"
+            endpoints["lb_endpoints"].append(second)
         path = tmp_path / "envoy.json"  # JSON: a YAML dump would leave the key `n` a boolean
         path.write_text(json.dumps(config))
         argv = [bin_path("envoy"), "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
