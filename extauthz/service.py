@@ -47,6 +47,7 @@ from extauthz.budget import BodyBudget, Held
 from extauthz.decision import Decider, key_entry
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, Deny
+from extauthz.waits import Waits
 from llmgw import authzhttp, wire
 from llmgw.facts import MetaValue
 from llmgw.telemetry import parent_context, recording
@@ -122,7 +123,6 @@ def denied(deny: Deny) -> Answer:
 
 
 _RETRY_SOON = (("retry-after", "1"),)
-_PLAUSIBLE_WAIT_MS = 60_000  # a check "waiting" longer than this: the clocks disagree
 
 
 def too_many_bodies(tenant: str, share: int) -> Deny:
@@ -378,6 +378,7 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         self.clock = clock
         self.tracing = recording(tracer)
         self.bodies = bodies
+        self.waits = Waits()
         self.router = router
         self.limiter = limiter
         self.admit_timeout_s = admit_timeout_s
@@ -463,16 +464,15 @@ class AuthorizationService(external_auth_pb2_grpc.AuthorizationServicer):  # typ
         return self.refuse(overloaded(tenant))
 
     def _late(self, headers: Mapping[str, str]) -> bool:
-        """The check has waited (in Envoy's queue for this server, and in this one) since its
-        body was whole so long that Envoy would give up on it before the answer: shed now, with
-        an answer the client can act on (503 overloaded, retry-after), at no cost to anyone's
-        quota, rather than Envoy's timeout later. Envoy's clock stamps it (envoy/authn.lua): a
-        stamp from the future, or implausibly old (clocks apart), is not trusted."""
+        """The check has waited (in Envoy's queue for this server, and in this one) since Envoy
+        stamped it so long that Envoy would give up on it before the answer: shed now, with an
+        answer the client can act on (503 overloaded, retry-after), at no cost to anyone's
+        quota, rather than Envoy's timeout later (extauthz/waits.py: net of the clocks' offset)."""
         stamp = headers.get(authzhttp.BODY_AT)
         if stamp is None or not stamp.isdigit():
             return False
-        waited_ms = self.clock() * 1000 - int(stamp)
-        return self.decider.settings.shed_after_ms <= waited_ms <= _PLAUSIBLE_WAIT_MS
+        waited = self.waits.waited_ms(int(stamp), self.clock() * 1000)
+        return waited is not None and waited >= self.decider.settings.shed_after_ms
 
     def refuse(self, deny: Deny) -> Answer:
         self.count(deny)

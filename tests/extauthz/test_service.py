@@ -464,17 +464,34 @@ async def test_a_killed_pool_worker_is_replaced_at_once(
 
 
 @pytest.mark.parametrize(
-    ("waited_s", "shed"), [(1.2, True), (0.1, False), (-5.0, False), (3600.0, False)]
+    ("offset_s", "waited_s", "shed"),
+    [
+        (0.0, 1.2, True),
+        (0.0, 0.1, False),
+        (0.0, -5.0, False),  # a stamp from the future: no wait
+        (0.0, 3600.0, False),  # an hour: clocks apart, not a wait
+        (-5.0, 1.2, True),  # Envoy's clock 5 s behind this one's: the wait still counts
+        (5.0, 0.1, False),  # ... or ahead
+    ],
 )
 async def test_a_check_that_waited_too_long_is_shed_before_anything_else(
-    pooled: tuple[AuthorizationService, BodyPool], keys: Keys, waited_s: float, shed: bool
+    pooled: tuple[AuthorizationService, BodyPool],
+    keys: Keys,
+    offset_s: float,
+    waited_s: float,
+    shed: bool,
 ) -> None:
     """A check whose body Envoy had more than shed_after_ms ago is answered 503 overloaded with
-    retry-after, before its key is even looked up; a fresh one is decided; a stamp from the
-    future or from an hour ago (clocks apart) is not trusted."""
+    retry-after, before its key is even looked up; a fresh one is decided. Envoy's clock may be
+    another host's: the wait is measured net of the offset a check that did not wait shows."""
     service, _ = pooled
-    stamp = str(int((time.time() - waited_s) * 1000))
-    answer = await service.check({**_check_headers(keys.acme), authzhttp.BODY_AT: stamp}, CHAT)
+
+    def stamped(ago_s: float) -> dict[str, str]:
+        stamp = str(int((time.time() + offset_s - ago_s) * 1000))
+        return {**_check_headers(keys.acme), authzhttp.BODY_AT: stamp}
+
+    assert (await service.check(stamped(0.0), CHAT)).status == 200  # no wait: the offset
+    answer = await service.check(stamped(waited_s), CHAT)
     if shed:
         assert answer.status == 503
         assert json.loads(answer.body)["error"]["code"] == "overloaded"
