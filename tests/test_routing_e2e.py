@@ -167,7 +167,9 @@ async def test_a_failing_pod_stops_receiving_picks_and_no_request_fails(own_stac
             marks.append(await asyncio.to_thread(router_picks, own_stack, bad_id))
 
     done, failures = await load(own_stack, 2.5, 6, mark)
-    assert done > 50 and failures == []  # every 503 was retried on another pod
+    # Every 503 was retried on another pod. How many were sent is the machine's: 48 in 2.5 s
+    # beside a second suite, 90 alone; a few dozen make the bad pod's picks show.
+    assert done > 20 and failures == []
     assert marks
     # After a second, the bad pod gets at most one probe after its cooldown: `error_threshold`
     # (3) picks plus those made while the probe's answers are on their way (6 workers).
@@ -196,7 +198,9 @@ async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
         statuses = await asyncio.gather(*(one() for _ in range(200)))  # 4x the tier's 50/s
     # Refused: over the rate (429), or shed while a busy machine queued the checks (503).
     refused = statuses.count(429) + statuses.count(503)
-    assert refused >= 100 and statuses.count(200) >= 20, statuses
+    # How many a burst leaves refused is the machine's too (a slow one spreads it over more of
+    # the tier's seconds: 98 of 200 beside a second suite): the premise is only that many were.
+    assert refused >= 50 and statuses.count(200) >= 20, statuses
     assert set(statuses) <= {200, 429, 503}, statuses
     picks = sum(router_picks(own_stack, pod) for pod in pods) - picks_before
     assert picks == statuses.count(200)
