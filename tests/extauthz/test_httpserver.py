@@ -499,7 +499,7 @@ async def test_sigterm_drains_the_check_port_before_it_closes(
             for _ in range(200):  # bounded: 10 s
                 try:
                     status = (await exchange(http_port, health)).status
-                except OSError:
+                except (OSError, asyncio.IncompleteReadError):  # refused, or accepted as it closed
                     break
                 statuses.append((time.monotonic() - signalled, status))
                 await asyncio.sleep(0.05)
