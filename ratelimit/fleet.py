@@ -81,12 +81,6 @@ class FleetView:
             self._refresh = asyncio.get_running_loop().create_task(self._update())
         return self.current
 
-    async def refresh(self) -> FleetLoad:
-        """Read the key now (start-up, tests)."""
-        self._fetched_at = self._clock()
-        await self._update()
-        return self.current
-
     async def _update(self) -> None:
         try:
             self.current = parse(await self._fetch())

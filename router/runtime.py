@@ -46,7 +46,7 @@ class Router:
         self.engine = engine
         self.tracer = tracer
         self.recording = recording(tracer)
-        self._redis = redis  # where the fleet load is published
+        self.redis = redis  # where the fleet load is published
         self._tasks: list[asyncio.Task[None]] = []
         self._unserved: OrderedDict[str, PickRequest] = OrderedDict()
 
@@ -56,8 +56,13 @@ class Router:
         redis = None
         if settings.redis_url is not None:
             host, port, password = redis_address(settings.redis_url)
-            interval = settings.fleet.publish_interval
-            redis = RedisLink(host, port, interval, password, cluster=settings.redis_cluster)
+            redis = RedisLink(
+                host,
+                port,
+                settings.redis_connect_timeout_s,
+                password,
+                cluster=settings.redis_cluster,
+            )
         return cls(Fleet(settings.fleet), engine, tracer, redis)
 
     async def start(self) -> None:
@@ -68,15 +73,15 @@ class Router:
             asyncio.create_task(fleet.run_resolver()),
             asyncio.create_task(fleet.run_scrapes()),
         ]
-        if self._redis is not None:
-            self._tasks.append(asyncio.create_task(fleet.run_publisher(self._redis)))
+        if self.redis is not None:
+            self._tasks.append(asyncio.create_task(fleet.run_publisher(self.redis)))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._redis is not None:
-            await self._redis.close()
+        if self.redis is not None:
+            await self.redis.close()
 
     def register(self, server: grpc.aio.Server) -> None:
         """The access log that tells the router how each picked request ended."""
