@@ -11,42 +11,25 @@ up to 16x). A pick that Envoy had to retry on another pod (the `upstream.address
 with the response headers is not the pick) counts as a 5xx of the picked pod. Metrics older than
 `stale_after` count as fully loaded.
 
-Fleet load contract (Redis key `llmgw.wire.FLEET_LOAD_KEY` = "llmgw:fleet:load", written every
-`publish_interval` seconds with a TTL of `publish_ttl` seconds, as JSON):
-
-    {"load": 0.42,  # 0-1: mean over known pods of max(KV usage, (running + waiting) / capacity);
-                    # a pod that is unpickable or stale counts as 1
-     "capacity": {"pods": 4,  # pods known
-                  "pickable_pods": 3,  # pods the router would pick now
-                  "max_num_seqs": 96,  # sum of configured capacities (concurrent seqs), pickable
-                  "kv_tokens": 1048576,  # sum of block_size * num_gpu_blocks, pickable pods
-                  "running": 40, "waiting": 2},  # sums over pickable pods
-     "capacity_tpm": 3000000,  # tokens per minute the pickable pods serve at full use, and
-     "capacity_rpm": 6000,     # requests per minute: measured (router/capacity.py), 0 = unknown
-     "ts": 1767225600.123}  # unix seconds when computed
-
-`load`, `capacity_tpm` and `capacity_rpm` are what ratelimit/fleet.py reads to size the fleet's
-borrowing pool (ratelimit/pool.py).
-
-Readers treat a missing key or a `ts` older than a few seconds as load 1 (no borrowing).
+The fleet load (llmgw/fleetload.py) is published to Redis every `publish_interval` seconds, with
+a TTL of `publish_ttl` seconds, for the rate limiter's borrowing pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import aiohttp
 from pydantic import Field, field_validator
 
 from llmgw import wire
 from llmgw.config import Strict
+from llmgw.fleetload import FleetLoad
 from llmgw.link import RedisLink
 from llmgw.resp import RespError
 from llmgw.secret import Secret
@@ -327,19 +310,13 @@ class Fleet:
 
     # Fleet load.
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> FleetLoad:
         now = self.clock()
         utils: list[float] = []
         pickable: list[PodId] = []
-        seqs = kv_tokens = 0.0
-        running = waiting = 0.0
         for c in self.candidates():
             if c.healthy and c.fresh:
                 pickable.append(c.pod)
-                seqs += c.capacity
-                kv_tokens += c.metrics.kv_tokens or 0
-                running += c.metrics.running
-                waiting += c.metrics.waiting
                 utils.append(utilisation(c.metrics, c.capacity))
             else:
                 utils.append(1.0)
@@ -348,27 +325,16 @@ class Fleet:
         load = sum(utils) / len(utils) if utils else 1.0
         metrics.FLEET_LOAD.set(load)
         tpm, rpm = self.capacity.per_minute(pickable)
-        return {
-            "load": round(load, 4),
-            "capacity": {
-                "pods": len(utils),
-                "pickable_pods": len(pickable),
-                "max_num_seqs": seqs,
-                "kv_tokens": int(kv_tokens),
-                "running": running,
-                "waiting": waiting,
-            },
-            "capacity_tpm": tpm,
-            "capacity_rpm": rpm,
-            "ts": round(time.time(), 3),
-        }
+        return FleetLoad(
+            load=round(load, 4), capacity_tpm=tpm, capacity_rpm=rpm, ts=round(time.time(), 3)
+        )
 
     async def run_publisher(self, redis: RedisLink) -> None:
         """Write `load()` to Redis every `publish_interval`; Redis errors are logged, not fatal
         (the next round connects again)."""
         s = self.settings
         while True:
-            payload = json.dumps(self.load())
+            payload = self.load().model_dump_json()
             try:
                 async with asyncio.timeout(s.publish_interval):  # connecting included
                     client = await redis.get()

@@ -5,7 +5,6 @@ service that talks to Redis."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -129,7 +128,6 @@ async def test_the_router_publishes_the_fleet_key_that_ratelimit_reads(
         assert isinstance(raw, bytes)
         signal = ratelimit_fleet.parse(raw)
         assert signal.load == 1.0 and signal.ts > 0  # unscraped pods count as saturated
-        assert json.loads(raw)["capacity"]["pods"] == 2
         assert not store.degraded
     finally:
         publisher.cancel()

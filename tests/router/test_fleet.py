@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import time
 from typing import Any
 
 import aiohttp
@@ -14,6 +14,8 @@ from llmgw import wire
 from llmgw.link import RedisLink
 from llmgw.sim.pod import SimPod
 from llmgw.sim.types import DEFAULT_MODEL, SimSettings
+from ratelimit import fleet as ratelimit_fleet
+from ratelimit.redis_store import RedisStore
 from router import scrape
 from router.fleet import DnsTarget, Fleet, FleetSettings
 from router.scrape import parse_metrics
@@ -216,17 +218,9 @@ def test_fleet_load() -> None:
         block_size=16,
         num_gpu_blocks=100,
     )
-    body = fleet.load()  # b was never scraped: counts as load 1
-    assert body["load"] == pytest.approx((0.5 + 1.0) / 2)
-    assert body["capacity"] == {
-        "pods": 2,
-        "pickable_pods": 1,
-        "max_num_seqs": 10.0,
-        "kv_tokens": 1600,
-        "running": 4.0,
-        "waiting": 1.0,
-    }
-    assert (body["capacity_tpm"], body["capacity_rpm"]) == (0, 0)  # nothing served: unknown
+    load = fleet.load()  # b was never scraped: counts as load 1
+    assert load.load == pytest.approx((0.5 + 1.0) / 2)
+    assert (load.capacity_tpm, load.capacity_rpm) == (0, 0)  # nothing served: unknown
 
 
 async def test_fleet_load_publishes_the_capacity_measured_from_scrapes(
@@ -242,12 +236,12 @@ async def test_fleet_load_publishes_the_capacity_measured_from_scrapes(
             await fleet.scrape_once(session)
             clock.now += 1
         clock.now -= 1
-        assert fleet.load()["capacity_tpm"] == 400 / 0.5 * 60
-        assert fleet.load()["capacity_rpm"] == 1 / 0.5 * 60
+        assert fleet.load().capacity_tpm == 400 / 0.5 * 60
+        assert fleet.load().capacity_rpm == 1 / 0.5 * 60
         b.status = 500  # a pod the router would not pick adds nothing
         a.status = 500
         await fleet.scrape_once(session)
-    assert (fleet.load()["capacity_tpm"], fleet.load()["capacity_rpm"]) == (0, 0)
+    assert (fleet.load().capacity_tpm, fleet.load().capacity_rpm) == (0, 0)
 
 
 def served(tokens: int, requests: int) -> str:
@@ -266,15 +260,14 @@ async def test_publisher_writes_the_fleet_load_key(redis_port: int) -> None:
     link = RedisLink("127.0.0.1", redis_port, 1.0)
     task = asyncio.create_task(fleet.run_publisher(link))
     try:
-        raw = await published(client)
-        body = json.loads(raw)
-        assert body["load"] == 1.0 and body["capacity"]["pods"] == 1 and body["ts"] > 0
+        load = ratelimit_fleet.parse(await published(client))
+        assert load.load == 1.0 and load.ts > 0
         assert 0 < await client.pttl(wire.FLEET_LOAD_KEY) <= 5000
         # Redis drops the publisher's connection (a restart, a failover): the next round
         # connects again.
         await client.client_kill_filter(_type="normal", skipme=True)
         await client.delete(wire.FLEET_LOAD_KEY)
-        assert json.loads(await published(client))["capacity"]["pods"] == 1
+        assert ratelimit_fleet.parse(await published(client)).ts > 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -291,6 +284,41 @@ async def published(client: redis.asyncio.Redis) -> bytes:
             return raw
         await asyncio.sleep(0.02)
     raise AssertionError("the fleet key was never published")
+
+
+async def test_the_rate_limiter_reads_the_fleet_load_the_router_publishes(
+    redis_port: int, fake_pods: list[FakePod]
+) -> None:
+    """The fleet-load contract (llmgw/fleetload.py) end to end: what the router's publisher
+    writes to Redis, ratelimit's store reads and parses to the load and capacity measured."""
+    a, _, _ = fake_pods
+    clock = Clock()
+    settings = FleetSettings(capacity=10, scrape_timeout=1.0, stale_after=60, publish_interval=0.05)
+    fleet = Fleet(settings, clock=clock)
+    fleet.set_pods([a.pod])
+    async with aiohttp.ClientSession() as session:
+        for second in range(6):  # 400 tokens and 1 request a second, 5 of 10 running
+            a.text = metrics_text(running=5) + served(400 * second, second)
+            await fleet.scrape_once(session)
+            clock.now += 1
+    client = redis.asyncio.Redis(port=redis_port)
+    await client.delete(wire.FLEET_LOAD_KEY)
+    link = RedisLink("127.0.0.1", redis_port, 1.0)
+    task = asyncio.create_task(fleet.run_publisher(link))
+    try:
+        await published(client)
+        read = ratelimit_fleet.parse(
+            await RedisStore(await link.get()).get_fleet(wire.FLEET_LOAD_KEY)
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()
+        await client.aclose()
+    written = fleet.load()
+    assert read.model_dump(exclude={"ts"}) == written.model_dump(exclude={"ts"})
+    assert (read.load, read.capacity_tpm, read.capacity_rpm) == (0.5, 48_000, 120)
+    assert abs(read.ts - time.time()) < 5
 
 
 def test_after_a_cooldown_a_pod_gets_one_probe_until_it_answers() -> None:
