@@ -18,11 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.facts import block_hashes, render
 from llmgw.telemetry import parent_context
+from router.collectors.scrape import parse_metrics
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
 from router.runtime import Router
-from router.scrape import parse_metrics
 from router.types import PickRequest, PodMetrics
 
 
@@ -78,10 +78,10 @@ def bench_picks(n_pods: int, picks: int) -> tuple[float, float]:
     times = []
     for req, headers in reqs:
         t0 = time.perf_counter()
-        pods = router.pick(req, parent_context(None, headers))
+        chosen = router.pick(req, parent_context(None, headers))
         times.append(time.perf_counter() - t0)
-        if pods is not None:
-            fleet.release(pods[0])
+        if chosen is not None:
+            fleet.release(chosen.pods[0])
     times = times[picks // 10 :]  # warm-up
     q = statistics.quantiles(times, n=100)
     return q[49] * 1e3, q[98] * 1e3

@@ -206,7 +206,7 @@ class Failover:
         assert self._loop is not None
         return self._loop.time() - redis.client.owed_since >= self.deadline_s
 
-    async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
+    async def get_fleet(self, key: str) -> bytes | None:
         """The fleet-load key from Redis (None when degraded, absent or in error)."""
         redis = self.redis
         if redis is None:

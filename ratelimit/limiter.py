@@ -10,9 +10,10 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
+from llmgw.fleetload import FleetLoad
 from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit import metrics
-from ratelimit.fleet import FleetLoad, effective_load
+from ratelimit.fleet import effective_load
 from ratelimit.pool import Draw, Pool, size
 from ratelimit.store import Store
 from ratelimit.types import (

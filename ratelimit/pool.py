@@ -47,8 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llmgw import wire
+from llmgw.fleetload import FleetLoad
 from llmgw.resp import Arg, Client, Reply, RespError
-from ratelimit.fleet import FleetLoad
 from ratelimit.redis_store import run, script
 from ratelimit.types import UNIT_MS, Kind, Unit
 from ratelimit.windows import SLIDING

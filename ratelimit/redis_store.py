@@ -100,16 +100,9 @@ class RedisStore:
     async def _run(self, lua: tuple[str, str], *args: Arg) -> Reply:
         return await run(self.client, lua, *args)
 
-    async def get_fleet(self, key: str) -> bytes | dict[str, bytes] | None:
-        """The fleet-load key as a string (JSON) or a hash; None when absent."""
-        try:
-            value = await self.client.call("GET", key)
-        except RespError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
-                raise
-            pairs = await self.client.call("HGETALL", key)
-            items = [p for p in pairs if isinstance(p, bytes)] if isinstance(pairs, list) else []
-            return {items[i].decode(): items[i + 1] for i in range(0, len(items) - 1, 2)}
+    async def get_fleet(self, key: str) -> bytes | None:
+        """The fleet-load key (llmgw/fleetload.py's JSON); None when absent."""
+        value = await self.client.call("GET", key)
         return value if isinstance(value, bytes) else None
 
     async def load_scripts(self) -> None:

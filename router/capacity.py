@@ -1,6 +1,6 @@
 """The fleet's capacity, measured from the pods' own counters, for quota borrowing.
 
-Each scrape gives a pod's cumulative served counters (router/scrape.py): tokens
+Each scrape gives a pod's cumulative served counters (router/collectors/scrape.py): tokens
 (`vllm:prompt_tokens_total` + `vllm:generation_tokens_total`) and finished requests
 (`vllm:request_success_total`, every `finished_reason`), and its utilisation
 u = max(KV usage, (running + waiting) / max_num_seqs), where KV usage is the share of the pod's

@@ -1,63 +1,28 @@
-"""The fleet as the router sees it: pods, their latest metrics, in-flight counts, fleet load.
+"""The datastore: the pods the router knows and their state (each pod's latest metrics, its
+requests in flight, its health, speed and measured capacity), and the candidates a pick reads.
 
-Pods come from config: a static list of `host:port` and/or a DNS name resolving to every pod,
-both re-resolved every `resolve_seconds` (pod IDs are `ip:port`, what Envoy's override_host
-matches). Every pod's `/metrics` is scraped concurrently every `scrape_interval` with a short
-timeout; each scrape replaces the pod's immutable `PodMetrics` and feeds the pod's speed estimate
-(router/speed.py), which every candidate carries. A pod is pickable only when its
-last scrape succeeded and it has not answered `error_threshold` requests in a row with 5xx (then
-it is out for `error_cooldown` seconds, doubled each time it fails again before answering well,
-up to 16x). A pick that Envoy had to retry on another pod (the `upstream.address` Envoy reports
-with the response headers is not the pick) counts as a 5xx of the picked pod. Metrics older than
-`stale_after` count as fully loaded.
-
-Fleet load contract (Redis key `llmgw.wire.FLEET_LOAD_KEY` = "llmgw:fleet:load", written every
-`publish_interval` seconds with a TTL of `publish_ttl` seconds, as JSON):
-
-    {"load": 0.42,  # 0-1: mean over known pods of max(KV usage, (running + waiting) / capacity);
-                    # a pod that is unpickable or stale counts as 1
-     "capacity": {"pods": 4,  # pods known
-                  "pickable_pods": 3,  # pods the router would pick now
-                  "max_num_seqs": 96,  # sum of configured capacities (concurrent seqs), pickable
-                  "kv_tokens": 1048576,  # sum of block_size * num_gpu_blocks, pickable pods
-                  "running": 40, "waiting": 2},  # sums over pickable pods
-     "capacity_tpm": 3000000,  # tokens per minute the pickable pods serve at full use, and
-     "capacity_rpm": 6000,     # requests per minute: measured (router/capacity.py), 0 = unknown
-     "ts": 1767225600.123}  # unix seconds when computed
-
-`load`, `capacity_tpm` and `capacity_rpm` are what ratelimit/fleet.py reads to size the fleet's
-borrowing pool (ratelimit/pool.py).
-
-Readers treat a missing key or a `ts` older than a few seconds as load 1 (no borrowing).
+The collectors (router/collectors/) write it: the pods from the resolver, their metrics from the
+scraper, their replies from the outcome feed; the pick (router/lifecycle.py) and the fleet-load
+publisher (router/publisher.py) read it. Pod IDs are `ip:port`, what Envoy's override_host
+matches. A pod is pickable only when its last scrape succeeded and its health allows it
+(router/health.py); metrics older than `stale_after` count as fully loaded.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
 
-import aiohttp
 from pydantic import Field, field_validator
 
-from llmgw import wire
 from llmgw.config import Strict
-from llmgw.link import RedisLink
-from llmgw.resp import RespError
 from llmgw.secret import Secret
 from router import metrics
-from router.capacity import Capacity, utilisation
-from router.scrape import fetch_models, scrape_metrics
+from router.capacity import Capacity
+from router.health import Health
 from router.speed import Speeds
 from router.types import Candidate, PodId, PodMetrics
-
-log = logging.getLogger(__name__)
-MAX_COOLDOWN_DOUBLINGS = 4
 
 
 def split_hostport(target: str) -> tuple[str, int]:
@@ -113,53 +78,40 @@ class Fleet:
         self.clock = clock
         self.snapshots: dict[PodId, PodMetrics] = {}
         self.in_flight: dict[PodId, int] = {}
-        self._errors: dict[PodId, int] = {}
-        self._trips: dict[PodId, int] = {}  # times taken out since the pod last answered well
-        self._down_until: dict[PodId, float] = {}
-        self._models_at: dict[PodId, float] = {}
         self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
-        self._probed_at: dict[PodId, float] = {}  # last pick of a pod on probation
+        self.health = Health(settings.error_threshold, settings.error_cooldown)
         self.capacity = Capacity()
         self.speeds = Speeds()
-
-    # Membership.
 
     def set_pods(self, pods: Iterable[PodId]) -> None:
         wanted = set(pods)
         for pod in set(self.snapshots) - wanted:
             del self.snapshots[pod]
-            tables = (
-                self.in_flight,
-                self._errors,
-                self._trips,
-                self._down_until,
-                self._models_at,
-                self._probed_at,
-            )
-            for table in tables:
-                table.pop(pod, None)
+            self.in_flight.pop(pod, None)
+            self.health.forget(pod)
             self.capacity.forget(pod)
             self.speeds.forget(pod)
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
 
-    async def resolve(self) -> set[PodId]:
-        targets = [split_hostport(t) for t in self.settings.pods]
-        if self.settings.dns is not None:
-            targets.append((self.settings.dns.name, self.settings.dns.port))
-        loop = asyncio.get_running_loop()
-        found: set[PodId] = set()
-        for host, port in targets:
-            try:
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except OSError as exc:
-                log.warning("resolve failed", extra={"target": host, "error": str(exc)})
-                continue
-            for family, _, _, _, addr in infos:
-                ip, port_s = str(addr[0]), str(addr[1])
-                found.add(f"{ip}:{port_s}" if family == socket.AF_INET else f"[{ip}]:{port_s}")
-        return found
+    def store(self, snap: PodMetrics) -> None:
+        """A pod's latest scrape (dropped if the pod left meanwhile); a good one also feeds the
+        pod's capacity and speed estimates."""
+        pod = snap.pod
+        if pod not in self.snapshots:
+            return
+        self.snapshots[pod] = snap
+        if snap.ok:
+            self.capacity.observe(snap, self.settings.capacities.get(pod, self.settings.capacity))
+            self.speeds.observe(snap)
+            metrics.SPEED.labels(pod).set(self.speeds.current.get(pod, 1.0))
+        metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
+
+    def report(self, pod: PodId, status: int) -> None:
+        """A reply of a known pod, for its health."""
+        if pod in self.snapshots:
+            self.health.report(pod, status, self.clock())
 
     # The pick's view.
 
@@ -168,15 +120,7 @@ class Fleet:
         return snap is not None and snap.ok and self._usable(pod, now)
 
     def _usable(self, pod: PodId, now: float) -> bool:
-        """Not in a cooldown; and after one, on probation: one pick at a time until a pick
-        answers well (outcomes come late, batched: without this, every pick made while the
-        probe's answer is on its way would go to a pod that may still be failing)."""
-        if self._down_until.get(pod, 0.0) > now:
-            return False
-        if not self._trips.get(pod) or self.in_flight.get(pod, 0) == 0:
-            return True
-        # A probe whose outcome is lost must not keep the pod out: one more per base cooldown.
-        return now - self._probed_at.get(pod, float("-inf")) >= self.settings.error_cooldown
+        return self.health.usable(pod, now, self.in_flight.get(pod, 0))
 
     def candidates(self) -> list[Candidate]:
         now = self.clock()
@@ -212,16 +156,17 @@ class Fleet:
             self.speeds.current.get(pod, 1.0),
         )
 
+    # Requests in flight.
+
     def acquire(self, pod: PodId, request_id: str | None = None) -> None:
         """Count a pick in flight; with a request ID, until `finish(request_id)` (or the TTL)."""
         if pod not in self.in_flight:
             return
         self.in_flight[pod] += 1
         metrics.in_flight(pod).inc()
-        if self._trips.get(pod):
-            self._probed_at[pod] = self.clock()
+        now = self.clock()
+        self.health.picked(pod, now)
         if request_id:
-            now = self.clock()
             self._flights[request_id] = (pod, now)
             self._expire(now)
 
@@ -245,136 +190,3 @@ class Fleet:
         if self.in_flight.get(pod, 0) > 0:
             self.in_flight[pod] -= 1
             metrics.in_flight(pod).dec()
-
-    def report(self, pod: PodId, status: int) -> None:
-        """An upstream reply seen by the router: consecutive 5xx take the pod out for a while."""
-        if pod not in self.snapshots:
-            return
-        if status < 500:
-            self._errors[pod] = 0
-            self._trips[pod] = 0
-            return
-        if self.clock() < self._down_until.get(pod, float("-inf")):
-            # Already out: these are picks made before it was taken out (their outcomes come
-            # late, from the access log), not new evidence. They must not lengthen its penalty.
-            return
-        self._errors[pod] = self._errors.get(pod, 0) + 1
-        on_probation = self._trips.get(pod, 0) > 0  # one failed probe is enough
-        if on_probation or self._errors[pod] >= self.settings.error_threshold:
-            trips = self._trips.get(pod, 0)
-            cooldown = self.settings.error_cooldown * 2 ** min(trips, MAX_COOLDOWN_DOUBLINGS)
-            self._down_until[pod] = self.clock() + cooldown
-            self._trips[pod] = trips + 1
-            self._errors[pod] = 0
-
-    # Scraping.
-
-    async def scrape_once(self, session: aiohttp.ClientSession) -> None:
-        """Every pod once. A scrape that fails in a way no pod should cause is logged and counts
-        as a failed scrape of that pod: one pod's page never stops the others' scrapes."""
-        pods = list(self.snapshots)
-        results = await asyncio.gather(
-            *(self._scrape(session, pod) for pod in pods), return_exceptions=True
-        )
-        for pod, result in zip(pods, results, strict=True):
-            if isinstance(result, Exception):
-                log.error("scrape failed", extra={"pod": pod, "error": repr(result)})
-                metrics.SCRAPE_ERRORS.labels(pod).inc()
-
-    async def _scrape(self, session: aiohttp.ClientSession, pod: PodId) -> None:
-        s = self.settings
-        started = self.clock()
-        old = self.snapshots.get(pod)
-        models = old.models if old is not None else frozenset()
-        if started - self._models_at.get(pod, float("-inf")) >= s.models_interval or not models:
-            fetched = await fetch_models(session, pod, s.scrape_timeout * 4)
-            if fetched is not None:
-                models = fetched
-                self._models_at[pod] = started
-        snap = await scrape_metrics(session, pod, s.scrape_timeout, started, models)
-        if pod not in self.snapshots:  # removed while scraping
-            return
-        if snap.ok:
-            self.snapshots[pod] = snap
-            self.capacity.observe(snap, s.capacities.get(pod, s.capacity))
-            self.speeds.observe(snap)
-            metrics.SPEED.labels(pod).set(self.speeds.current.get(pod, 1.0))
-        else:
-            metrics.SCRAPE_ERRORS.labels(pod).inc()
-            self.snapshots[pod] = PodMetrics(pod, started, ok=False, models=models)
-        metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
-
-    def scrape_session(self) -> aiohttp.ClientSession:
-        """A session for the scrapes, sending the pods' key when they ask for one."""
-        key = self.settings.pod_api_key
-        headers = {} if key is None else {"authorization": f"Bearer {key.get_secret_value()}"}
-        return aiohttp.ClientSession(headers=headers)
-
-    async def run_scrapes(self) -> None:
-        interval = self.settings.scrape_interval
-        async with self.scrape_session() as session:
-            while True:
-                started = self.clock()
-                await self.scrape_once(session)
-                await asyncio.sleep(max(0.0, interval - (self.clock() - started)))
-
-    async def run_resolver(self) -> None:
-        while True:
-            found = await self.resolve()
-            if found or not self.snapshots:
-                self.set_pods(found)
-            await asyncio.sleep(self.settings.resolve_seconds)
-
-    # Fleet load.
-
-    def load(self) -> dict[str, Any]:
-        now = self.clock()
-        utils: list[float] = []
-        pickable: list[PodId] = []
-        seqs = kv_tokens = 0.0
-        running = waiting = 0.0
-        for c in self.candidates():
-            if c.healthy and c.fresh:
-                pickable.append(c.pod)
-                seqs += c.capacity
-                kv_tokens += c.metrics.kv_tokens or 0
-                running += c.metrics.running
-                waiting += c.metrics.waiting
-                utils.append(utilisation(c.metrics, c.capacity))
-            else:
-                utils.append(1.0)
-            age = now - c.metrics.at
-            metrics.SCRAPE_AGE.labels(c.pod).set(age if age != float("inf") else -1.0)
-        load = sum(utils) / len(utils) if utils else 1.0
-        metrics.FLEET_LOAD.set(load)
-        tpm, rpm = self.capacity.per_minute(pickable)
-        return {
-            "load": round(load, 4),
-            "capacity": {
-                "pods": len(utils),
-                "pickable_pods": len(pickable),
-                "max_num_seqs": seqs,
-                "kv_tokens": int(kv_tokens),
-                "running": running,
-                "waiting": waiting,
-            },
-            "capacity_tpm": tpm,
-            "capacity_rpm": rpm,
-            "ts": round(time.time(), 3),
-        }
-
-    async def run_publisher(self, redis: RedisLink) -> None:
-        """Write `load()` to Redis every `publish_interval`; Redis errors are logged, not fatal
-        (the next round connects again)."""
-        s = self.settings
-        while True:
-            payload = json.dumps(self.load())
-            try:
-                async with asyncio.timeout(s.publish_interval):  # connecting included
-                    client = await redis.get()
-                    await client.call(
-                        "SET", wire.FLEET_LOAD_KEY, payload, "PX", int(s.publish_ttl * 1000)
-                    )
-            except (TimeoutError, ConnectionError, OSError, RespError) as exc:
-                log.warning("fleet load publish failed", extra={"error": repr(exc)})
-            await asyncio.sleep(s.publish_interval)

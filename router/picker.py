@@ -16,8 +16,8 @@ The protocol (gateway-api-inference-extension, docs/proposals/004-endpoint-picke
   ip:port) restricts the pick to those pods; nothing eligible (or an empty list) is an
   ImmediateResponse 503, as is an empty fleet: a gateway has no fallback pick of its own.
 - The served endpoint (`envoy.lb` / `x-gateway-destination-endpoint-served`, in the response
-  headers' metadata) and the status feed pod health; the pick's in-flight count is released at
-  the response headers or, failing those, when the stream ends.
+  headers' metadata) and the status end the pick as an access-log entry would
+  (router/lifecycle.py `ended`): at the response headers or, failing those, when the stream ends.
 
 With llmgw's extauthz in front, its tenant context (forwarded metadata) steers the pick as in
 llmgw's own Envoy; without it, the model and prompt prefix come from the body.
@@ -38,13 +38,11 @@ from envoy.type.v3 import http_status_pb2
 
 from llmgw import facts, structs, wire
 from llmgw.telemetry import parent_context
-from router import metrics
-from router.engine import NoPod
+from router.lifecycle import Lifecycle
 from router.request import from_headers, from_metadata
-from router.runtime import Router
 from router.service import authz_metadata, header_map, lb_metadata
 from router.settings import InferencePoolSettings
-from router.types import PickRequest, PodId, endpoints
+from router.types import Pick, PickRequest, PodId, endpoints
 
 NONE = pm.ProcessingMode.NONE
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -158,29 +156,17 @@ def streamed_body(body: bytes) -> list[pb.ProcessingResponse]:
 
 
 class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: Router, settings: InferencePoolSettings) -> None:
-        self.fleet = router.fleet
-        self.engine = router.engine
-        self.tracer = router.tracer
+    def __init__(self, router: Lifecycle, settings: InferencePoolSettings) -> None:
+        self.router = router
         self.settings = settings
 
     def pick(
         self, req: PickRequest, subset: frozenset[PodId] | None, headers: dict[str, str], ctx: Any
-    ) -> tuple[tuple[PodId, ...] | None, PodId | None]:
-        """(pods best first, the first one, now counted in flight), or (None, None)."""
-        candidates = self.fleet.candidates()
-        if subset is not None:
-            candidates = [c for c in candidates if c.pod in subset]
-        parent = parent_context(ctx.invocation_metadata(), headers)
-        with self.tracer.start_as_current_span("router.pick", context=parent) as span:
-            result = self.engine.pick(req, candidates) if candidates else NoPod("subset")
-            if isinstance(result, NoPod):
-                span.set_attribute("router.no_pod", result.stage)
-                return None, None
-            span.set_attribute("router.pod", result.pods[0])
-        metrics.picks(result.pods[0], result.reason).inc()
-        self.fleet.acquire(result.pods[0])
-        return result.pods, result.pods[0]
+    ) -> Pick | None:
+        """The pods best first, the first one now counted in flight; None: no pod."""
+        recording = self.router.recording
+        parent = parent_context(ctx.invocation_metadata(), headers) if recording else None
+        return self.router.pick(req, parent, subset)
 
     async def Process(
         self,
@@ -193,7 +179,7 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
         subset: frozenset[PodId] | None = None
         body = bytearray()
         waiting = False  # the pick waits for the end of the body
-        pod: PodId | None = None
+        held: tuple[PickRequest, PodId] | None = None  # the request, and its pod until it ends
         try:
             async for msg in request_iterator:
                 if msg.HasField("protocol_config"):
@@ -204,15 +190,15 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
                     authz = authz_metadata(msg)
                     subset = subset_hint(msg)
                     if msg.request_headers.end_of_stream or mode == NONE:
-                        result, pod = self.pick(
-                            self._request(authz, headers, b""), subset, headers, context
-                        )
-                        if result is None:
+                        req = self._request(authz, headers, b"")
+                        chosen = self.pick(req, subset, headers, context)
+                        if chosen is None:
                             yield unavailable(NO_POD)
                             return
+                        held = (req, chosen.pods[0])
                         yield pb.ProcessingResponse(
-                            request_headers=pb.HeadersResponse(response=destination(result)),
-                            dynamic_metadata=lb_metadata(result),
+                            request_headers=pb.HeadersResponse(response=destination(chosen.pods)),
+                            dynamic_metadata=lb_metadata(chosen.pods),
                         )
                         continue
                     waiting = True
@@ -230,28 +216,28 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
                             yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
                     waiting = False
-                    result, pod = self.pick(
-                        self._request(authz, headers, bytes(body)), subset, headers, context
-                    )
-                    if result is None:
+                    req = self._request(authz, headers, bytes(body))
+                    chosen = self.pick(req, subset, headers, context)
+                    if chosen is None:
                         yield unavailable(NO_POD)
                         return
+                    held = (req, chosen.pods[0])
                     if mode == FULL_DUPLEX:
                         yield pb.ProcessingResponse(
-                            request_headers=pb.HeadersResponse(response=destination(result)),
-                            dynamic_metadata=lb_metadata(result),
+                            request_headers=pb.HeadersResponse(response=destination(chosen.pods)),
+                            dynamic_metadata=lb_metadata(chosen.pods),
                         )
                         for answer in streamed_body(bytes(body)):
                             yield answer
                     else:  # buffered: headers not sent upstream yet, the body's answer sets them
                         yield pb.ProcessingResponse(
-                            request_body=pb.BodyResponse(response=destination(result)),
-                            dynamic_metadata=lb_metadata(result),
+                            request_body=pb.BodyResponse(response=destination(chosen.pods)),
+                            dynamic_metadata=lb_metadata(chosen.pods),
                         )
                 elif kind == "response_headers":
-                    if pod is not None:
-                        self._outcome(pod, served_endpoint(msg), header_map(msg.response_headers))
-                        pod = None
+                    if held is not None:
+                        self._ended(held, served_endpoint(msg), header_map(msg.response_headers))
+                        held = None
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
@@ -260,8 +246,9 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
                 elif kind == "response_trailers":
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
-            if pod is not None:  # no response headers seen: the request ended some other way
-                self.fleet.release(pod)
+            if held is not None:  # no response headers seen: the request ended some other way
+                req, pod = held
+                self.router.ended(req.request_id, None, 0, pod)
 
     def _request(
         self, authz: Mapping[str, Any], headers: dict[str, str], body: bytes
@@ -270,13 +257,14 @@ class InferencePoolService(pb_grpc.ExternalProcessorServicer):  # type: ignore[m
             return from_metadata(authz)
         return from_body(body, self.settings, from_headers(headers).session)
 
-    def _outcome(self, pod: PodId, served: PodId | None, headers: dict[str, str]) -> None:
-        self.fleet.release(pod)
+    def _ended(
+        self, held: tuple[PickRequest, PodId], served: PodId | None, headers: dict[str, str]
+    ) -> None:
+        """The response headers: the gateway names the pod that served (else it is taken to be
+        our first), and the status is the pod's."""
+        req, pod = held
         try:
             status = int(headers.get(":status", "0"))
         except ValueError:
             status = 0
-        if served is not None and served != pod:
-            self.fleet.report(pod, 503)  # the gateway went down our list: the first one failed
-        elif status:
-            self.fleet.report(pod, status)
+        self.router.ended(req.request_id, served or pod, status, pod)

@@ -2,9 +2,9 @@
 
 Per request one ext_proc message: the request headers with extauthz's metadata (tenant context and
 request facts). The answer carries `x-gateway-destination-endpoint` = "ip:port,..." best first
-and counts the request in flight on the first pod. When no pod is left the answer carries no
-metadata and Envoy's fallback picks. The outcome comes later, batched, from the access log: the
-picked pod's count in flight drops, and its status feeds pod health (router/outcomes.py).
+and counts the request in flight on the first pod (router/lifecycle.py). When no pod is left the
+answer carries no metadata and Envoy's fallback picks. The outcome comes later, batched, from the
+access log (router/collectors/outcomes.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from opentelemetry.context import Context
 from llmgw import wire
 from llmgw.structs import View
 from llmgw.telemetry import parent_context
+from router.lifecycle import Lifecycle
 from router.request import from_headers, from_metadata
-from router.runtime import Router
 from router.types import PodId, endpoints
 
 
@@ -66,7 +66,7 @@ EMPTY_HEADERS = pb.HeadersResponse()
 
 
 class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Lifecycle) -> None:
         self.router = router
 
     async def Process(
@@ -90,12 +90,12 @@ class RouterService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     req = from_metadata(authz, rid) if authz else from_headers(headers)
                     if recording:
                         parent = parent_context(context.invocation_metadata(), headers)
-                pods = self.router.pick(req, parent)
+                chosen = self.router.pick(req, parent)
                 yield (
                     NO_PICK
-                    if pods is None
+                    if chosen is None
                     else pb.ProcessingResponse(
-                        request_headers=EMPTY_HEADERS, dynamic_metadata=lb_metadata(pods)
+                        request_headers=EMPTY_HEADERS, dynamic_metadata=lb_metadata(chosen.pods)
                     )
                 )
             # Envoy sends nothing else in this processing mode; answer anything anyway.

@@ -40,6 +40,7 @@ class Settings(Strict):
     # one master is down (until its replica takes over; for good without one) every slot
     # stalls, the fleet key's too.
     redis_cluster: bool = False
+    redis_connect_timeout_s: float = Field(default=0.5, gt=0)  # as ratelimit's and the ledger's
     # The endpoint picker protocol of the Gateway API Inference Extension (router/picker.py).
     inference_pool: InferencePoolSettings = InferencePoolSettings()
 

@@ -47,7 +47,6 @@ class Observer(Protocol):
         ...
 
 
-Plugin = Filter | Scorer | Picker
 Factory = Callable[[str, Mapping[str, Any]], Any]
 
 P = TypeVar("P", bound=BaseModel)

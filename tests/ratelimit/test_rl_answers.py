@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import time
 
+from llmgw.fleetload import FleetLoad
 from llmgw.resp import Resp
 from llmgw.tiers import PerUnit, TierSpec, TierTable
-from ratelimit.fleet import FleetLoad
 from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.pool import Pool

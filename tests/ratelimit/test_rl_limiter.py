@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 
+from llmgw.fleetload import FleetLoad
 from llmgw.tiers import Budget, PerUnit, TenantSpec, TierSpec, TierTable
-from ratelimit.fleet import IDLE_UNKNOWN, FleetLoad
+from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter, retry_after_ms
 from ratelimit.limits import Limits
 from ratelimit.store import LocalStore

@@ -10,10 +10,11 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from llmgw import wire
+from llmgw.fleetload import FleetLoad
 from llmgw.resp import Client, Resp
 from llmgw.tiers import Budget, PerUnit, TierSpec, TierTable
 from ratelimit.descriptors import Parsed
-from ratelimit.fleet import IDLE_UNKNOWN, FleetLoad, parse
+from ratelimit.fleet import IDLE_UNKNOWN, parse
 from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.pool import Draw, Pool, size
@@ -271,3 +272,10 @@ async def test_borrowed_admissions_say_so_in_the_rls_response(resp: Resp) -> Non
 def test_an_unreadable_capacity_is_no_signal() -> None:
     raw = b'{"load": 0.1, "ts": 1.0, "capacity_tpm": 1e400}'
     assert parse(raw) == IDLE_UNKNOWN
+
+
+def test_fields_the_contract_does_not_name_are_ignored() -> None:
+    """A router of another version (one wrote a nested `capacity` object) is read all the same:
+    a rolling upgrade runs both."""
+    raw = b'{"load": 0.3, "capacity": {"pods": 2}, "capacity_tpm": 60, "capacity_rpm": 6, "ts": 5}'
+    assert parse(raw) == FleetLoad(load=0.3, capacity_tpm=60, capacity_rpm=6, ts=5.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.capacity import Capacity
-from router.scrape import parse_metrics
+from router.collectors.scrape import parse_metrics
 from router.types import PodMetrics
 
 CAP = 10.0  # max_num_seqs

@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
 
 from llmgw.config import ConfigError, load
 from router.plugins.base import PluginError
 from router.registry import PluginSpec, ProfileSpec, WeightedRef, default_registry
+from router.runtime import Router
 from router.settings import ENV_PREFIX, RedisAddress, Settings, check, redis_address
 
 PICK = PluginSpec(name="pick", type="best-with-exploration")
@@ -136,3 +138,14 @@ def test_a_redis_url_the_client_cannot_speak_is_refused_at_load(url: str, reason
     with pytest.raises(ConfigError, match=f"redis_url: .*{reason}") as raised:
         redis_of(url)
     assert "secret" not in str(raised.value)
+
+
+def test_the_publisher_connects_to_redis_within_the_connect_timeout() -> None:
+    """Not within the publish interval, which it was once given instead."""
+    env = {
+        "LLMGW_ROUTER__REDIS_URL": "redis://redis:6379",
+        "LLMGW_ROUTER__REDIS_CONNECT_TIMEOUT_S": "0.25",
+        "LLMGW_ROUTER__FLEET__PUBLISH_INTERVAL": "3",
+    }
+    router = Router.from_settings(load(Settings, None, ENV_PREFIX, env), trace.get_tracer("t"))
+    assert router.redis is not None and router.redis.connect_timeout_s == 0.25

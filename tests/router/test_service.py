@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -21,6 +22,8 @@ from google.protobuf.json_format import MessageToDict
 from opentelemetry import trace
 
 from llmgw import facts, procs, wire
+from router.collectors.resolver import Resolver
+from router.collectors.scraper import Scraper
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
 from router.plugins.prefix_affinity import PrefixAffinity
@@ -99,8 +102,8 @@ def destination(resp: pb.ProcessingResponse) -> str | None:
     return str(dest) if dest is not None else None
 
 
-def make_fleet(pods: list[str]) -> Fleet:
-    fleet = Fleet(FleetSettings(capacity=10, stale_after=60))
+def make_fleet(pods: list[str], **settings: Any) -> Fleet:
+    fleet = Fleet(FleetSettings(capacity=10, stale_after=60, **settings))
     fleet.set_pods(pods)
     for pod in pods:
         fleet.snapshots[pod] = PodMetrics(pod, fleet.clock(), ok=True, models=frozenset({"m"}))
@@ -165,9 +168,8 @@ async def test_one_message_picks_and_the_access_log_releases(serve: Starter) -> 
 async def test_a_pick_envoy_never_used_stops_counting_after_its_ttl(serve: Starter) -> None:
     """The client left during the pick: no outcome will name it; the count must not stay."""
     now = [1000.0]
-    fleet = make_fleet(["10.0.0.1:8000"])
+    fleet = make_fleet(["10.0.0.1:8000"], in_flight_ttl=60)
     fleet.clock = lambda: now[0]
-    fleet.settings = FleetSettings(in_flight_ttl=60)
     _, stub, log = await serve(fleet)
     for rid in ("gone", "late"):
         call = stub.Process()
@@ -186,8 +188,7 @@ async def test_a_pick_envoy_never_used_stops_counting_after_its_ttl(serve: Start
 
 
 async def test_the_outcome_reports_the_pods_status(serve: Starter) -> None:
-    fleet = make_fleet(["10.0.0.1:8000"])
-    fleet.settings = FleetSettings(error_threshold=1)
+    fleet = make_fleet(["10.0.0.1:8000"], error_threshold=1)
     _, stub, log = await serve(fleet)
     call = stub.Process()
     await call.write(headers_msg(request_id="b"))
@@ -200,8 +201,7 @@ async def test_the_outcome_reports_the_pods_status(serve: Starter) -> None:
 
 
 async def test_a_pick_envoy_retried_elsewhere_counts_as_a_failure(serve: Starter) -> None:
-    fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"])
-    fleet.settings = FleetSettings(error_threshold=1)
+    fleet = make_fleet(["10.0.0.1:8000", "10.0.0.2:8000"], error_threshold=1)
     _, stub, log = await serve(fleet)
     call = stub.Process()
     await call.write(headers_msg(request_id="c"))
@@ -294,8 +294,8 @@ async def test_two_replicas_keep_a_session_on_one_pod(
             # second's, and the replicas no longer saw the same fleet.
             pods = [p.pod for p in fake_pods]
             fleet = Fleet(FleetSettings(pods=pods, scrape_timeout=1.0, stale_after=600))
-            fleet.set_pods(await fleet.resolve())
-            await fleet.scrape_once(session)
+            fleet.set_pods(await Resolver(fleet).resolve())
+            await Scraper(fleet).scrape_once(session)
             fleets.append(fleet)
             stubs.append((await serve(fleet))[1:])
     for n in range(20):

@@ -1,0 +1,10 @@
+"""The collectors that feed the fleet's datastore (router/fleet.py), each a loop or a stream of
+its own, as in the inference extension's data layer:
+
+- `resolver.py`: which pods there are (static `host:port` list, a DNS name).
+- `scraper.py`: each pod's `/metrics` and `/v1/models` (read by `scrape.py`).
+- `outcomes.py`: how each picked request ended, from Envoy's access log.
+
+Next: a KV-event subscriber (vLLM's KV-cache events: which prefix blocks each pod holds), a
+module here that writes what it learns into the datastore like the others.
+"""

@@ -1,0 +1,59 @@
+"""The fleet-load publisher: the fleet's utilisation and measured capacity (llmgw/fleetload.py),
+written to Redis every `publish_interval` seconds with a TTL of `publish_ttl` seconds, for the
+rate limiter's borrowing pool (ratelimit/fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from llmgw import wire
+from llmgw.fleetload import FleetLoad
+from llmgw.link import RedisLink
+from llmgw.resp import RespError
+from router import metrics
+from router.capacity import utilisation
+from router.fleet import Fleet
+from router.types import PodId
+
+log = logging.getLogger(__name__)
+
+
+def fleet_load(fleet: Fleet) -> FleetLoad:
+    """The mean utilisation over the known pods, a pod the router would not pick (unhealthy, or
+    its metrics stale) counting as 1, and the capacity the pickable ones were measured at."""
+    now = fleet.clock()
+    utils: list[float] = []
+    pickable: list[PodId] = []
+    for c in fleet.candidates():
+        if c.healthy and c.fresh:
+            pickable.append(c.pod)
+            utils.append(utilisation(c.metrics, c.capacity))
+        else:
+            utils.append(1.0)
+        age = now - c.metrics.at
+        metrics.SCRAPE_AGE.labels(c.pod).set(age if age != float("inf") else -1.0)
+    load = sum(utils) / len(utils) if utils else 1.0
+    metrics.FLEET_LOAD.set(load)
+    tpm, rpm = fleet.capacity.per_minute(pickable)
+    return FleetLoad(
+        load=round(load, 4), capacity_tpm=tpm, capacity_rpm=rpm, ts=round(time.time(), 3)
+    )
+
+
+async def run(fleet: Fleet, redis: RedisLink) -> None:
+    """Publish every `publish_interval`; Redis errors are logged, not fatal (the next round
+    connects again)."""
+    s = fleet.settings
+    while True:
+        payload = fleet_load(fleet).model_dump_json()
+        try:
+            async with asyncio.timeout(s.publish_interval):  # connecting included
+                client = await redis.get()
+                await client.call(
+                    "SET", wire.FLEET_LOAD_KEY, payload, "PX", int(s.publish_ttl * 1000)
+                )
+        except (TimeoutError, ConnectionError, OSError, RespError) as exc:
+            log.warning("fleet load publish failed", extra={"error": repr(exc)})
+        await asyncio.sleep(s.publish_interval)

@@ -1,0 +1,142 @@
+"""The fleet load and its publisher, and the contract with the rate limiter that reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+import redis.asyncio
+
+from llmgw import wire
+from llmgw.link import RedisLink
+from ratelimit import fleet as ratelimit_fleet
+from ratelimit.redis_store import RedisStore
+from router import publisher
+from router.collectors.scraper import Scraper
+from router.fleet import Fleet, FleetSettings
+from router.types import PodMetrics
+from tests.router.conftest import Clock, FakePod, metrics_text
+
+
+def test_fleet_load() -> None:
+    clock = Clock()
+    fleet = Fleet(FleetSettings(capacity=10), clock=clock)
+    fleet.set_pods(["a:1", "b:1"])
+    fleet.snapshots["a:1"] = PodMetrics(
+        "a:1",
+        clock.now,
+        ok=True,
+        running=4,
+        waiting=1,
+        kv_usage=0.2,
+        block_size=16,
+        num_gpu_blocks=100,
+    )
+    load = publisher.fleet_load(fleet)  # b was never scraped: counts as load 1
+    assert load.load == pytest.approx((0.5 + 1.0) / 2)
+    assert (load.capacity_tpm, load.capacity_rpm) == (0, 0)  # nothing served: unknown
+
+
+async def test_fleet_load_publishes_the_capacity_measured_from_scrapes(
+    fake_pods: list[FakePod],
+) -> None:
+    a, b, _ = fake_pods
+    clock = Clock()
+    fleet = Fleet(FleetSettings(capacity=10, scrape_timeout=1.0, stale_after=60), clock=clock)
+    fleet.set_pods([a.pod, b.pod])
+    scraper = Scraper(fleet)
+    async with aiohttp.ClientSession() as session:
+        for second in range(6):  # a serves 400 tokens and 1 request a second, 5 of 10 running
+            a.text = metrics_text(running=5) + served(400 * second, second)
+            await scraper.scrape_once(session)
+            clock.now += 1
+        clock.now -= 1
+        assert publisher.fleet_load(fleet).capacity_tpm == 400 / 0.5 * 60
+        assert publisher.fleet_load(fleet).capacity_rpm == 1 / 0.5 * 60
+        b.status = 500  # a pod the router would not pick adds nothing
+        a.status = 500
+        await scraper.scrape_once(session)
+    assert (publisher.fleet_load(fleet).capacity_tpm, publisher.fleet_load(fleet).capacity_rpm) == (
+        0,
+        0,
+    )
+
+
+def served(tokens: int, requests: int) -> str:
+    return (
+        f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {tokens / 2}\n'
+        f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {tokens / 2}\n'
+        f'vllm:request_success_total{{engine="0",finished_reason="stop"}} {requests}\n'
+    )
+
+
+async def test_publisher_writes_the_fleet_load_key(redis_port: int) -> None:
+    fleet = Fleet(FleetSettings(publish_interval=0.05, publish_ttl=5))
+    fleet.set_pods(["a:1"])
+    client = redis.asyncio.Redis(port=redis_port)
+    await client.delete(wire.FLEET_LOAD_KEY)
+    link = RedisLink("127.0.0.1", redis_port, 1.0)
+    task = asyncio.create_task(publisher.run(fleet, link))
+    try:
+        load = ratelimit_fleet.parse(await published(client))
+        assert load.load == 1.0 and load.ts > 0
+        assert 0 < await client.pttl(wire.FLEET_LOAD_KEY) <= 5000
+        # Redis drops the publisher's connection (a restart, a failover): the next round
+        # connects again.
+        await client.client_kill_filter(_type="normal", skipme=True)
+        await client.delete(wire.FLEET_LOAD_KEY)
+        assert ratelimit_fleet.parse(await published(client)).ts > 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()
+        await client.aclose()
+
+
+async def published(client: redis.asyncio.Redis) -> bytes:
+    """The fleet key, once the publisher has written it (bounded wait)."""
+    for _ in range(100):
+        raw = await client.get(wire.FLEET_LOAD_KEY)
+        if raw is not None:
+            assert isinstance(raw, bytes)
+            return raw
+        await asyncio.sleep(0.02)
+    raise AssertionError("the fleet key was never published")
+
+
+async def test_the_rate_limiter_reads_the_fleet_load_the_router_publishes(
+    redis_port: int, fake_pods: list[FakePod]
+) -> None:
+    """The fleet-load contract (llmgw/fleetload.py) end to end: what the router's publisher
+    writes to Redis, ratelimit's store reads and parses to the load and capacity measured."""
+    a, _, _ = fake_pods
+    clock = Clock()
+    settings = FleetSettings(capacity=10, scrape_timeout=1.0, stale_after=60, publish_interval=0.05)
+    fleet = Fleet(settings, clock=clock)
+    fleet.set_pods([a.pod])
+    scraper = Scraper(fleet)
+    async with aiohttp.ClientSession() as session:
+        for second in range(6):  # 400 tokens and 1 request a second, 5 of 10 running
+            a.text = metrics_text(running=5) + served(400 * second, second)
+            await scraper.scrape_once(session)
+            clock.now += 1
+    client = redis.asyncio.Redis(port=redis_port)
+    await client.delete(wire.FLEET_LOAD_KEY)
+    link = RedisLink("127.0.0.1", redis_port, 1.0)
+    task = asyncio.create_task(publisher.run(fleet, link))
+    try:
+        await published(client)
+        read = ratelimit_fleet.parse(
+            await RedisStore(await link.get()).get_fleet(wire.FLEET_LOAD_KEY)
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()
+        await client.aclose()
+    written = publisher.fleet_load(fleet)
+    assert read.model_dump(exclude={"ts"}) == written.model_dump(exclude={"ts"})
+    assert (read.load, read.capacity_tpm, read.capacity_rpm) == (0.5, 48_000, 120)
+    assert abs(read.ts - time.time()) < 5
