@@ -21,11 +21,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from extauthz import metrics, service
+from extauthz import answers, metrics
 from extauthz.__main__ import admitting as limiter_settings
 from extauthz.__main__ import cli as service_cli
 from extauthz.__main__ import settings as extauthz_settings
-from extauthz.service import AuthorizationService, register
+from extauthz.director import Director
+from extauthz.service import register
 from extauthz.store import tenants_store
 from llmgw import wire
 from llmgw.procs import Process, bin_path, free_port, redis_ping
@@ -62,7 +63,7 @@ class Admitting:
     def __init__(
         self,
         stub: Any,
-        service: AuthorizationService,
+        service: Director,
         limiter: RateLimiter,
         router: Router,
         spans: InMemorySpanExporter,
@@ -93,7 +94,7 @@ async def _admitting(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     tracer = provider.get_tracer("test")
-    service = AuthorizationService(
+    service = Director(
         store,
         make_decider(),
         tracer,
@@ -325,7 +326,7 @@ async def test_a_bug_in_the_limiters_answer_costs_it_not_the_request(
     def broken(*_: object) -> None:
         raise RuntimeError("answer bug")
 
-    monkeypatch.setattr(service, "rate_headers", broken)
+    monkeypatch.setattr(answers, "rate_headers", broken)
     before = metrics.admit_errors("error")._value.get()
     reply = await admitting.stub.Check(check(keys.globex, "answer-1"))
     assert reply.status.code == code_pb2.OK
