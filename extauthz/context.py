@@ -4,7 +4,7 @@ Envoy (extauthz/answers.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from extauthz.types import Allow
 from llmgw.facts import RequestFacts
@@ -35,7 +35,7 @@ class RequestContext:
     # Pick: the router's choice, counted in flight from then until held or given back; then the
     # pods the request goes to, best first (empty: Envoy's fallback picks).
     chosen: Chosen | None = None
-    pods: tuple[PodId, ...] = field(default=())
+    pods: tuple[PodId, ...] = ()
 
     @property
     def context(self) -> TenantContext:
