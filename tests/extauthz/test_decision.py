@@ -11,6 +11,7 @@ from extauthz.decision import Decider
 from extauthz.types import Allow, Deny, Snapshot
 from llmgw import wire
 from llmgw.facts import MESSAGE_TOKENS
+from llmgw.tenant import TenantContext
 from llmgw.tiers import Budget, TenantSpec
 from tests.extauthz.conftest import NOW_S, SECRET, TIERS, Keys, make_decider
 
@@ -62,6 +63,22 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
     assert headers[wire.HEADER_SESSION].startswith("sess_")
     assert d.response_headers == ((wire.HEADER_SESSION, headers[wire.HEADER_SESSION]),)
     assert d.headers_to_remove == ("authorization",)
+    # Typed in the process (the limiter and the router inside take it as it is)...
+    assert d.context == TenantContext(
+        tenant="acme",
+        tier="standard",
+        priority=5,
+        session=headers[wire.HEADER_SESSION],
+        request_id="r-1",
+        key_id=keys.acme_key_id,
+        rpm=100,
+    )
+    assert (d.facts.model, d.facts.max_output, d.facts.token_estimate) == (
+        "llama-3-8b",
+        50,
+        CHAT + 150,
+    )
+    # ... and written for Envoy at the edge.
     assert metadata(d) == {
         wire.META_TENANT: "acme",
         wire.META_TIER: "standard",
