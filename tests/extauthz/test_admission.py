@@ -25,9 +25,11 @@ from extauthz import answers, metrics
 from extauthz.__main__ import admitting as limiter_settings
 from extauthz.__main__ import cli as service_cli
 from extauthz.__main__ import settings as extauthz_settings
+from extauthz.context import RequestContext, Timings
 from extauthz.director import Director
 from extauthz.service import register
 from extauthz.store import tenants_store
+from extauthz.types import Allow
 from llmgw import wire
 from llmgw.procs import Process, bin_path, free_port, redis_ping
 from ratelimit.runtime import RateLimiter
@@ -291,6 +293,31 @@ async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
     results = sorted(str((s.attributes or {}).get("llmgw.ratelimit.result")) for s in checks)
     assert results == ["ok"] * 3 + ["requests"] * 37
     assert all((s.attributes or {}).get("tenant.id") == "globex" for s in checks)
+
+
+async def test_the_request_carries_what_each_stage_decided(
+    admitting: Admitting, keys: Keys
+) -> None:
+    """The director's stages fill in one typed request: the admitted one holds its pods, which
+    the answer names; a refused one gave them back."""
+    director = admitting.service
+    requests = []
+    for i in range(4):  # gold's 3 a minute: the fourth is refused
+        headers = _headers(keys.globex, f"typed-{i}")
+        decision = director.decider.decide(director.store.current, headers, CHAT, director.clock())
+        assert isinstance(decision, Allow)
+        request = RequestContext(decision, Timings(decide=0.0))
+        requests.append((request, await director.direct(request)))
+    for request, answer in requests[:3]:
+        assert answer.allowed and request.verdict is not None and request.verdict.allowed
+        assert request.admission is not None and request.admission.tenant == "globex"
+        assert request.timings.admit is not None and request.timings.admit > 0
+        assert request.chosen is None and request.pods
+        assert answer.metadata[wire.DESTINATION_ENDPOINT] == ",".join(request.pods)
+    refused, answer = requests[3]
+    assert answer.status == 429 and refused.verdict is not None and not refused.verdict.allowed
+    assert refused.chosen is None and refused.pods == ()
+    assert sum(admitting.router.fleet.in_flight.values()) == 3
 
 
 async def test_a_tenants_own_limit_reaches_the_limiter_inside(
