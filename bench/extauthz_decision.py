@@ -113,7 +113,7 @@ def main() -> None:
         first = decider.decide(snap, headers_for(key), BODY, now)
         assert isinstance(first, Allow)
         new_session = headers_for(key)
-        continued = headers_for(key, first.session)
+        continued = headers_for(key, first.context.session)
 
         print(f"{'':<34} {'per s':>10} {'p50 ms':>9} {'p99 ms':>9}")
         for name, headers in (

@@ -31,9 +31,9 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
+from extauthz.answers import Answer
 from extauthz.budget import BodyBudget, Held
 from extauthz.httpserver import HttpCheckServer
-from extauthz.service import Answer
 from llmgw import wire
 from llmgw.serve import ServeSettings, run, serve
 

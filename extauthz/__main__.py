@@ -10,9 +10,11 @@ from pathlib import Path
 import grpc
 
 from extauthz import tenants
+from extauthz.bodypool import BodyPool
 from extauthz.decision import Decider
+from extauthz.director import Director
 from extauthz.httpserver import HttpCheckServer
-from extauthz.service import AuthorizationService, BodyPool, register
+from extauthz.service import register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
 from extauthz.store import tenants_store
@@ -61,7 +63,7 @@ async def main(settings: Settings) -> None:
     if settings.pick:
         router = Router.from_settings(picking(settings), tracer)
         await router.start()
-    service = AuthorizationService(
+    director = Director(
         store,
         decider,
         tracer,
@@ -75,7 +77,7 @@ async def main(settings: Settings) -> None:
     if settings.http_port is not None:
         # A body larger than a tenant's share can never be held: refused at its head.
         checks = HttpCheckServer(
-            service,
+            director,
             max_body=settings.decision.tenant_body_bytes_in_flight,
             drain_s=settings.http_drain_seconds,
         )
@@ -85,7 +87,7 @@ async def main(settings: Settings) -> None:
         await checks.start(settings.serve.host, settings.http_port, tls)
 
     def add(server: grpc.aio.Server) -> None:
-        register(service)(server)
+        register(director)(server)
         if router is not None:  # the router's access log: how its picks ended
             router.register(server)
 
@@ -107,7 +109,7 @@ async def main(settings: Settings) -> None:
         add,
         stop,
         on_drain=checks.drain if checks else None,
-        healthy=lambda: service.healthy,  # its body pool broken beyond replacement: not serving
+        healthy=lambda: director.healthy,  # its body pool broken beyond replacement: not serving
     )
 
 

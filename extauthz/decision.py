@@ -16,9 +16,10 @@ from extauthz.body import read as read_body
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
-from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, KeyEntry, Snapshot
+from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, KeyEntry, Snapshot, TenantView
 from llmgw import facts, priority, wire
-from llmgw.facts import MetaValue
+from llmgw.facts import RequestFacts
+from llmgw.tenant import TenantContext
 
 _MAX_KEY_CHARS = 256
 _STRIP = ("authorization", "api-key", wire.DESTINATION_ENDPOINT)
@@ -88,7 +89,43 @@ class Decider:
         if isinstance(entry, Deny):
             return entry
         tenant = entry.tenant
+        path = headers.get(":path", "").partition("?")[0]
+        read = self._body(headers, body, parsed, path, tenant.id)
+        if isinstance(read, Deny):
+            return read
+        request_facts = self._facts(read, path, tenant)
+        if isinstance(request_facts, Deny):
+            return request_facts
+        session = self._session(headers, tenant.id, int(now * 1000))
+        if isinstance(session, Deny):
+            return session
+        context = TenantContext(
+            tenant=tenant.id,
+            tier=tenant.tier,
+            priority=tenant.priority,
+            session=session,
+            request_id=headers.get(wire.HEADER_REQUEST_ID) or str(uuid.uuid4()),
+            key_id=entry.key_id,
+            rpm=tenant.limits.rpm,
+            tpm=tenant.limits.tpm,
+        )
+        set_headers = self._headers(tenant, context, request_facts)
+        return Allow(
+            context,
+            request_facts,
+            set_headers,
+            _removed(headers, set_headers),
+            ((wire.HEADER_SESSION, session),),
+            body_suffix=self._suffix(
+                read, path, tenant.cache_group, context.request_id, request_facts.max_output
+            ),
+            allowed_models=_allowed_models(read, path, tenant),
+        )
 
+    def _body(
+        self, headers: Mapping[str, str], body: bytes, parsed: Body | None, path: str, tenant: str
+    ) -> Body | Deny:
+        """The body read, unless it is too large to read, or one the gateway refuses."""
         limit = self.settings.max_body_bytes
         declared = headers.get("content-length", "")
         if (
@@ -100,113 +137,96 @@ class Decider:
                 413,
                 "request_too_large",
                 f"The request body exceeds the limit of {limit} bytes.",
-                tenant=tenant.id,
+                tenant=tenant,
             )
-
         read = parsed or self.read(body)
         if read.kind == "too_deep":
             return Deny(
                 400,
                 "invalid_json",
                 "The request body nests JSON too deeply to be parsed.",
-                tenant=tenant.id,
+                tenant=tenant,
             )
-        path = headers.get(":path", "").partition("?")[0]
         if path in wire.GENERATION_PATHS:
             # Decided here, before any pod or quota sees the request, so that what the gateway
             # counts and routes is what the pod will do, and bad input is never charged.
-            refused = _refuse_body(headers, read, tenant.id)
+            refused = _refuse_body(headers, read, tenant)
             if refused is not None:
                 return refused
-        request_facts = _NO_FACTS
-        if read.kind == "object":
-            if tenant.models is not None and read.has_model and read.model not in tenant.models:
-                return Deny(
-                    403,
-                    "model_not_allowed",
-                    f"The model {read.model_shown} is not available to tenant {tenant.id!r}.",
-                    param="model",
-                    tenant=tenant.id,
-                )
-            # The output cap per sequence the pod gets (appended to the body below): the
-            # reservation holds what the pod may generate, whatever the client named.
-            cap = 0
-            if path != wire.EMBEDDINGS_PATH:
-                cap = self.settings.output_cap(tenant, read.facts)
-            request_facts = read.for_tenant(
-                tenant.cache_group, self.settings.max_prefix_blocks, cap
-            )
-        model = request_facts.model
+        return read
 
-        now_ms = int(now * 1000)
-        session = headers.get(wire.HEADER_SESSION, "")
-        if not session:
-            session = self.sessions.mint(tenant.id, now_ms)
-        elif not self.sessions.verify(tenant.id, session, now_ms):
+    def _facts(self, read: Body, path: str, tenant: TenantView) -> RequestFacts | Deny:
+        """The request facts as the tenant may have them, or the refusal of its model."""
+        if read.kind != "object":
+            return _NO_FACTS
+        if tenant.models is not None and read.has_model and read.model not in tenant.models:
             return Deny(
-                400,
-                "invalid_session_id",
-                "The X-Session-ID header is not a valid, unexpired session of this tenant. "
-                "Omit it to start a new session.",
-                param="x-session-id",
+                403,
+                "model_not_allowed",
+                f"The model {read.model_shown} is not available to tenant {tenant.id!r}.",
+                param="model",
                 tenant=tenant.id,
             )
-        request_id = headers.get(wire.HEADER_REQUEST_ID) or str(uuid.uuid4())
+        # The output cap per sequence the pod gets (appended to the body: `_suffix`): the
+        # reservation holds what the pod may generate, whatever the client named.
+        cap = 0
+        if path != wire.EMBEDDINGS_PATH:
+            cap = self.settings.output_cap(tenant, read.facts)
+        return read.for_tenant(tenant.cache_group, self.settings.max_prefix_blocks, cap)
 
+    def _session(self, headers: Mapping[str, str], tenant: str, now_ms: int) -> str | Deny:
+        """The client's session if it is this tenant's and unexpired; a new one if none."""
+        session = headers.get(wire.HEADER_SESSION, "")
+        if not session:
+            return self.sessions.mint(tenant, now_ms)
+        if self.sessions.verify(tenant, session, now_ms):
+            return session
+        return Deny(
+            400,
+            "invalid_session_id",
+            "The X-Session-ID header is not a valid, unexpired session of this tenant. "
+            "Omit it to start a new session.",
+            param="x-session-id",
+            tenant=tenant,
+        )
+
+    def _headers(
+        self, tenant: TenantView, context: TenantContext, request_facts: RequestFacts
+    ) -> tuple[tuple[str, str], ...]:
+        """The headers set on the request to the pod."""
         set_headers = (
             *tenant.headers,
             # Replaces a client's header; overrides the body's `priority` in vLLM.
             (wire.HEADER_VLLM_PRIORITY, str(self._engine_priority(tenant.priority))),
             (wire.HEADER_TOKEN_ESTIMATE, str(request_facts.token_estimate)),
-            (wire.HEADER_SESSION, session),
-            (wire.HEADER_REQUEST_ID, request_id),
+            (wire.HEADER_SESSION, context.session),
+            (wire.HEADER_REQUEST_ID, context.request_id),
         )
-        if model is not None:
-            set_headers = (*set_headers, (wire.HEADER_MODEL, model))
-        # Client-sent x-llmgw-* names we do not set now are removed, so no forged one survives.
-        ours = {name for name, _ in set_headers}
-        remove = tuple(
-            name
-            for name in headers
-            if name in _STRIP or (name.startswith(wire.HEADER_PREFIX) and name not in ours)
-        )
-        metadata: dict[str, MetaValue] = {
-            wire.META_TENANT: tenant.id,
-            wire.META_TIER: tenant.tier,
-            wire.META_PRIORITY: float(tenant.priority),
-            wire.META_SESSION: session,
-            wire.META_REQUEST_ID: request_id,
-            wire.META_KEY_ID: entry.key_id,
-            **request_facts.to_metadata(),
-            **tenant.limits,
-        }
-        if read.kind == "object":
-            # Fields the pod must get from the gateway, whatever the client sent: appended to
-            # the JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON
-            # parser, like this one, keeps the last of duplicate keys).
-            # Spelled as json.dumps spells the members, at a fraction of its cost: the salt is
-            # hex and the caps are ints, so nothing needs escaping. vLLM names the engine's
-            # request after the X-Request-Id header (Envoy's), else the body's `request_id`:
-            # ours either way, never a client's (one in flight under that id would collide).
-            suffix = f'"cache_salt": "{self.cache_salt(tenant.cache_group)}"'
-            suffix += f', "request_id": {json.dumps(request_id)}'
-            if path != wire.EMBEDDINGS_PATH:
-                suffix += f', "max_tokens": {request_facts.max_output}'
-                if path == wire.CHAT_PATH:  # vLLM's chat reads this one first
-                    suffix += f', "max_completion_tokens": {request_facts.max_output}'
-            metadata[wire.META_BODY_SUFFIX] = suffix if read.empty else f",{suffix}"
-        elif tenant.models is not None and path.startswith(wire.MODELS_PATH):
-            # The model list the client sees is its allow-list's part (envoy/rewrite.lua).
-            metadata[wire.META_ALLOWED_MODELS] = " ".join(sorted(tenant.models))
-        return Allow(
-            headers=set_headers,
-            headers_to_remove=remove,
-            response_headers=((wire.HEADER_SESSION, session),),
-            metadata=metadata,
-            tenant=tenant.id,
-            session=session,
-            model=model,
-        )
+        if request_facts.model is not None:
+            set_headers = (*set_headers, (wire.HEADER_MODEL, request_facts.model))
+        return set_headers
+
+    def _suffix(
+        self, read: Body, path: str, cache_group: str, request_id: str, cap: int
+    ) -> str | None:
+        """Fields the pod must get from the gateway, whatever the client sent: appended to the
+        JSON object by Envoy (envoy/rewrite.lua), where they win (the pod's JSON parser, like
+        this one, keeps the last of duplicate keys): the cache salt, the request ID and the
+        output cap per sequence. None: the body is no JSON object.
+
+        Spelled as json.dumps spells the members, at a fraction of its cost: the salt is hex and
+        the caps are ints, so nothing needs escaping. vLLM names the engine's request after the
+        X-Request-Id header (Envoy's), else the body's `request_id`: ours either way, never a
+        client's (one in flight under that id would collide)."""
+        if read.kind != "object":
+            return None
+        suffix = f'"cache_salt": "{self.cache_salt(cache_group)}"'
+        suffix += f', "request_id": {json.dumps(request_id)}'
+        if path != wire.EMBEDDINGS_PATH:
+            suffix += f', "max_tokens": {cap}'
+            if path == wire.CHAT_PATH:  # vLLM's chat reads this one first
+                suffix += f', "max_completion_tokens": {cap}'
+        return suffix if read.empty else f",{suffix}"
 
 
 def key_entry(snapshot: Snapshot, headers: Mapping[str, str], now: float) -> KeyEntry | Deny:
@@ -255,3 +275,23 @@ def _refuse_body(headers: Mapping[str, str], read: Body, tenant: str) -> Deny | 
             tenant=tenant,
         )
     return None
+
+
+def _removed(
+    headers: Mapping[str, str], set_headers: tuple[tuple[str, str], ...]
+) -> tuple[str, ...]:
+    """The client's headers removed: its key, a destination it names, and every x-llmgw-* name
+    not set now, so that no forged one survives."""
+    ours = {name for name, _ in set_headers}
+    return tuple(
+        name
+        for name in headers
+        if name in _STRIP or (name.startswith(wire.HEADER_PREFIX) and name not in ours)
+    )
+
+
+def _allowed_models(read: Body, path: str, tenant: TenantView) -> str | None:
+    """The model list the client sees is its allow-list's part (envoy/rewrite.lua); None: all."""
+    if read.kind == "object" or tenant.models is None or not path.startswith(wire.MODELS_PATH):
+        return None
+    return " ".join(sorted(tenant.models))

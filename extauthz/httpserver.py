@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol, cast
 
 from extauthz import metrics
+from extauthz.answers import Answer
 from extauthz.budget import Held
-from extauthz.service import Answer
 from llmgw import authzhttp, wire
 
 log = logging.getLogger(__name__)
@@ -289,8 +289,8 @@ class _Connection(asyncio.Protocol):
 
 
 class Checks(Protocol):
-    """What the server answers with: AuthorizationService's `key` (whose key a request
-    carries, asked at its headers), `receive` at a check's head, `check` with the body."""
+    """What the server answers with: the director's `key` (whose key a request carries, asked
+    at its headers), `receive` at a check's head, `check` with the body."""
 
     @property
     def healthy(self) -> bool: ...

@@ -47,7 +47,7 @@ class DecisionSettings(Strict):
     # 576 tokens an image, GPT-4o 765 for 1024×1024, Qwen2-VL ~1,300; set it for the models served.
     image_tokens: int = Field(default=1024, ge=0)
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
-    # Bodies from this size on are read in a worker process (extauthz/service.py BodyPool).
+    # Bodies from this size on are read in a worker process (extauthz/bodypool.py).
     pool_body_bytes: int = Field(default=256 * 1024, ge=1)
     # Body bytes this replica holds at once (received, in the body pool, being decided; by
     # declared length, extauthz/budget.py), in total and per tenant: past a tenant's share its

@@ -25,7 +25,6 @@ from extauthz.types import (
 )
 from llmgw import wire
 from llmgw.config import ConfigError, read_yaml, validate
-from llmgw.facts import MetaValue
 from llmgw.tiers import TierTable
 
 
@@ -51,10 +50,6 @@ def read(path: Path) -> TenantsFile:
     return validate(TenantsFile, read_yaml(path), str(path))
 
 
-def _limit(per_minute: int) -> dict[str, MetaValue]:
-    return {"requests_per_unit": float(per_minute), "unit": "MINUTE"}
-
-
 def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") -> Snapshot:
     """The lookup tables of a validated file; a tier the tier table lacks is a ConfigError."""
     tenants: dict[str, TenantView] = {}
@@ -66,11 +61,6 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
                 f"{source}: tenants.{i}.tier: unknown tier {tenant.tier!r} "
                 f"(the tier table has {', '.join(sorted(known))})"
             )
-        limits: dict[str, MetaValue] = {}
-        if tenant.limits.rpm is not None:
-            limits[wire.META_LIMIT_REQUESTS] = _limit(tenant.limits.rpm)
-        if tenant.limits.tpm is not None:
-            limits[wire.META_LIMIT_TOKENS] = _limit(tenant.limits.tpm)
         view = TenantView(
             id=tenant.id,
             tier=tenant.tier,
@@ -81,7 +71,7 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
                 (wire.HEADER_TIER, tenant.tier),
                 (wire.HEADER_PRIORITY, str(tenant.priority)),
             ),
-            limits=MappingProxyType(limits),
+            limits=tenant.limits,
             cache_group=f"group/{tenant.cache_group}"
             if tenant.cache_group
             else f"tenant/{tenant.id}",

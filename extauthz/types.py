@@ -11,7 +11,8 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 
 from llmgw import wire
 from llmgw.config import Strict
-from llmgw.facts import MetaValue
+from llmgw.facts import RequestFacts
+from llmgw.tenant import TenantContext
 
 KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
@@ -100,7 +101,7 @@ class TenantView:
     priority: int
     models: frozenset[str] | None  # None: every model
     headers: tuple[tuple[str, str], ...]  # tenant, tier, priority
-    limits: Mapping[str, MetaValue]  # metadata limit overrides, possibly empty
+    limits: Limits  # the tenant's own, replacing its tier's
     cache_group: str  # "tenant/<id>" unless the tenant joined a group: "group/<name>"
     max_output: int | None = None  # the tier's output cap (tier table); None: the default
     token_ceiling: int | None = None  # the tenant's smallest token limit (llmgw.tiers)
@@ -125,13 +126,20 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Allow:
+    """Typed until the answer writes it for Envoy (extauthz/answers.py)."""
+
+    context: TenantContext
+    facts: RequestFacts
     headers: tuple[tuple[str, str], ...]  # set on the upstream request
     headers_to_remove: tuple[str, ...]
     response_headers: tuple[tuple[str, str], ...]
-    metadata: Mapping[str, MetaValue]
-    tenant: str
-    session: str
-    model: str | None
+    # What Envoy's Lua does to the request and its answer (envoy/rewrite.lua), when it does:
+    body_suffix: str | None = None  # JSON members appended to the body (wire.META_BODY_SUFFIX)
+    allowed_models: str | None = None  # the /v1/models the tenant sees (wire.META_ALLOWED_MODELS)
+
+    @property
+    def tenant(self) -> str:  # as Deny's: whose decision, for the metrics and the span
+        return self.context.tenant
 
 
 @dataclass(frozen=True, slots=True)

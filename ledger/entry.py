@@ -1,9 +1,9 @@
 """From Envoy's access-log entry to an `Outcome`, and what the request costs: pure functions.
 
-The entry carries every filter's dynamic metadata: extauthz's tenant context and request facts
-(llmgw/facts.py), the pod's usage and the streamed-event count (`llmgw.usage`, envoy/usage.lua),
-the rate limiter's answer (in extauthz's namespace with the limiter inside it, else in
-`envoy.filters.http.ratelimit`: that it decided, what it borrowed) and the router's pick
+The entry carries every filter's dynamic metadata: extauthz's tenant context (llmgw/tenant.py)
+and request facts (llmgw/facts.py), the pod's usage and the streamed-event count (`llmgw.usage`,
+envoy/usage.lua), the rate limiter's answer (in extauthz's namespace with the limiter inside it,
+else in `envoy.filters.http.ratelimit`: that it decided, what it borrowed) and the router's pick
 (`envoy.lb`).
 
 Outcome kinds, from what the client finally got (after Envoy's retries):
@@ -39,6 +39,7 @@ from llmgw.authzhttp import Typed
 from llmgw.facts import RequestFacts
 from llmgw.outcome import Outcome, OutcomeKind
 from llmgw.structs import View
+from llmgw.tenant import TenantContext
 
 # ResponseFlags field → Envoy's short code (as %RESPONSE_FLAGS% prints it).
 FLAG_CODES = {
@@ -115,7 +116,8 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
     usage = _namespace(filter_meta, wire.USAGE_NAMESPACE)
     # The limiter's answer: the rate-limit filter's, or ext_authz's with the limiter inside it.
     admission = _namespace(filter_meta, wire.RATELIMIT_NAMESPACE) or authz
-    request_id = str(authz.get(wire.META_REQUEST_ID) or entry.request.request_id)
+    context = TenantContext.from_metadata(authz)
+    request_id = context.request_id or entry.request.request_id
     if not request_id:
         return None
     facts = RequestFacts.from_metadata(authz)
@@ -153,10 +155,10 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
         ts=common.start_time.ToDatetime(tzinfo=UTC)
         if common.HasField("start_time")
         else datetime.now(UTC),
-        tenant=str(authz.get(wire.META_TENANT) or ""),
-        tier=str(authz.get(wire.META_TIER) or ""),
-        session=str(authz.get(wire.META_SESSION) or ""),
-        key_id=str(authz.get(wire.META_KEY_ID) or ""),
+        tenant=context.tenant,
+        tier=context.tier,
+        session=context.session,
+        key_id=context.key_id,
         model=facts.model or "",
         endpoint=path[:256],
         pod=pod,

@@ -28,7 +28,8 @@ HEADER_DATA_PARALLEL_RANK = "x-data-parallel-rank"
 # the tenant's priority (llmgw/priority.py), so what the pod schedules by is what we decided.
 HEADER_VLLM_PRIORITY = "x-vllm-priority"
 
-# Dynamic metadata written by extauthz, read by Envoy's rate-limit descriptors and the router.
+# Dynamic metadata written by extauthz, read by Envoy's rate-limit descriptors and the router: the
+# trusted tenant context (llmgw/tenant.py; the model is a request fact).
 EXTAUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 META_TENANT = "tenant"
 META_TIER = "tier"

@@ -34,6 +34,7 @@ from typing import Literal
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from llmgw import wire
+from llmgw.tenant import TenantContext
 from ratelimit.types import Admission, Grant, Limit, Unit
 
 KIND = "kind"
@@ -74,7 +75,9 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
     roles: list[Role | None] = []
     if request.domain != wire.RATELIMIT_DOMAIN:
         return Parsed((None,) * len(request.descriptors), None)
-    tenant = tier = session = request_id = None
+    # The tenant context's entries, as Envoy copied them from extauthz's metadata: read as the
+    # router apart and the ledger read that metadata (llmgw/tenant.py).
+    copied: dict[str, str] = {}
     estimate: int | None = None
     grant: Grant | None = None
     counted = False
@@ -83,10 +86,8 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
         entries = {e.key: e.value for e in descriptor.entries}
         kind = entries.get(KIND)
         role: Role | None = None
-        if (kind == "requests" or kind == "tokens") and (who := entries.get(wire.META_TENANT)):
-            tenant, tier = who, entries.get(wire.META_TIER, tier or "")
-            session = entries.get(wire.META_SESSION, session)
-            request_id = entries.get(wire.META_REQUEST_ID, request_id)
+        if (kind == "requests" or kind == "tokens") and entries.get(wire.META_TENANT):
+            copied.update(entries)
             if kind == "requests":
                 counted, role = True, "requests"
                 requests_limit = _limit(descriptor)
@@ -99,13 +100,14 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
                     if prompt is not None and choices:
                         grant = Grant(prompt, choices)
         roles.append(role)
+    context = TenantContext.from_metadata(copied)
     admission = None
-    if tenant is not None and (counted or estimate is not None):
+    if context.tenant and (counted or estimate is not None):
         admission = Admission(
-            tenant,
-            tier or "",
-            session,
-            request_id,
+            context.tenant,
+            context.tier,
+            context.session or None,
+            context.request_id or None,
             estimate,
             counted,
             requests_limit=requests_limit,

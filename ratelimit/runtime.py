@@ -3,7 +3,7 @@ with its failover, the fleet view borrowing reads, and the limiter that decides.
 
 `python -m ratelimit` serves it behind Envoy's rate-limit filter (ratelimit/service.py); extauthz
 holds one to admit inside its own Check, which saves the request path a gRPC exchange
-(extauthz/service.py). Either way the ledger settles the reservations from the access log.
+(extauthz/director.py). Either way the ledger settles the reservations from the access log.
 """
 
 from __future__ import annotations

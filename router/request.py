@@ -10,21 +10,28 @@ from typing import Any
 
 from llmgw import wire
 from llmgw.facts import RequestFacts
+from llmgw.tenant import TenantContext
 from router.types import PickRequest
 
 
 def from_metadata(meta: Mapping[str, Any], request_id: str | None = None) -> PickRequest:
     """extauthz's namespace as a dict. Missing or malformed values are left out (fail open)."""
-    facts = RequestFacts.from_metadata(meta)
-    priority = meta.get(wire.META_PRIORITY)
+    return from_context(
+        TenantContext.from_metadata(meta), RequestFacts.from_metadata(meta), request_id
+    )
+
+
+def from_context(
+    context: TenantContext, facts: RequestFacts, request_id: str | None = None
+) -> PickRequest:
+    """extauthz's tenant context and request facts: typed inside the check, else as read from
+    its metadata."""
     return PickRequest(
         model=facts.model,
-        tenant=_text(meta.get(wire.META_TENANT)),
-        priority=int(priority)
-        if isinstance(priority, float | int) and 1 <= priority <= 10
-        else None,
-        session=_text(meta.get(wire.META_SESSION)),
-        request_id=request_id or _text(meta.get(wire.META_REQUEST_ID)),
+        tenant=context.tenant or None,
+        priority=context.priority,
+        session=context.session or None,
+        request_id=request_id or context.request_id or None,
         prefix_blocks=facts.prefix_blocks,
         prompt_tokens=facts.prompt_tokens,
         first_turn=facts.first_turn,

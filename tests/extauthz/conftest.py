@@ -15,8 +15,9 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import tenants
+from extauthz.bodypool import BodyPool
 from extauthz.decision import Decider
-from extauthz.service import AuthorizationService, BodyPool
+from extauthz.director import Director
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.store import tenants_store
@@ -97,13 +98,13 @@ def decider() -> Decider:
 @pytest.fixture
 async def pooled(
     tenants_file: Path, tiers_file: Path, keys: Keys
-) -> AsyncIterator[tuple[AuthorizationService, BodyPool]]:
+) -> AsyncIterator[tuple[Director, BodyPool]]:
     """The service with every body read in the pool, its worker started."""
     decider = make_decider()
     pool = BodyPool(decider, from_bytes=1)
     await pool.start()
     store = tenants_store(tenants_file, tiers_file)
-    service = AuthorizationService(store, decider, TracerProvider().get_tracer("t"), bodies=pool)
+    service = Director(store, decider, TracerProvider().get_tracer("t"), bodies=pool)
     try:
         yield service, pool
     finally:

@@ -21,12 +21,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from extauthz import metrics, service
+from extauthz import answers, metrics
 from extauthz.__main__ import admitting as limiter_settings
 from extauthz.__main__ import cli as service_cli
 from extauthz.__main__ import settings as extauthz_settings
-from extauthz.service import AuthorizationService, register
+from extauthz.context import RequestContext, Timings
+from extauthz.director import Director
+from extauthz.service import register
 from extauthz.store import tenants_store
+from extauthz.types import Allow
 from llmgw import wire
 from llmgw.procs import Process, bin_path, free_port, redis_ping
 from ratelimit.runtime import RateLimiter
@@ -62,7 +65,7 @@ class Admitting:
     def __init__(
         self,
         stub: Any,
-        service: AuthorizationService,
+        service: Director,
         limiter: RateLimiter,
         router: Router,
         spans: InMemorySpanExporter,
@@ -93,7 +96,7 @@ async def _admitting(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     tracer = provider.get_tracer("test")
-    service = AuthorizationService(
+    service = Director(
         store,
         make_decider(),
         tracer,
@@ -292,6 +295,31 @@ async def test_the_limiter_inside_admits_refuses_and_picks_only_what_it_admits(
     assert all((s.attributes or {}).get("tenant.id") == "globex" for s in checks)
 
 
+async def test_the_request_carries_what_each_stage_decided(
+    admitting: Admitting, keys: Keys
+) -> None:
+    """The director's stages fill in one typed request: the admitted one holds its pods, which
+    the answer names; a refused one gave them back."""
+    director = admitting.service
+    requests = []
+    for i in range(4):  # gold's 3 a minute: the fourth is refused
+        headers = _headers(keys.globex, f"typed-{i}")
+        decision = director.decider.decide(director.store.current, headers, CHAT, director.clock())
+        assert isinstance(decision, Allow)
+        request = RequestContext(decision, Timings(decide=0.0))
+        requests.append((request, await director.direct(request)))
+    for request, answer in requests[:3]:
+        assert answer.allowed and request.verdict is not None and request.verdict.allowed
+        assert request.admission is not None and request.admission.tenant == "globex"
+        assert request.timings.admit is not None and request.timings.admit > 0
+        assert request.chosen is None and request.pods
+        assert answer.metadata[wire.DESTINATION_ENDPOINT] == ",".join(request.pods)
+    refused, answer = requests[3]
+    assert answer.status == 429 and refused.verdict is not None and not refused.verdict.allowed
+    assert refused.chosen is None and refused.pods == ()
+    assert sum(admitting.router.fleet.in_flight.values()) == 3
+
+
 async def test_a_tenants_own_limit_reaches_the_limiter_inside(
     admitting: Admitting, keys: Keys
 ) -> None:
@@ -325,7 +353,7 @@ async def test_a_bug_in_the_limiters_answer_costs_it_not_the_request(
     def broken(*_: object) -> None:
         raise RuntimeError("answer bug")
 
-    monkeypatch.setattr(service, "rate_headers", broken)
+    monkeypatch.setattr(answers, "rate_headers", broken)
     before = metrics.admit_errors("error")._value.get()
     reply = await admitting.stub.Check(check(keys.globex, "answer-1"))
     assert reply.status.code == code_pb2.OK

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz.budget import BodyBudget
-from extauthz.service import AuthorizationService
+from extauthz.director import Director
 from extauthz.store import tenants_store
 from llmgw import wire
 from tests.extauthz.conftest import Keys, make_decider
@@ -27,14 +27,14 @@ TOTAL = 180_000
 @pytest.fixture
 async def service(
     tenants_file: Path, tiers_file: Path, keys: Keys
-) -> AsyncIterator[tuple[AuthorizationService, int]]:
+) -> AsyncIterator[tuple[Director, int]]:
     store = tenants_store(tenants_file, tiers_file)
     decider = make_decider(
         max_body_bytes=100_000,
         tenant_body_bytes_in_flight=TENANT_SHARE,
         body_bytes_in_flight=TOTAL,
     )
-    checks = AuthorizationService(store, decider, TracerProvider().get_tracer("test"))
+    checks = Director(store, decider, TracerProvider().get_tracer("test"))
     async for _, port in served(checks, max_body=16 << 20):
         yield checks, port
 
@@ -59,7 +59,7 @@ def error(reply: Response) -> dict[str, object]:
 
 
 async def test_a_strangers_check_is_answered_at_its_head(
-    service: tuple[AuthorizationService, int],
+    service: tuple[Director, int],
 ) -> None:
     checks, port = service
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -77,7 +77,7 @@ async def test_a_strangers_check_is_answered_at_its_head(
 
 
 async def test_a_strangers_check_whose_body_is_here_leaves_the_connection_open(
-    service: tuple[AuthorizationService, int], keys: Keys
+    service: tuple[Director, int], keys: Keys
 ) -> None:
     _, port = service
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -91,7 +91,7 @@ async def test_a_strangers_check_whose_body_is_here_leaves_the_connection_open(
 
 
 async def test_a_tenant_past_its_share_is_refused_and_others_are_not(
-    service: tuple[AuthorizationService, int], keys: Keys
+    service: tuple[Director, int], keys: Keys
 ) -> None:
     checks, port = service
     acme = {"authorization": f"Bearer {keys.acme}"}
@@ -134,7 +134,7 @@ async def test_a_tenant_past_its_share_is_refused_and_others_are_not(
 
 
 async def test_held_bytes_are_given_back_when_the_check_is_answered(
-    service: tuple[AuthorizationService, int], keys: Keys
+    service: tuple[Director, int], keys: Keys
 ) -> None:
     checks, port = service
     acme = {"authorization": f"Bearer {keys.acme}"}

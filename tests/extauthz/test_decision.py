@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 
 from extauthz import tenants
+from extauthz.answers import metadata
 from extauthz.decision import Decider
 from extauthz.types import Allow, Deny, Snapshot
 from llmgw import wire
 from llmgw.facts import MESSAGE_TOKENS
+from llmgw.tenant import TenantContext
 from llmgw.tiers import Budget, TenantSpec
 from tests.extauthz.conftest import NOW_S, SECRET, TIERS, Keys, make_decider
 
@@ -61,13 +63,29 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
     assert headers[wire.HEADER_SESSION].startswith("sess_")
     assert d.response_headers == ((wire.HEADER_SESSION, headers[wire.HEADER_SESSION]),)
     assert d.headers_to_remove == ("authorization",)
-    assert d.metadata == {
+    # Typed in the process (the limiter and the router inside take it as it is)...
+    assert d.context == TenantContext(
+        tenant="acme",
+        tier="standard",
+        priority=5,
+        session=headers[wire.HEADER_SESSION],
+        request_id="r-1",
+        key_id=keys.acme_key_id,
+        rpm=100,
+    )
+    assert (d.facts.model, d.facts.max_output, d.facts.token_estimate) == (
+        "llama-3-8b",
+        50,
+        CHAT + 150,
+    )
+    # ... and written for Envoy at the edge.
+    assert metadata(d) == {
         wire.META_TENANT: "acme",
         wire.META_TIER: "standard",
         wire.META_PRIORITY: 5.0,
         wire.META_SESSION: headers[wire.HEADER_SESSION],
         wire.META_REQUEST_ID: "r-1",
-        wire.META_KEY_ID: d.metadata[wire.META_KEY_ID],
+        wire.META_KEY_ID: metadata(d)[wire.META_KEY_ID],
         wire.META_LIMIT_REQUESTS: {"requests_per_unit": 100.0, "unit": "MINUTE"},
         # The request facts (llmgw/facts.py): the body parsed once, for everyone after extauthz.
         wire.META_MODEL: "llama-3-8b",
@@ -81,13 +99,13 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         wire.META_STREAM: False,
         wire.META_INCLUDE_USAGE: False,
         wire.META_FIRST_TURN: True,
-        wire.META_PREFIX_BLOCKS: d.metadata[wire.META_PREFIX_BLOCKS],
+        wire.META_PREFIX_BLOCKS: metadata(d)[wire.META_PREFIX_BLOCKS],
         # Appended to the body by Envoy (envoy/rewrite.lua): the tenant's cache salt.
-        wire.META_BODY_SUFFIX: d.metadata[wire.META_BODY_SUFFIX],
+        wire.META_BODY_SUFFIX: metadata(d)[wire.META_BODY_SUFFIX],
     }
-    assert str(d.metadata[wire.META_BODY_SUFFIX]).startswith(',"cache_salt": "')
-    assert str(d.metadata[wire.META_KEY_ID]).startswith("key_")
-    assert len(str(d.metadata[wire.META_PREFIX_BLOCKS])) == 16 * 6  # 6 full blocks of 64 chars
+    assert str(metadata(d)[wire.META_BODY_SUFFIX]).startswith(',"cache_salt": "')
+    assert str(metadata(d)[wire.META_KEY_ID]).startswith("key_")
+    assert len(str(metadata(d)[wire.META_PREFIX_BLOCKS])) == 16 * 6  # 6 full blocks of 64 chars
 
 
 def test_a_custom_tier_reaches_the_metadata_by_name_only(
@@ -96,9 +114,9 @@ def test_a_custom_tier_reaches_the_metadata_by_name_only(
     """Its limits are the tier table's (read by ratelimit), not a second copy sent along."""
     d = allowed(decider.decide(snap, {"api-key": keys.globex}, chat("any-model"), NOW_S))
     assert d.tenant == "globex"
-    assert d.metadata[wire.META_TIER] == "gold"
-    assert wire.META_LIMIT_REQUESTS not in d.metadata
-    assert wire.META_LIMIT_TOKENS not in d.metadata
+    assert metadata(d)[wire.META_TIER] == "gold"
+    assert wire.META_LIMIT_REQUESTS not in metadata(d)
+    assert wire.META_LIMIT_TOKENS not in metadata(d)
     assert d.headers_to_remove == ("api-key",)
     assert len(dict(d.headers)[wire.HEADER_REQUEST_ID]) == 36  # minted when Envoy sent none
 
@@ -132,7 +150,7 @@ def test_paths_without_a_body_still_need_a_key(
     denied(decider.decide(snap, {":path": "/v1/models"}, b"", NOW_S), 401, "invalid_api_key")
     d = allowed(decider.decide(snap, bearer(keys.acme), b"", NOW_S))
     assert dict(d.headers)[wire.HEADER_TOKEN_ESTIMATE] == "0"
-    assert wire.META_MODEL not in d.metadata
+    assert wire.META_MODEL not in metadata(d)
 
 
 def test_forged_context_headers_never_survive(decider: Decider, snap: Snapshot, keys: Keys) -> None:
@@ -196,7 +214,7 @@ def test_non_json_body_passes_for_the_pod_to_answer(
 ) -> None:
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         d = allowed(decider.decide(snap, bearer(keys.acme), body, NOW_S))
-        assert d.model is None
+        assert d.facts.model is None
 
 
 @pytest.mark.parametrize(
@@ -217,14 +235,14 @@ def test_token_estimate(
     decider: Decider, snap: Snapshot, keys: Keys, body: bytes, estimate: int
 ) -> None:
     d = allowed(decider.decide(snap, bearer(keys.acme), body, NOW_S))
-    assert d.metadata[wire.META_TOKEN_ESTIMATE] == str(estimate)
+    assert metadata(d)[wire.META_TOKEN_ESTIMATE] == str(estimate)
 
 
 def as_the_pod_reads_it(body: bytes, decision: Allow) -> dict[str, object]:
     """The body after Envoy appended the suffix (envoy/rewrite.lua: before the last "}"),
     parsed as the pod parses JSON: the last of duplicate keys wins."""
     at = body.rindex(b"}")
-    suffix = str(decision.metadata[wire.META_BODY_SUFFIX]).encode()
+    suffix = str(metadata(decision)[wire.META_BODY_SUFFIX]).encode()
     parsed = json.loads(body[:at] + suffix + body[at:])
     assert isinstance(parsed, dict)
     return parsed
@@ -281,12 +299,12 @@ def test_the_pod_gets_the_cap_the_reservation_holds(
     d = allowed(decider.decide(capped, headers, body, NOW_S))
     cap = pod_cap(as_the_pod_reads_it(body, d), path)
     assert isinstance(cap, int) and not isinstance(cap, bool)
-    assert cap == d.metadata[wire.META_MAX_OUTPUT]
+    assert cap == metadata(d)[wire.META_MAX_OUTPUT]
     assert cap <= (800 if tenant == "acme" else 50)
-    n = d.metadata[wire.META_CHOICES]
+    n = metadata(d)[wire.META_CHOICES]
     assert isinstance(n, float)
     prompt = 10 + (CHAT if path == wire.CHAT_PATH else 0)
-    assert d.metadata[wire.META_TOKEN_ESTIMATE] == str(prompt + cap * int(n))
+    assert metadata(d)[wire.META_TOKEN_ESTIMATE] == str(prompt + cap * int(n))
     if not extra:  # no cap named: the whole bound (completions: vLLM's default of 16)
         assert cap == (16 if path != wire.CHAT_PATH else 800 if tenant == "acme" else 50)
 
@@ -294,9 +312,9 @@ def test_the_pod_gets_the_cap_the_reservation_holds(
 def test_the_cap_follows_the_tier_and_the_model(capped: Snapshot, keys: Keys) -> None:
     decider = make_decider(**CAPPED)
     caps = {
-        (key, model): allowed(
-            decider.decide(capped, bearer(key, **GENERATION), chat(model), NOW_S)
-        ).metadata[wire.META_MAX_OUTPUT]
+        (key, model): metadata(
+            allowed(decider.decide(capped, bearer(key, **GENERATION), chat(model), NOW_S))
+        )[wire.META_MAX_OUTPUT]
         for key in (keys.acme, keys.globex)
         for model in ("llama-3-8b", "mistral-7b")
     }
@@ -319,8 +337,8 @@ def test_the_default_cap_fits_the_tenants_smallest_token_limit(
             tenants.load(tenants_file, table), bearer(keys.globex, **GENERATION), chat(), NOW_S
         )
     )
-    assert d.metadata[wire.META_TOKEN_ESTIMATE] == "300"
-    assert 0 < float(d.metadata[wire.META_MAX_OUTPUT]) < 300  # type: ignore[arg-type]
+    assert metadata(d)[wire.META_TOKEN_ESTIMATE] == "300"
+    assert 0 < float(metadata(d)[wire.META_MAX_OUTPUT]) < 300  # type: ignore[arg-type]
 
 
 def test_embeddings_reserve_no_output_and_get_no_cap(
@@ -329,29 +347,29 @@ def test_embeddings_reserve_no_output_and_get_no_cap(
     body = json.dumps({"model": "llama-3-8b", "input": "x" * 400, "max_tokens": 9}).encode()
     headers = bearer(keys.acme, **{":path": wire.EMBEDDINGS_PATH, ":method": "POST"})
     d = allowed(decider.decide(snap, headers, body, NOW_S))
-    assert d.metadata[wire.META_TOKEN_ESTIMATE] == "100"
-    assert "max_tokens" not in str(d.metadata[wire.META_BODY_SUFFIX])  # vLLM would warn of it
+    assert metadata(d)[wire.META_TOKEN_ESTIMATE] == "100"
+    assert "max_tokens" not in str(metadata(d)[wire.META_BODY_SUFFIX])  # vLLM would warn of it
 
 
 def test_session_minted_then_continued(decider: Decider, snap: Snapshot, keys: Keys) -> None:
     first = allowed(decider.decide(snap, bearer(keys.acme), chat(), NOW_S))
     again = allowed(
         decider.decide(
-            snap, bearer(keys.acme, **{"x-session-id": first.session}), chat(), NOW_S + 5
+            snap, bearer(keys.acme, **{"x-session-id": first.context.session}), chat(), NOW_S + 5
         )
     )
-    assert again.session == first.session
+    assert again.context.session == first.context.session
     other = allowed(decider.decide(snap, bearer(keys.acme), chat(), NOW_S))
-    assert other.session != first.session
+    assert other.context.session != first.context.session
 
 
 @pytest.mark.parametrize("bad", ["sess_nope", "garbage", "x" * 30, "other-tenant", "expired"])
 def test_invalid_session_is_400(decider: Decider, snap: Snapshot, keys: Keys, bad: str) -> None:
     now = NOW_S
     if bad == "other-tenant":
-        bad = allowed(decider.decide(snap, {"api-key": keys.globex}, b"", NOW_S)).session
+        bad = allowed(decider.decide(snap, {"api-key": keys.globex}, b"", NOW_S)).context.session
     elif bad == "expired":
-        bad = allowed(decider.decide(snap, bearer(keys.acme), b"", NOW_S)).session
+        bad = allowed(decider.decide(snap, bearer(keys.acme), b"", NOW_S)).context.session
         now = NOW_S + 3601  # the fixture's max age is one hour
     d = decider.decide(snap, bearer(keys.acme, **{"x-session-id": bad}), chat(), now)
     denied(d, 400, "invalid_session_id")
@@ -362,7 +380,7 @@ def test_sessions_signed_by_another_deployment_are_rejected(snap: Snapshot, keys
 
     mine = make_decider()
     theirs = Decider(mine.settings, Sessions(SessionCodec(SECRET[::-1] + b"!"), worker_id=1))
-    foreign = allowed(theirs.decide(snap, bearer(keys.acme), b"", NOW_S)).session
+    foreign = allowed(theirs.decide(snap, bearer(keys.acme), b"", NOW_S)).context.session
     d = mine.decide(snap, bearer(keys.acme, **{"x-session-id": foreign}), b"", NOW_S)
     denied(d, 400, "invalid_session_id")
 
@@ -439,7 +457,7 @@ async def test_a_body_read_in_the_pool_decides_exactly_as_inline(
 ) -> None:
     """Large bodies are read in a worker process (off the event loop); the decision must not
     depend on where the body was read."""
-    from extauthz.service import BodyPool
+    from extauthz.bodypool import BodyPool
 
     pool = BodyPool(decider, from_bytes=1)
     try:
@@ -457,8 +475,8 @@ async def test_a_body_read_in_the_pool_decides_exactly_as_inline(
             again = decider.decide(snap, headers, body, NOW_S, pooled)
             if isinstance(inline, Allow):
                 assert isinstance(again, Allow)
-                assert {**inline.metadata, wire.META_SESSION: ""} == {
-                    **again.metadata,
+                assert {**metadata(inline), wire.META_SESSION: ""} == {
+                    **metadata(again),
                     wire.META_SESSION: "",
                 }
             else:

@@ -23,9 +23,12 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from extauthz import metrics
+from extauthz.answers import Answer
+from extauthz.bodypool import BodyPool
 from extauthz.budget import BodyBudget, Held
+from extauthz.director import Director
 from extauthz.httpserver import MAX_HEAD_BYTES, HttpCheckServer, encode
-from extauthz.service import Answer, AuthorizationService, BodyPool, check_response
+from extauthz.service import check_response
 from extauthz.store import tenants_store
 from llmgw import authzhttp, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings, Health, Services
@@ -121,9 +124,9 @@ async def fake() -> AsyncIterator[tuple[Fake, int]]:
 @pytest.fixture
 async def real(
     tenants_file: Path, tiers_file: Path, keys: Keys
-) -> AsyncIterator[tuple[AuthorizationService, int]]:
+) -> AsyncIterator[tuple[Director, int]]:
     store = tenants_store(tenants_file, tiers_file)
-    service = AuthorizationService(store, make_decider(), TracerProvider().get_tracer("test"))
+    service = Director(store, make_decider(), TracerProvider().get_tracer("test"))
     async for _, port in served(service):
         yield service, port
 
@@ -137,7 +140,7 @@ async def exchange(port: int, data: bytes) -> Response:
         writer.close()
 
 
-async def test_allow_over_http(real: tuple[AuthorizationService, int], keys: Keys) -> None:
+async def test_allow_over_http(real: tuple[Director, int], keys: Keys) -> None:
     _, port = real
     headers = {
         "authorization": f"Bearer {keys.acme}",
@@ -159,7 +162,7 @@ async def test_allow_over_http(real: tuple[AuthorizationService, int], keys: Key
     assert reply.get(wire.META_LIMIT_REQUESTS) is None  # a struct: for the rate-limit filter only
 
 
-async def test_denial_over_http(real: tuple[AuthorizationService, int]) -> None:
+async def test_denial_over_http(real: tuple[Director, int]) -> None:
     _, port = real
     reply = await exchange(port, request({"authorization": "Bearer sk-llmgw-nope"}, CHAT))
     assert reply.status == 401
@@ -167,7 +170,7 @@ async def test_denial_over_http(real: tuple[AuthorizationService, int]) -> None:
     assert json.loads(reply.body)["error"]["code"] == "invalid_api_key"
 
 
-async def test_same_answer_as_grpc(real: tuple[AuthorizationService, int], keys: Keys) -> None:
+async def test_same_answer_as_grpc(real: tuple[Director, int], keys: Keys) -> None:
     """The contract: what Envoy makes of the HTTP answer (headers by name, metadata from
     headers, read back typed) is what it makes of the gRPC one."""
     service, _ = real
@@ -516,7 +519,7 @@ async def test_sigterm_drains_the_check_port_before_it_closes(
 
 
 async def test_health_fails_while_the_pool_cannot_be_replaced(
-    pooled: tuple[AuthorizationService, BodyPool], keys: Keys, monkeypatch: pytest.MonkeyPatch
+    pooled: tuple[Director, BodyPool], keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     service, pool = pooled
     server = HttpCheckServer(service)

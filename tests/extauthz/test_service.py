@@ -27,7 +27,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from extauthz import cli, metrics
 from extauthz.__main__ import cli as service_cli
-from extauthz.service import AuthorizationService, BodyPool, register
+from extauthz.bodypool import BodyPool
+from extauthz.director import Director
+from extauthz.service import register
 from extauthz.store import TenantsStore, tenants_store
 from llmgw import authzhttp, wire
 from llmgw.facts import MESSAGE_TOKENS
@@ -95,7 +97,7 @@ async def _running(
     tracer = provider.get_tracer("test")
     if router is not None:
         router.tracer = tracer
-    service = AuthorizationService(store, make_decider(), tracer, router=router)
+    service = Director(store, make_decider(), tracer, router=router)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     register(service)(server)
     if router is not None:
@@ -440,7 +442,7 @@ def _check_headers(key: str) -> dict[str, str]:
 
 
 async def test_a_strangers_body_is_never_read(
-    pooled: tuple[AuthorizationService, BodyPool], keys: Keys
+    pooled: tuple[Director, BodyPool], keys: Keys
 ) -> None:
     service, _ = pooled
     before = metrics.POOLED_BODIES._value.get()
@@ -452,7 +454,7 @@ async def test_a_strangers_body_is_never_read(
 
 
 async def test_a_killed_pool_worker_is_replaced_at_once(
-    pooled: tuple[AuthorizationService, BodyPool], keys: Keys
+    pooled: tuple[Director, BodyPool], keys: Keys
 ) -> None:
     service, pool = pooled
     kill_worker(pool)
@@ -475,7 +477,7 @@ async def test_a_killed_pool_worker_is_replaced_at_once(
     ],
 )
 async def test_a_check_that_waited_too_long_is_shed_before_anything_else(
-    pooled: tuple[AuthorizationService, BodyPool],
+    pooled: tuple[Director, BodyPool],
     keys: Keys,
     offset_s: float,
     waited_s: float,

@@ -10,6 +10,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 
 from ledger.entry import to_outcome
 from llmgw import facts, wire
+from llmgw.tenant import TenantContext
 
 POD = "10.0.0.1:8000"
 
@@ -32,15 +33,17 @@ def entry(
         request_facts = facts.RequestFacts(
             model="m", stream=stream, max_output=100, prompt_tokens=20
         )
+        context = TenantContext(
+            tenant="acme",
+            tier="free",
+            priority=3,
+            session="sess_1",
+            request_id=request_id,
+            key_id="key_abcdefgh",
+            rpm=60,
+        )
         common.metadata.filter_metadata[wire.EXTAUTHZ_NAMESPACE].update(
-            {
-                wire.META_TENANT: "acme",
-                wire.META_TIER: "free",
-                wire.META_SESSION: "sess_1",
-                wire.META_REQUEST_ID: request_id,
-                wire.META_KEY_ID: "key_abcdefgh",
-                **request_facts.to_metadata(),
-            }
+            {**context.to_metadata(), **request_facts.to_metadata()}
         )
     else:
         e.request.request_id = request_id

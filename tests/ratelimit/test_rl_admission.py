@@ -1,9 +1,11 @@
-"""The contract of the two paths to the limiter: extauthz's metadata read inside extauthz
-(ratelimit/admission.py) and the descriptors Envoy builds from that same metadata
-(ratelimit/descriptors.py, the template's rate_limits) make the same Admission."""
+"""The contract of the two paths to the limiter: extauthz's typed tenant context and request
+facts inside extauthz (ratelimit/admission.py) and the descriptors Envoy builds from the same
+values written as metadata (ratelimit/descriptors.py, the template's rate_limits) make the same
+Admission."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,7 +15,8 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from llmgw import envoyconf, wire
 from llmgw.facts import MetaValue, RequestFacts
-from ratelimit.admission import from_metadata
+from llmgw.tenant import TenantContext
+from ratelimit.admission import from_context
 from ratelimit.descriptors import parse
 from ratelimit.types import Grant, Limit, Unit
 
@@ -74,60 +77,32 @@ def envoy_descriptors(meta: dict[str, MetaValue]) -> rls_pb2.RateLimitRequest:
     return request
 
 
-FACTS = RequestFacts(model="m", n=2, max_output=100, prompt_tokens=40).to_metadata()
-BASE: dict[str, MetaValue] = {
-    **FACTS,
-    wire.META_TENANT: "acme",
-    wire.META_TIER: "standard",
-    wire.META_SESSION: "sess_1",
-    wire.META_REQUEST_ID: "req-1",
-}
-LIMITS: dict[str, MetaValue] = {
-    wire.META_LIMIT_REQUESTS: {"requests_per_unit": 100.0, "unit": "MINUTE"},
-    wire.META_LIMIT_TOKENS: {"requests_per_unit": 5000.0, "unit": "MINUTE"},
-}
+FACTS = RequestFacts(model="m", n=2, max_output=100, prompt_tokens=40)
+BASE = TenantContext(
+    tenant="acme", tier="standard", priority=5, session="sess_1", request_id="req-1", key_id="k"
+)
 
 
 @pytest.mark.parametrize(
-    "meta",
+    ("context", "request_facts"),
     [
-        BASE,
-        {**BASE, **LIMITS},
-        {k: v for k, v in BASE.items() if k != wire.META_REQUEST_ID},  # no token check
-        {**{k: v for k, v in BASE.items() if k != wire.META_REQUEST_ID}, **LIMITS},
-        {k: v for k, v in BASE.items() if k != wire.META_TOKEN_PROMPT},  # no grant
-        {k: v for k, v in BASE.items() if k != wire.META_TENANT},  # nothing to count
+        (BASE, FACTS),
+        (replace(BASE, rpm=100, tpm=5000), FACTS),
+        (replace(BASE, rpm=100), FACTS),
+        (BASE, RequestFacts()),  # a body that is no JSON object: nothing to reserve
     ],
 )
-def test_the_metadata_and_the_descriptors_make_the_same_admission(
-    meta: dict[str, MetaValue],
+def test_the_context_and_the_descriptors_make_the_same_admission(
+    context: TenantContext, request_facts: RequestFacts
 ) -> None:
-    assert from_metadata(meta) == parse(envoy_descriptors(meta)).admission
+    """What extauthz writes, through Envoy's descriptors, is what the limiter inside takes."""
+    meta = {**context.to_metadata(), **request_facts.to_metadata()}
+    assert from_context(context, request_facts) == parse(envoy_descriptors(meta)).admission
 
 
 def test_what_the_admission_holds() -> None:
-    admission = from_metadata({**BASE, **LIMITS})
-    assert admission is not None
+    admission = from_context(replace(BASE, rpm=100, tpm=5000), FACTS)
     assert (admission.tenant, admission.tier, admission.session) == ("acme", "standard", "sess_1")
     assert admission.token_estimate == 40 + 2 * 100 and admission.grant == Grant(40, 2)
     assert admission.requests_limit == Limit(Unit.MINUTE, 100)
     assert admission.tokens_limit == Limit(Unit.MINUTE, 5000)
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {wire.META_TOKEN_ESTIMATE: "12x"},
-        {wire.META_TOKEN_ESTIMATE: 12.0},  # not the string Envoy's descriptors need
-        {wire.META_LIMIT_REQUESTS: {"requests_per_unit": 5.0, "unit": "FORTNIGHT"}},
-        {wire.META_LIMIT_REQUESTS: {"requests_per_unit": True, "unit": "MINUTE"}},
-        {wire.META_LIMIT_REQUESTS: "100"},
-    ],
-)
-def test_a_mistyped_fact_is_dropped_as_the_descriptors_drop_it(bad: dict[str, MetaValue]) -> None:
-    admission = from_metadata({**BASE, **bad})
-    assert admission is not None and admission.tenant == "acme"
-    if wire.META_TOKEN_ESTIMATE in bad:
-        assert admission.token_estimate is None and admission.grant is None
-    else:
-        assert admission.requests_limit is None

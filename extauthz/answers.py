@@ -1,0 +1,113 @@
+"""extauthz's edge: an `Answer` to one check, whichever protocol carries it (gRPC:
+extauthz/service.py, HTTP: extauthz/httpserver.py). Here alone the typed decision is written as
+what Envoy gets: headers, and the metadata (the tenant context, the request facts, what the
+limiter decided and the router chose) that Envoy's filters, the router apart and the access log
+read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extauthz.types import Allow, Deny
+from llmgw import wire
+from llmgw.facts import MetaValue
+from ratelimit.response import admission_metadata, rate_headers, refusal, refusal_status
+from ratelimit.types import Verdict
+from router.types import PodId, endpoints
+
+_JSON = ("content-type", "application/json")
+_RETRY_SOON = (("retry-after", "1"),)
+
+
+@dataclass(slots=True)
+class Answer:
+    status: int  # 200: allowed; else the denial's status
+    metadata: dict[str, MetaValue]
+    client_headers: list[tuple[str, str]]  # allowed: added to the response; denied: the denial's
+    headers: Sequence[tuple[str, str]] = ()  # allowed: set on the request to the pod
+    headers_to_remove: Sequence[str] = ()
+    body: bytes = b""  # denied: the OpenAI error
+
+    @property
+    def allowed(self) -> bool:
+        return self.status == 200
+
+
+def metadata(allow: Allow) -> dict[str, MetaValue]:
+    """The allowed request's metadata: its tenant context and facts, and what Envoy's Lua
+    does to the request (envoy/rewrite.lua)."""
+    meta = allow.context.to_metadata()
+    meta.update(allow.facts.to_metadata())
+    if allow.body_suffix is not None:
+        meta[wire.META_BODY_SUFFIX] = allow.body_suffix
+    if allow.allowed_models is not None:
+        meta[wire.META_ALLOWED_MODELS] = allow.allowed_models
+    return meta
+
+
+def denied(deny: Deny) -> Answer:
+    return Answer(deny.status, {}, [_JSON, *deny.headers], body=deny.body())
+
+
+def refused(allow: Allow, verdict: Verdict) -> Answer:
+    """The limiter's refusal as the denial, as the rate-limit filter would have sent it, with
+    the session header every answer carries; and the request's facts in the metadata all the
+    same, for the access log (Envoy keeps a denied check's metadata; it adds no headers to the
+    request it refuses)."""
+    headers, body = refusal(verdict)
+    meta = metadata(allow)
+    meta.update(admission_metadata(verdict))
+    return Answer(
+        refusal_status(verdict),
+        meta,
+        [*rate_headers(verdict), *headers, *allow.response_headers],
+        body=body,
+    )
+
+
+def admitted(allow: Allow, verdict: Verdict | None) -> Answer:
+    """The answer to an allowed request: the limiter's refusal, or the allowance with what the
+    limiter decided (its headers to the client, its answer in the metadata); None: the limiter
+    did not decide."""
+    if verdict is not None and verdict.refusal is not None:
+        return refused(allow, verdict)
+    answer = Answer(
+        200,
+        metadata(allow),
+        list(allow.response_headers),
+        allow.headers,
+        allow.headers_to_remove,
+    )
+    if verdict is not None:
+        answer.client_headers += rate_headers(verdict)
+        answer.metadata.update(admission_metadata(verdict))
+    return answer
+
+
+def picked(answer: Answer, pods: tuple[PodId, ...]) -> None:
+    """The router's pods for the request, best first, where Envoy's override_host reads them."""
+    answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pods)
+
+
+def too_many_bodies(tenant: str, share: int) -> Deny:
+    return Deny(
+        429,
+        "too_many_bodies_in_flight",
+        f"Tenant {tenant} has more request bodies in flight than its share of {share} bytes "
+        "allows. Please retry shortly.",
+        type="requests",  # OpenAI's type of a rate limit on requests
+        tenant=tenant,
+        headers=_RETRY_SOON,
+    )
+
+
+def overloaded(tenant: str | None) -> Deny:
+    return Deny(
+        503,
+        "overloaded",
+        "The gateway is overloaded. Please retry shortly.",
+        type="server_error",
+        tenant=tenant,
+        headers=_RETRY_SOON,
+    )

@@ -1,0 +1,107 @@
+"""The body pool: large request bodies read in a worker process, so that one tenant's megabytes
+of JSON never hold the event loop that decides everyone's requests (`json.loads` holds the GIL: a
+thread would not help). Small ones are read inline: the hop costs more than they do."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from extauthz import metrics
+from extauthz.body import Body
+from extauthz.body import read as read_body
+from extauthz.decision import Decider
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int) -> None:
+    """A pool worker's first act: SIGTERM when the process that started it dies, however it
+    dies (SIGKILL included), so no worker outlives extauthz; and gone now if it already has."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+class PoolDown(Exception):
+    """The body pool read no body: its worker died under it twice, or no new one starts."""
+
+
+class BodyPool:
+    """Bodies from `from_bytes` on read by `workers` processes. A worker that dies (killed, out
+    of memory) breaks its whole executor: it is replaced at once, and the pool is unhealthy only
+    while no replacement can be made."""
+
+    def __init__(self, decider: Decider, from_bytes: int, workers: int = 1) -> None:
+        self.decider = decider
+        self.from_bytes = from_bytes
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = self._new_executor()
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        # spawn, not fork: this process runs gRPC's threads.
+        context = multiprocessing.get_context("spawn")
+        return ProcessPoolExecutor(
+            self.workers, mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self._pool is not None
+
+    async def start(self) -> None:
+        """Start the workers now, not on the first large body."""
+        await self._run(b"{}")
+
+    async def read(self, body: bytes) -> Body | None:
+        """The body read in a worker if it is large, else None (the decision reads it)."""
+        if len(body) < self.from_bytes:
+            return None
+        metrics.POOLED_BODIES.inc()
+        return await self._run(body)
+
+    async def _run(self, body: bytes) -> Body:
+        """The body read in a worker; on a broken pool, once more on its replacement (not
+        twice: the body may be what killed it)."""
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            pool = self._pool or self._replace(None)
+            if pool is None:
+                break
+            try:
+                return await loop.run_in_executor(pool, read_body, body, self.decider.settings)
+            except (BrokenProcessPool, OSError):  # OSError: a worker could not be started
+                self._replace(pool)
+        raise PoolDown
+
+    def _replace(self, broken: ProcessPoolExecutor | None) -> ProcessPoolExecutor | None:
+        """A new pool for `broken`, unless another check replaced it already; None if none
+        can be made (tried again on the next large body)."""
+        if self._pool is not broken:
+            return self._pool
+        if broken is not None:
+            # Not cancel_futures: its pending bodies fail as broken and are read again or
+            # answered; cancelled, their checks would end unanswered.
+            broken.shutdown(wait=False)
+        try:
+            self._pool = self._new_executor()
+        except Exception:
+            log.exception("body pool not replaced")
+            self._pool = None
+            return None
+        log.warning("body pool replaced: its worker died")
+        metrics.POOL_RESTARTS.inc()
+        return self._pool
+
+    async def close(self) -> None:
+        """Stop the workers and wait until they have exited (a worker mid-body finishes it)."""
+        if self._pool is not None:
+            await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
