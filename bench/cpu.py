@@ -3,10 +3,10 @@
 One fast fake pod (bench/fakepod.py: raw asyncio, answers at once) behind one stack at a time:
 Envoy alone, + extauthz, + ratelimit and + router (both inside extauthz), the full chain (+ ledger,
 with PostgreSQL; Envoy checks over HTTP), the full chain checked over gRPC instead, with the rate
-limiter apart (its own process behind Envoy's rate-limit filter), and with the router apart too
-(behind ext_proc), and each shape with every callout pointed at trivial handlers
-(bench/trivial.py: the floor of one HTTP or gRPC check, or two or three gRPC callouts, and two
-access logs); last, the floor of the full chain's shape again, each Check held
+limiter apart (its own process behind Envoy's rate-limit filter), and with the router apart
+instead (behind ext_proc): each topology (llmgw/topology.py); and each shape with every callout
+pointed at trivial handlers (bench/trivial.py: the floor of one HTTP or gRPC check, or two gRPC
+callouts, and two access logs); last, the floor of the full chain's shape again, each Check held
 idle until it runs at the full chain's req/s. In a closed loop a faster stack is also a cheaper one
 per request (each process wakes for more requests at a time), so that row is the floor the full
 chain's own work is measured against. For each, a fixed non-stream load (closed
@@ -51,6 +51,7 @@ from llmgw import wire
 from llmgw.envoyconf import Address, EnvoySettings, Services
 from llmgw.procs import Process, StartError, free_port, grpc_serving, http_ok
 from llmgw.stack import ServiceName, Stack, StackSettings
+from llmgw.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -66,10 +67,8 @@ class Config:
     label: str
     services: tuple[ServiceName, ...] | None  # None: trivial handlers
     note: str  # what the row adds
-    # In processes of their own behind their own callouts, not inside extauthz.
-    apart: tuple[ServiceName, ...] = ()
+    topology: Topology = Topology.GATEWAY  # how Envoy checks, what runs apart (llmgw/topology.py)
     paced: bool = False  # trivial handlers held idle to the full chain's req/s
-    grpc_check: bool = False  # Envoy checks over gRPC, not HTTP (the default stack)
 
 
 # Rows in table order.
@@ -82,25 +81,25 @@ CONFIGS = [
     Config(
         "full chain, check over gRPC",
         FULL,
-        "ext_authz's gRPC service instead of HTTP",
-        grpc_check=True,
+        "ext_authz's gRPC service instead of HTTP (grpc-check)",
+        Topology.GRPC_CHECK,
     ),
     Config(
         "full chain, ratelimit apart",
         FULL,
-        "rate-limit call (python -m ratelimit)",
-        ("ratelimit",),
+        "+ rate-limit call (python -m ratelimit; rls)",
+        Topology.RLS,
     ),
     Config(
-        "full chain, both apart",
+        "full chain, router apart",
         FULL,
-        "+ ext_proc call (python -m router)",
-        ("ratelimit", "router"),
+        "+ ext_proc call (python -m router; epp)",
+        Topology.EPP,
     ),
     Config("trivial handlers", None, "1 HTTP check + 2 access logs: the full chain's shape"),
-    Config("trivial, check over gRPC", None, "1 gRPC check + 2 access logs", grpc_check=True),
-    Config("trivial, 2 callouts", None, "+ rate limit: the ratelimit-apart shape", ("ratelimit",)),
-    Config("trivial, 3 callouts", None, "+ ext_proc: both apart", ("ratelimit", "router")),
+    Config("trivial, check over gRPC", None, "1 gRPC check + 2 access logs", Topology.GRPC_CHECK),
+    Config("trivial, rate-limit call", None, "+ rate limit: the rls shape", Topology.RLS),
+    Config("trivial, ext_proc call", None, "+ ext_proc: the epp shape", Topology.EPP),
     Config(
         "trivial, at the full chain's rate",
         None,
@@ -124,8 +123,8 @@ COLUMNS = (
 )
 FLOOR = "trivial handlers"
 GRPC, GRPC_FLOOR = "full chain, check over gRPC", "trivial, check over gRPC"
-APART, APART_FLOOR = "full chain, ratelimit apart", "trivial, 2 callouts"
-BOTH_APART, BOTH_APART_FLOOR = "full chain, both apart", "trivial, 3 callouts"
+RLS, RLS_FLOOR = "full chain, ratelimit apart", "trivial, rate-limit call"
+EPP, EPP_FLOOR = "full chain, router apart", "trivial, ext_proc call"
 PACED = "trivial, at the full chain's rate"
 INDEX = {c.label: i for i, c in enumerate(CONFIGS)}
 # Where the stack runs for the latency tables: as in the CPU table, then on every core.
@@ -217,22 +216,19 @@ class TrivialStack(Stack):
         argv += ["--check-delay-ms", str(self.delay_ms)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         a = Address(port=port)
-        picks, admits = self.settings.router_in_extauthz, self.settings.ratelimit_in_extauthz
-        http = Address(port=free_port())  # the key at the headers; the check too when inside
+        topology = self.settings.topology
+        http = Address(port=free_port())  # the key at the headers; the check too in a gateway
         argv += ["--http-port", str(http.port)]
-        checked_over_http = self.settings.extauthz_http and picks and admits
         self._process("trivial", argv, grpc_serving(f"127.0.0.1:{port}"), env).start(
             self.settings.start_timeout
         )
         self.services = Services(
-            extauthz_http=http if checked_over_http else None,
-            extauthz_keys=None if checked_over_http else http,
+            topology=topology,
             extauthz=a,
-            ratelimit=None if admits else a,
-            router=None if picks else a,
+            extauthz_http=http,
+            ratelimit=None if topology.limiter_inside else a,
+            router=None if topology.router_inside else a,
             ledger=a,
-            router_in_extauthz=picks,
-            ratelimit_in_extauthz=admits,
         )
 
 
@@ -306,9 +302,7 @@ class Bench:
             listen=Address(port=0),
             upstreams=(f"{self.pod_address.host}:{self.pod_address.port}",),
             services=services or (),
-            router_in_extauthz="router" not in config.apart,
-            ratelimit_in_extauthz="ratelimit" not in config.apart,
-            extauthz_http=not config.grpc_check,
+            topology=config.topology,
             # Mutual TLS between Envoy and the services, as deployed; bench/trivial.py speaks
             # plaintext (its floor is without TLS), and --no-tls measures what TLS costs.
             tls=services is not None and not self.args.no_tls,
@@ -446,8 +440,8 @@ def cpu_table(rows: list[Cpu], args: argparse.Namespace, pinned: bool) -> str:
         )
     for label, floor_label in (
         (GRPC, GRPC_FLOOR),
-        (APART, APART_FLOOR),
-        (BOTH_APART, BOTH_APART_FLOOR),
+        (RLS, RLS_FLOOR),
+        (EPP, EPP_FLOOR),
     ):
         if label in by and floor_label in by:
             apart, apart_floor = by[label], by[floor_label]

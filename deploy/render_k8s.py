@@ -3,8 +3,8 @@
     .venv/bin/python -m deploy.render_k8s > deploy/k8s/envoy-config.yaml
 
 Services are headless, so Envoy's STRICT_DNS clusters resolve every replica; the vLLM pods are
-the headless Service `vllm`. The router and the rate limiter run inside extauthz
-(`--router-in-extauthz --ratelimit-in-extauthz`): Envoy reads the pick and the admission from
+the headless Service `vllm`. The gateway topology (`--topology gateway`): the router and the rate
+limiter run inside extauthz, Envoy checks over HTTP, reads the pick and the admission from
 ext_authz's answer and sends the router's access log to extauthz.
 tests/test_k8s.py fails when the file is not this rendering.
 """
@@ -25,12 +25,14 @@ RENDER = [
     "0.0.0.0:9902",
     "--upstream",
     "vllm:8000",
+    # extauthz holds the router and the rate limiter: no ext_proc or rate-limit call, no router
+    # or ratelimit Service.
+    "--topology",
+    "gateway",
     "--extauthz",
     "extauthz:9001",
     "--extauthz-http",  # Envoy's checks over HTTP (llmgw/authzhttp.py); 9001: health, access logs
     "extauthz:9011",
-    "--router-in-extauthz",  # extauthz holds the router (its PICK): no ext_proc, no router Service
-    "--ratelimit-in-extauthz",  # and the rate limiter (its ADMIT): no rate-limit call or Service
     "--ledger",
     "ledger:9004",
     "--pod-key-env",  # the pods' vLLM key, from the Secret llmgw-vllm in Envoy's environment

@@ -56,11 +56,11 @@ async def main(settings: Settings) -> None:
     bodies = BodyPool(decider, settings.decision.pool_body_bytes)
     await bodies.start()
     limiter = None
-    if settings.admit:
+    if settings.holds_limiter:
         limiter = RateLimiter(admitting(settings))
         await limiter.start()
     router = None
-    if settings.pick:
+    if settings.holds_router:
         router = Router.from_settings(picking(settings), tracer)
         await router.start()
     director = Director(
@@ -142,9 +142,9 @@ def settings(path: Path | None) -> Settings:
     limiter's), all validated."""
     loaded = load(Settings, path, ENV_PREFIX)
     tenants.load(loaded.tenants_file, load_tiers(loaded.tiers_file))
-    if loaded.pick:
+    if loaded.holds_router:
         picking(loaded)
-    if loaded.admit:
+    if loaded.holds_limiter:
         admitting(loaded)
     return loaded
 

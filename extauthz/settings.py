@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
@@ -14,6 +14,7 @@ from llmgw.facts import RequestFacts
 from llmgw.secret import Secret
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
+from llmgw.topology import Topology, pop_deprecated
 
 ENV_PREFIX = "LLMGW_EXTAUTHZ"
 Tokens = Annotated[int, Field(ge=1, le=facts.MAX_OUTPUT_TOKENS)]
@@ -100,15 +101,14 @@ class Settings(Strict):
     reload_interval_seconds: float = Field(default=0.25, gt=0, le=0.5)
     decision: DecisionSettings = DecisionSettings()
     sessions: SessionSettings
-    # Pick the pod here as well, with the router in this process (router/runtime.py): its
-    # settings from `router_config` and LLMGW_ROUTER__… overrides, as `python -m router` reads
-    # them. Envoy then makes no ext_proc call (llmgw/envoyconf.py Services.router_in_extauthz).
-    pick: bool = False
+    # What this process holds (llmgw/topology.py): the rate limiter and the router in gateway
+    # and grpc-check, the router alone in rls, the rate limiter alone in epp; None: neither.
+    # The router (router/runtime.py) picks the pod here too, with its settings from
+    # `router_config` and LLMGW_ROUTER__… overrides, as `python -m router` reads them; the rate
+    # limiter (ratelimit/runtime.py) admits here, its settings from `ratelimit_config` and
+    # LLMGW_RATELIMIT__… overrides. Envoy then makes no ext_proc or rate-limit call for them.
+    topology: Topology | None = None
     router_config: Path | None = None
-    # Admit here as well, with the rate limiter in this process (ratelimit/runtime.py): its
-    # settings from `ratelimit_config` and LLMGW_RATELIMIT__… overrides, as `python -m ratelimit`
-    # reads them. Envoy then makes no rate-limit call (Services.ratelimit_in_extauthz).
-    admit: bool = False
     ratelimit_config: Path | None = None
     # The longest an admission may take, Redis however slow (a borrowing one makes up to three
     # round trips, each within the limiter's redis.deadline_ms); past it the request goes on
@@ -116,7 +116,7 @@ class Settings(Strict):
     # closed.
     admit_timeout_ms: float = Field(default=1000.0, gt=0)
     # Answer Envoy's checks over HTTP too, on this port of serve.host (extauthz/httpserver.py;
-    # Envoy's ext_authz `http_service`, llmgw/envoyconf.py Services.extauthz_http): no gRPC
+    # Envoy's ext_authz `http_service` in the gateway topology, llmgw/envoyconf.py): no gRPC
     # plumbing per check. None: gRPC only. Health, metrics and access logs stay on gRPC.
     http_port: int | None = Field(default=None, ge=0, le=65535)
     # From SIGTERM, the check port drains at least this long before it closes (Envoy's health
@@ -124,12 +124,35 @@ class Settings(Strict):
     # whatever else the process waits for.
     http_drain_seconds: float = Field(default=2.0, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_booleans(cls, data: Any) -> Any:
+        """`pick` and `admit` (each false by default): the topology that holds what they held."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        shape = pop_deprecated(data, {"admit": False, "pick": False}, "extauthz")
+        if shape is not None and any(shape):
+            admit, pick = shape
+            data["topology"] = Topology.of(
+                limiter_inside=admit, router_inside=pick, check_over_http=admit and pick
+            )
+        return data
+
+    @property
+    def holds_router(self) -> bool:
+        return self.topology is not None and self.topology.router_inside
+
+    @property
+    def holds_limiter(self) -> bool:
+        return self.topology is not None and self.topology.limiter_inside
+
     @model_validator(mode="after")
     def _configs_used(self) -> Settings:
-        if self.router_config is not None and not self.pick:
-            raise ValueError("router_config: set pick: true, or the router's settings do nothing")
-        if self.ratelimit_config is not None and not self.admit:
+        if self.router_config is not None and not self.holds_router:
+            raise ValueError("router_config: no router in this topology: its settings do nothing")
+        if self.ratelimit_config is not None and not self.holds_limiter:
             raise ValueError(
-                "ratelimit_config: set admit: true, or the rate limiter's settings do nothing"
+                "ratelimit_config: no rate limiter in this topology: its settings do nothing"
             )
         return self

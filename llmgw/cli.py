@@ -13,6 +13,7 @@ from llmgw import certs, config, envoyconf, logs, usage
 from llmgw.envoyconf import Address
 from llmgw.stack import Stack, StackSettings
 from llmgw.tls import ENVOY_IDENTITY
+from llmgw.topology import Topology, deprecated
 
 ADMIN_PORT = 9901  # Envoy's conventional admin port, for rendered deployments
 
@@ -83,22 +84,41 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
         for name in RENDERED_SERVICES
         if getattr(args, name)
     }
+    if args.extauthz_http and args.extauthz_keys:
+        raise ValueError("--extauthz-keys: deprecated, and --extauthz-http is given: drop it")
+    http = args.extauthz_http or args.extauthz_keys
     services = envoyconf.Services.model_validate(
         {
             **named,
-            "router_in_extauthz": args.router_in_extauthz,
-            "ratelimit_in_extauthz": args.ratelimit_in_extauthz,
-            "extauthz_http": envoyconf.parse_endpoint(args.extauthz_http)
-            if args.extauthz_http
-            else None,
-            "extauthz_keys": envoyconf.parse_endpoint(args.extauthz_keys)
-            if args.extauthz_keys
-            else None,
+            "topology": _topology(args),
+            "extauthz_http": envoyconf.parse_endpoint(http) if http else None,
         }
     )
     pods = [envoyconf.parse_endpoint(u) for u in args.upstream]
     sys.stdout.write(envoyconf.render(settings, _listen(args.listen), pods, services))
     return 0
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    """--topology, else the shape the deprecated flags name (the check over HTTP unless
+    extauthz's HTTP port came as --extauthz-keys), else the gateway."""
+    old = {
+        "--router-in-extauthz": (args.router_in_extauthz, "--topology"),
+        "--ratelimit-in-extauthz": (args.ratelimit_in_extauthz, "--topology"),
+        "--extauthz-keys": (args.extauthz_keys is not None, "--extauthz-http and --topology"),
+    }
+    given = [flag for flag, (on, _) in old.items() if on]
+    if not given:
+        return Topology(args.topology or Topology.GATEWAY)
+    if args.topology:
+        raise ValueError(f"{', '.join(given)}: deprecated, and --topology is given: drop it")
+    for flag in given:
+        deprecated(flag, old[flag][1])
+    return Topology.of(
+        limiter_inside=args.ratelimit_in_extauthz,
+        router_inside=args.router_in_extauthz,
+        check_over_http=args.extauthz_keys is None,
+    )
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -140,28 +160,21 @@ def parser() -> argparse.ArgumentParser:
     for name in RENDERED_SERVICES:
         render.add_argument(f"--{name}", metavar="HOST:PORT", help=f"the {name} service (gRPC)")
     render.add_argument(
+        "--topology",
+        choices=[t.value for t in Topology],
+        help="how Envoy checks and where the rate limiter and the router run (README, "
+        "Topologies): gateway (default; the check over HTTP, both inside extauthz), grpc-check "
+        "(over gRPC), rls (the rate limiter apart: --ratelimit), epp (the router apart: --router)",
+    )
+    render.add_argument(
         "--extauthz-http",
         metavar="HOST:PORT",
-        help="extauthz's HTTP port (its `http_port`): Envoy checks over HTTP, not gRPC; needs "
-        "the rate limiter and router inside extauthz",
+        help="extauthz's HTTP port (its `http_port`): Envoy asks it whose key a request carries, "
+        "at the headers, before buffering any body; in the gateway topology it checks there too",
     )
-    render.add_argument(
-        "--extauthz-keys",
-        metavar="HOST:PORT",
-        help="extauthz's HTTP port when the check goes over gRPC: Envoy asks it whose key a "
-        "request carries, at the headers, before buffering any body",
-    )
-    render.add_argument(
-        "--router-in-extauthz",
-        action="store_true",
-        help="the router runs inside extauthz (its `pick: true`), not behind ext_proc",
-    )
-    render.add_argument(
-        "--ratelimit-in-extauthz",
-        action="store_true",
-        help="the rate limiter runs inside extauthz (its `admit: true`), not behind Envoy's "
-        "rate-limit filter",
-    )
+    render.add_argument("--extauthz-keys", metavar="HOST:PORT", help="deprecated: --extauthz-http")
+    for flag in ("--router-in-extauthz", "--ratelimit-in-extauthz"):
+        render.add_argument(flag, action="store_true", help="deprecated: --topology")
     render.add_argument("--otlp", metavar="HOST:PORT", help="OpenTelemetry collector (OTLP/gRPC)")
     render.add_argument(
         "--admin", metavar="HOST:PORT", help=f"admin (default 127.0.0.1:{ADMIN_PORT})"

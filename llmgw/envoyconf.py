@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from llmgw import authzhttp, wire
 from llmgw.config import Strict
 from llmgw.procs import bin_path
+from llmgw.topology import Topology
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "envoy"
 TEMPLATE = "envoy.yaml.j2"
@@ -91,27 +92,23 @@ class Uploads(Strict):
 
 
 class Services(Strict):
-    """Where the callout services listen; a service left out is not in the config."""
+    """Where the callout services listen, in which topology; a service left out is not in the
+    config."""
 
+    # How Envoy asks for the check, and where the rate limiter and the router run
+    # (llmgw/topology.py): inside extauthz, or at `ratelimit` (rls) and `router` (epp).
+    topology: Topology = Topology.GATEWAY
     extauthz: Address | None = None
+    # extauthz's HTTP port (its settings `http_port`): Envoy asks it whose key a request carries
+    # at the headers (authzhttp.KEY_PATH) and, in the gateway topology, checks there too,
+    # without grpc-python's plumbing per check (llmgw/authzhttp.py).
+    extauthz_http: Address | None = None
     ratelimit: Address | None = None
     router: Address | None = None
     ledger: Address | None = None  # the access-log service: outcomes, settlement, usage ledger
-    # The router runs inside extauthz (its settings `pick`): the pick comes in ext_authz's
-    # metadata, the router's access log goes to extauthz, and there is no ext_proc call.
-    router_in_extauthz: bool = False
-    # The rate limiter runs inside extauthz (its settings `admit`): a refusal is ext_authz's
-    # denial, an admission's headers and metadata come with ext_authz's answer, and there is no
-    # rate-limit call.
-    ratelimit_in_extauthz: bool = False
-    # extauthz's HTTP port (its settings `http_port`): Envoy checks over HTTP, not gRPC, without
-    # grpc-python's plumbing per check (llmgw/authzhttp.py). Its metadata are strings, and a
-    # tenant's limit overrides (a struct) are not sent: the rate limiter and the router, when
-    # there are, must run inside extauthz, which reads the facts in process.
-    extauthz_http: Address | None = None
-    # extauthz's HTTP port for the key question at the headers (authzhttp.KEY_PATH), when the
-    # check itself goes over gRPC; with extauthz_http, that port answers it.
-    extauthz_keys: Address | None = None
+    # A router picks where the topology puts it; False: none does, and Envoy's fallback policy
+    # picks alone (chains built up one service at a time, in benchmarks).
+    routed: bool = True
     # Long enough to mean "down", not "busy": a burst of 1,000 requests queues up its checks on
     # one core (tests/test_burst.py). extauthz fails closed (503), and bounds its own admission
     # below this (its admit_timeout_ms); the rate limiter apart fails open, so a timeout that
@@ -125,37 +122,43 @@ class Services(Strict):
     # default, 16 KiB, is a handful of entries: a burst of 200 requests lost some.
     log_buffer_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 
-    @property
-    def key_address(self) -> Address:
-        """extauthz's HTTP port, which envoy/authn.lua asks whose key a request carries."""
-        address = self.extauthz_keys or self.extauthz_http
-        assert address is not None  # validated: extauthz comes with one
-        return address
-
     @model_validator(mode="after")
-    def _one_picker(self) -> Services:
-        if self.extauthz is not None and self.extauthz_http is None and self.extauthz_keys is None:
+    def _fits_the_topology(self) -> Services:
+        name = self.topology.value
+        if (self.extauthz is None) != (self.extauthz_http is None):
             raise ValueError(
-                "extauthz: needs its HTTP port (extauthz_http, or extauthz_keys when the check "
-                "goes over gRPC): Envoy asks it whose key a request carries before reading a body"
+                "extauthz, extauthz_http: both or neither (its gRPC port: health, the router's "
+                "access log; its HTTP port: whose key a request carries, before any body is read)"
             )
-        if self.router_in_extauthz and (self.extauthz is None or self.router is not None):
-            raise ValueError("router_in_extauthz: needs extauthz, and no router of its own")
-        if self.ratelimit_in_extauthz and (self.extauthz is None or self.ratelimit is not None):
-            raise ValueError("ratelimit_in_extauthz: needs extauthz, and no ratelimit of its own")
-        if self.extauthz_http is not None and (
-            self.extauthz is None or self.ratelimit is not None or self.router is not None
-        ):
-            raise ValueError(
-                "extauthz_http: needs extauthz (its gRPC port: health, the router's access log), "
-                "and the rate limiter and router inside it, not apart"
-            )
+        if self.ratelimit is not None and self.topology.limiter_inside:
+            raise ValueError(f"ratelimit: {name} has the rate limiter inside extauthz (rls: apart)")
+        if self.router is not None and self.topology.router_inside:
+            raise ValueError(f"router: {name} has the router inside extauthz (epp: apart)")
+        if self.router is not None and not self.routed:
+            raise ValueError("router: an address, and routed: false")
+        if self.extauthz is not None and self.topology is Topology.RLS and self.ratelimit is None:
+            raise ValueError("rls: needs the rate limiter's address (ratelimit)")
+        if self.routed and self.topology is Topology.EPP and self.router is None:
+            raise ValueError("epp: needs the router's address (router)")
         return self
+
+    @property
+    def check_over_http(self) -> bool:
+        return self.extauthz is not None and self.topology.check_over_http
+
+    @property
+    def limiter_inside(self) -> bool:
+        return self.extauthz is not None and self.topology.limiter_inside
+
+    @property
+    def router_inside(self) -> bool:
+        """The pick in ext_authz's metadata, the router's access log to extauthz."""
+        return self.extauthz is not None and self.topology.router_inside and self.routed
 
     @property
     def admission_namespace(self) -> str:
         """Where the limiter's answer (wire.META_DECIDED, ...) is in the dynamic metadata."""
-        return wire.EXTAUTHZ_NAMESPACE if self.ratelimit_in_extauthz else wire.RATELIMIT_NAMESPACE
+        return wire.EXTAUTHZ_NAMESPACE if self.limiter_inside else wire.RATELIMIT_NAMESPACE
 
     @property
     def grpc(self) -> list[tuple[str, Address]]:

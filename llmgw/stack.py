@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import redis
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from extauthz.demo import seed_demo
 from llmgw import certs, envoyconf
@@ -34,6 +34,7 @@ from llmgw.procs import (
     stop_all,
 )
 from llmgw.tls import ENVOY_IDENTITY
+from llmgw.topology import Topology, pop_deprecated
 
 SIM_MODULE = "llmgw.sim"
 POD_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable for --api-key; Envoy's too (pod_key_env)
@@ -54,16 +55,9 @@ class StackSettings(Strict):
     # without extauthz they count nothing.
     # The ledger settles tokens and keeps the usage ledger, in PostgreSQL.
     services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
-    # With extauthz, the router runs inside it (no ext_proc call: one gRPC exchange fewer a
-    # request), as compose and k8s run it; False: in its own process behind ext_proc.
-    router_in_extauthz: bool = True
-    # With extauthz, the rate limiter runs inside it too (no rate-limit call: another exchange
-    # fewer); False: in its own process behind Envoy's rate-limit filter.
-    ratelimit_in_extauthz: bool = True
-    # Envoy checks over HTTP, not gRPC (llmgw/authzhttp.py: no gRPC plumbing per check), when
-    # neither the rate limiter nor the router runs apart (they would read the facts from Envoy's
-    # metadata, which over HTTP are strings with no limit overrides).
-    extauthz_http: bool = True
+    # How Envoy checks and where the rate limiter and the router run (llmgw/topology.py); the
+    # gateway is what compose and k8s run.
+    topology: Topology = Topology.GATEWAY
     # An existing PostgreSQL server for the ledger; None: start one, its data in `postgres_dir`
     # (None: inside the run's state directory, gone with it).
     database_url: str | None = None
@@ -79,6 +73,25 @@ class StackSettings(Strict):
     tls: bool = True
     envoy: EnvoySettings = EnvoySettings()
     start_timeout: float = 60.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_booleans(cls, data: Any) -> Any:
+        """router_in_extauthz, ratelimit_in_extauthz and extauthz_http (each true by default;
+        the check went over HTTP only with both inside): their topology."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        old = {"ratelimit_in_extauthz": True, "router_in_extauthz": True, "extauthz_http": True}
+        shape = pop_deprecated(data, old, "stack settings")
+        if shape is not None:
+            limiter, router, http = shape
+            data["topology"] = Topology.of(
+                limiter_inside=limiter,
+                router_inside=router,
+                check_over_http=http and limiter and router,
+            )
+        return data
 
 
 class Stack:
@@ -222,23 +235,20 @@ class Stack:
             settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
             settings["ledger"]["TIERS_FILE"] = str(self.limits_file)  # each tier's breaker
         names = self.settings.services
-        inside = {
-            "router": self.settings.router_in_extauthz,
-            "ratelimit": self.settings.ratelimit_in_extauthz,
-        }
+        topology = self.settings.topology
+        inside = {"router": topology.router_inside, "ratelimit": topology.limiter_inside}
         # Run inside extauthz, not as processes of their own.
         held = [n for n in names if inside.get(n) and "extauthz" in names]
         held_env: dict[str, str] = {}
         for name in held:
-            settings["extauthz"]["PICK" if name == "router" else "ADMIT"] = "true"
             prefix = f"LLMGW_{name.upper()}__"
             held_env |= {prefix + k: v for k, v in settings[name].items()}
-        apart = [n for n in names if n in inside and n not in held]
+        if held:
+            settings["extauthz"]["TOPOLOGY"] = self._holding(held)
         http = None
         if "extauthz" in names:  # Envoy asks it whose key a request carries, at the headers
             http = Address(port=free_port())
             settings["extauthz"]["HTTP_PORT"] = str(http.port)
-        checked_over_http = self.settings.extauthz_http and not apart
         addresses = {
             name: self._start_service(name, settings[name], held_env if name == "extauthz" else {})
             for name in names
@@ -247,16 +257,24 @@ class Stack:
         self.services = Services.model_validate(
             {
                 **addresses,
-                "router_in_extauthz": "router" in held,
-                "ratelimit_in_extauthz": "ratelimit" in held,
-                "extauthz_http": http if checked_over_http else None,
-                "extauthz_keys": None if checked_over_http else http,
+                "topology": topology,
+                "extauthz_http": http,
+                "routed": "router" in names,
             }
         )
         for name in held:  # their metrics are served by the process that holds them
             self.metrics[name] = self.metrics["extauthz"]
         if "router" in names and self.pod_processes:
             self._wait_pickable()
+
+    def _holding(self, held: list[ServiceName]) -> Topology:
+        """extauthz's topology: the stack's, or, when the stack leaves out a service that
+        topology puts inside extauthz, the one in which extauthz holds just the other."""
+        topology = self.settings.topology
+        limiter, router = "ratelimit" in held, "router" in held
+        if (limiter, router) == (topology.limiter_inside, topology.router_inside):
+            return topology
+        return Topology.of(limiter_inside=limiter, router_inside=router, check_over_http=False)
 
     def _wait_pickable(self) -> None:
         """Until the router has scraped every simulated pod: a burst sent as soon as the stack

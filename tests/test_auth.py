@@ -198,7 +198,7 @@ def test_the_pods_own_session_and_rate_headers_never_reach_the_client(tmp_path: 
         pod.response_headers = {"x-session-id": "pod-session", "x-ratelimit-limit-requests": "7"}
         settings = stack_settings().model_copy(update={"upstreams": (pod.address,), "pods": 0})
         with Stack(settings, tmp_path / "stack") as stack:
-            assert stack.services.extauthz_http is not None
+            assert stack.services.check_over_http
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             request = urllib.request.Request(
                 f"{stack.base_url}/chat/completions",

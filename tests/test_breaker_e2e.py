@@ -109,7 +109,7 @@ def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
         ids = {r.headers["x-request-id"] for r in [reply, *refused]}
         for entry in logged(cb_stack, ids).values():
             # Refused by the rate limiter: inside extauthz (a denial) or behind its own filter.
-            flag = "UAEX" if cb_stack.services.ratelimit_in_extauthz else "RL"
+            flag = "UAEX" if cb_stack.services.limiter_inside else "RL"
             assert entry["upstream"] in (None, "", "-") and flag in entry["flags"]
 
         # Platinum: two 500s leave it admitted (each request still reaches a pod), the third trips.

@@ -21,6 +21,7 @@ import pytest
 
 from extauthz.types import Limits
 from llmgw.stack import Stack
+from llmgw.topology import Topology
 from tests.conftest import stack_settings
 from tests.http import call
 from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter
@@ -127,7 +128,7 @@ def test_a_burst_admits_exactly_the_limit_and_never_fails_open(
 @pytest.fixture(scope="module")
 def apart_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The rate limiter apart: `python -m ratelimit` behind Envoy's rate-limit filter."""
-    apart = stack_settings().model_copy(update={"ratelimit_in_extauthz": False})
+    apart = stack_settings().model_copy(update={"topology": Topology.RLS})
     with Stack(apart, tmp_path_factory.mktemp("apart")) as running:
         yield running
 
@@ -135,7 +136,7 @@ def apart_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_apart_a_burst_admits_exactly_the_limit_too(apart_stack: Stack) -> None:
     """Envoy builds the descriptors from extauthz's metadata (the tenant's own limit as their
     override) and the service decides them as the limiter inside extauthz would."""
-    assert not apart_stack.services.ratelimit_in_extauthz
+    assert not apart_stack.services.limiter_inside
     assert any(p.name == "ratelimit" for p in apart_stack.processes)
     key = add_tenant(apart_stack, "apart-burst", "free", Limits(rpm=LIMIT, tpm=10_000_000))
     room = LIMIT - counter(apart_stack, "apart-burst", "requests:minute")

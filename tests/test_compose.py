@@ -2,9 +2,10 @@
 
 - The file against the Compose specification's JSON schema (vendored: tests/schemas/README.md).
 - Envoy's config for compose is the template's current rendering, has every filter, validates.
-  The router runs inside extauthz (its PICK), as the local stack runs it: no router service, no
-  ext_proc filter; the pick is read from ext_authz's metadata, the router's access log goes to
-  extauthz, and extauthz (started here) scrapes the pods and publishes the fleet load to Redis.
+  The gateway topology, as the local stack runs it: the router runs inside extauthz, no router
+  service, no ext_proc filter; the pick is read from ext_authz's metadata, the router's access
+  log goes to extauthz, and extauthz (started here) scrapes the pods and publishes the fleet
+  load to Redis.
 - Every service built from our image starts here from the compose file's own command,
   environment and mounted files, with the compose hostnames mapped to loopback (a port of ours
   for each `host:port`), and answers the compose health check: a compose file whose services
@@ -63,6 +64,9 @@ START_TIMEOUT = 90  # a Python service's start on a loaded 2-core box, several a
 RENDER = {
     "--listen": "0.0.0.0:8080",
     "--stats": "0.0.0.0:9902",  # the admin stays on loopback
+    # extauthz holds the router and the rate limiter (LLMGW_EXTAUTHZ__TOPOLOGY) and is checked
+    # over HTTP.
+    "--topology": "gateway",
     "--extauthz": "extauthz:9001",
     "--extauthz-http": "extauthz:9011",  # Envoy's checks (LLMGW_EXTAUTHZ__HTTP_PORT)
     "--ledger": "ledger:9004",
@@ -70,8 +74,6 @@ RENDER = {
     "--pod-key-env": "VLLM_API_KEY",  # the pods' key, from Envoy's environment
     "--tls": "/etc/envoy/tls",  # Envoy's certificates, mounted from compose/tls
 }
-# extauthz holds the router and the rate limiter (LLMGW_EXTAUTHZ__PICK, __ADMIT).
-RENDER_FLAGS = ("--router-in-extauthz", "--ratelimit-in-extauthz")
 OURS = ("extauthz", "ledger")  # the services built from our image
 PODS = ("vllm-0:8000", "vllm-1:8000")
 INTERPOLATION = {
@@ -91,7 +93,6 @@ def render_argv() -> list[str]:
     argv = ["render-envoy"]
     for flag, value in RENDER.items():
         argv += [flag, value]
-    argv += RENDER_FLAGS
     for pod in PODS:
         argv += ["--upstream", pod]
     return argv
@@ -143,13 +144,12 @@ def test_compose_runs_the_whole_product() -> None:
     assert redis[redis.index("--requirepass") + 1] == password
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == password  # the health check
     assert services["ledger"]["environment"]["LLMGW_LEDGER__REDIS__PASSWORD"] == password
-    # extauthz holds the router: it picks, scrapes the pods and publishes the fleet load.
+    # extauthz holds the router: it picks, scrapes the pods and publishes the fleet load; and
+    # the rate limiter: it admits in each Check, its counters in the same Redis.
     extauthz = services["extauthz"]["environment"]
-    assert extauthz["LLMGW_EXTAUTHZ__PICK"] == "true"
+    assert extauthz["LLMGW_EXTAUTHZ__TOPOLOGY"] == RENDER["--topology"]
     assert json.loads(extauthz["LLMGW_ROUTER__FLEET__PODS"]) == list(PODS)
     assert extauthz["LLMGW_ROUTER__REDIS_URL"].startswith(f"redis://:{password}@redis:")
-    # ... and the rate limiter: it admits in each Check, its counters in the same Redis.
-    assert extauthz["LLMGW_EXTAUTHZ__ADMIT"] == "true"
     assert extauthz["LLMGW_RATELIMIT__REDIS__HOST"] == "redis"
     assert extauthz["LLMGW_RATELIMIT__REDIS__PASSWORD"] == password
     cluster = services["ledger"]["environment"]["LLMGW_LEDGER__REDIS__CLUSTER"]
@@ -180,8 +180,6 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     header = (COMPOSE / "docker-compose.yaml").read_text()
     for flag, value in RENDER.items():
         assert f"{flag} {value}" in header, f"the header's render command lacks {flag} {value}"
-    for flag in RENDER_FLAGS:
-        assert f" {flag} " in header, f"the header's render command lacks {flag}"
     assert "--router " not in header and "--ratelimit " not in header  # no such services
     assert cli.main(render_argv()) == 0
     rendered = capsys.readouterr().out

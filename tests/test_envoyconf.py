@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from llmgw import authzhttp, cli, envoyconf, wire
 from llmgw.envoyconf import Address, EnvoySettings
 from llmgw.procs import Process, bin_path, free_port, http_ok
+from llmgw.topology import Topology
 from ratelimit import response
 from ratelimit.response import rate_headers
 from ratelimit.types import KindState, Unit, Verdict
@@ -99,40 +101,113 @@ def test_parse_endpoint_rejects(spec: str) -> None:
         envoyconf.parse_endpoint(spec)
 
 
-def test_the_router_inside_extauthz_makes_no_ext_proc_call(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+BASE = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
+BASE += ["--extauthz-http", "extauthz:9011"]
+# Each topology's own flags: the service it runs apart.
+APART = {
+    Topology.GATEWAY: [],
+    Topology.GRPC_CHECK: [],
+    Topology.RLS: ["--ratelimit", "rl:9002"],
+    Topology.EPP: ["--router", "r:9003"],
+}
+
+
+def rendered_with(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict:  # type: ignore[type-arg]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    path = tmp_path / "envoy.yaml"
+    path.write_text(capsys.readouterr().out)
+    envoyconf.validate(path)
+    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("topology", list(Topology))
+def test_each_topology_renders_its_shape(
+    topology: Topology, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The pick is read from ext_authz's metadata and the router's outcomes go to extauthz;
-    with the router apart, ext_proc and envoy.lb as before."""
-    base = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
-    base += ["--extauthz-keys", "extauthz:9011"]
-    configs = {}
-    for name, extra in (("inside", ["--router-in-extauthz"]), ("apart", ["--router", "r:9003"])):
-        assert cli.main(base + extra) == 0
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(capsys.readouterr().out)
-        envoyconf.validate(path)
-        configs[name] = yaml.safe_load(path.read_text())
-    sources = {name: pick_sources(c) for name, c in configs.items()}
-    endpoint = [{"key": "x-gateway-destination-endpoint"}]
-    assert sources["inside"] == [
-        {"metadata": {"key": "envoy.filters.http.ext_authz", "path": endpoint}}
+    """The check over HTTP only in the gateway; a rate-limit call only in rls and an ext_proc
+    call only in epp; the pick read from ext_authz's metadata, and the router's access log sent
+    to extauthz, where the router runs inside it."""
+    argv = [*BASE, "--topology", topology.value, *APART[topology]]
+    config = rendered_with(argv, tmp_path, capsys)
+    (authz,) = [
+        f["typed_config"]
+        for f in config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"
+        ]["http_filters"]
+        if f["name"] == "envoy.filters.http.ext_authz"
     ]
-    assert sources["apart"] == [{"metadata": {"key": "envoy.lb", "path": endpoint}}]
-    assert "envoy.filters.http.ext_proc" not in http_filters(configs["inside"])
-    assert "envoy.filters.http.ext_proc" in http_filters(configs["apart"])
-    assert grpc_loggers(configs["inside"]) == {"router": "extauthz"}
-    assert grpc_loggers(configs["apart"]) == {"router": "router"}
-    no_extauthz = ["render-envoy", "--upstream", "vllm-0:8000", "--insecure-no-auth"]
-    for argv in ([*base, "--router", "r:9003"], no_extauthz):
-        assert cli.main([*argv, "--router-in-extauthz"]) != 0
-        assert "router_in_extauthz: needs extauthz, and no router" in capsys.readouterr().err
+    assert ("http_service" in authz, "grpc_service" in authz) == (
+        topology is Topology.GATEWAY,
+        topology is not Topology.GATEWAY,
+    )
+    filters = http_filters(config)
+    assert ("envoy.filters.http.ratelimit" in filters) == (topology is Topology.RLS)
+    assert ("envoy.filters.http.ext_proc" in filters) == (topology is Topology.EPP)
+    endpoint = [{"key": "x-gateway-destination-endpoint"}]
+    namespace = "envoy.lb" if topology is Topology.EPP else "envoy.filters.http.ext_authz"
+    assert pick_sources(config) == [{"metadata": {"key": namespace, "path": endpoint}}]
+    router_log = "router" if topology is Topology.EPP else "extauthz"
+    assert grpc_loggers(config) == {"router": router_log}
+    clusters = {c["name"] for c in config["static_resources"]["clusters"]}
+    assert {"extauthz", "extauthz_keys"} <= clusters
+    assert ("extauthz_http" in clusters) == (topology is Topology.GATEWAY)
+
+
+def test_a_topology_refuses_what_it_runs_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    """A service apart that the topology runs inside extauthz, or the one it runs apart left
+    without an address, is refused, naming the topology."""
+    for topology, apart, message in (
+        ("gateway", ["--ratelimit", "rl:9002"], "gateway has the rate limiter inside extauthz"),
+        ("grpc-check", ["--router", "r:9003"], "grpc-check has the router inside extauthz"),
+        ("rls", ["--router", "r:9003"], "rls has the router inside extauthz"),
+        ("epp", ["--ratelimit", "rl:9002"], "epp has the rate limiter inside extauthz"),
+        ("rls", [], "rls: needs the rate limiter's address"),
+        ("epp", [], "epp: needs the router's address"),
+    ):
+        assert cli.main([*BASE, "--topology", topology, *apart]) == 2
+        assert message in capsys.readouterr().err, (topology, apart)
+    no_http = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
+    assert cli.main(no_http) == 2
+    assert "extauthz, extauthz_http: both or neither" in capsys.readouterr().err
+
+
+def test_the_deprecated_flags_render_their_topology_and_warn(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--router-in-extauthz, --ratelimit-in-extauthz and --extauthz-keys (extauthz's HTTP port
+    when the check went over gRPC) still render the topology they named, each logging that it is
+    deprecated; the shape no topology has (both apart) is refused."""
+    keys = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
+    keys += ["--extauthz-keys", "extauthz:9011"]
+    inside = ["--router-in-extauthz", "--ratelimit-in-extauthz"]
+    old = {
+        Topology.GATEWAY: [*BASE, *inside],
+        Topology.GRPC_CHECK: [*keys, *inside],
+        Topology.RLS: [*keys, "--router-in-extauthz", "--ratelimit", "rl:9002"],
+        Topology.EPP: [*keys, "--ratelimit-in-extauthz", "--router", "r:9003"],
+    }
+    for topology, argv in old.items():
+        assert cli.main([*BASE, "--topology", topology.value, *APART[topology]]) == 0
+        new = capsys.readouterr()
+        assert "deprecated" not in new.err
+        assert cli.main(argv) == 0
+        got = capsys.readouterr()
+        assert got.out == new.out, topology
+        warned = {json.loads(line)["msg"] for line in got.err.splitlines()}
+        flags = [a for a in argv if a in ("--extauthz-keys", *inside)]
+        assert len(warned) == len(flags) and all(
+            any(m.startswith(f"{flag} is deprecated") for m in warned) for flag in flags
+        ), warned
+    assert cli.main([*keys, "--ratelimit", "rl:9002", "--router", "r:9003"]) == 2
+    assert "no topology has the rate limiter apart, the router apart" in capsys.readouterr().err
+    assert cli.main([*BASE, "--topology", "gateway", "--router-in-extauthz"]) == 2
+    assert "--topology is given" in capsys.readouterr().err
 
 
 def test_render_envoy_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["render-envoy", "--upstream", "vllm-0:8000", "--upstream", "vllm-1:8000"]
     argv += ["--extauthz", "extauthz:9001", "--ratelimit", "10.0.0.7:9002"]  # a name, an IP
-    argv += ["--extauthz-keys", "extauthz:9011"]
+    argv += ["--extauthz-http", "extauthz:9011", "--topology", "rls"]
     assert cli.main(argv) == 0
     path = tmp_path / "out.yaml"
     path.write_text(capsys.readouterr().out)
@@ -168,12 +243,10 @@ def test_memory_is_bounded_per_connection_and_in_all(tmp_path: Path) -> None:
 
 
 def test_the_check_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """With --extauthz-http, ext_authz calls extauthz's HTTP port (HTTP/1.1), takes every
+    """In the gateway topology ext_authz calls extauthz's HTTP port (HTTP/1.1), takes every
     metadata key of the contract from the answer's headers, and keeps the breaker's 503 (sent
-    as a 429); without the rate limiter and router inside, it is refused."""
-    base = ["render-envoy", "--upstream", "vllm-0:8000", "--extauthz", "extauthz:9001"]
-    inside = ["--router-in-extauthz", "--ratelimit-in-extauthz"]
-    assert cli.main([*base, *inside, "--extauthz-http", "extauthz:9011"]) == 0
+    as a 429)."""
+    assert cli.main([*BASE, "--topology", "gateway"]) == 0
     path = tmp_path / "http.yaml"
     path.write_text(capsys.readouterr().out)
     envoyconf.validate(path)
@@ -206,9 +279,6 @@ def test_the_check_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert status["status_code_filter"]["comparison"]["value"]["default_value"] == 429
     assert meta["metadata_filter"]["matcher"]["path"] == [{"key": "status"}]
     assert meta["metadata_filter"]["matcher"]["value"] == {"string_match": {"exact": "503"}}
-    for apart in (["--ratelimit", "rl:9002", "--router-in-extauthz"], ["--router", "r:9003"]):
-        assert cli.main([*base, *apart, "--extauthz-http", "extauthz:9011"]) != 0
-        assert "extauthz_http: needs extauthz" in capsys.readouterr().err
 
 
 def test_every_header_the_check_sets_reaches_its_place() -> None:

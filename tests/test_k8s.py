@@ -8,11 +8,12 @@
 - Every service's environment is accepted by that service's own settings schema (unknown keys
   are errors there), probes are gRPC health on the gRPC port, and each service has a PDB and an
   HPA; NetworkPolicies let only Envoy reach the services and only the services reach the stores.
-- The router and the rate limiter run inside extauthz (its PICK and ADMIT), as the local stack
-  runs them: no router or ratelimit Deployment, Service or policy, no ext_proc or rate-limit
-  filter; extauthz's router and rate-limit settings are accepted by their own schemas, name the
-  headless Service `vllm` and Redis, and the policies let extauthz reach both. The InferencePool
-  example (inference-pool/) stays a standalone router, in picker mode.
+- The gateway topology, as the local stack runs it: the router and the rate limiter run inside
+  extauthz (its TOPOLOGY, the one Envoy's config is rendered for): no router or ratelimit
+  Deployment, Service or policy, no ext_proc or rate-limit filter; extauthz's router and
+  rate-limit settings are accepted by their own schemas, name the headless Service `vllm` and
+  Redis, and the policies let extauthz reach both. The InferencePool example (inference-pool/)
+  stays a standalone router, in picker mode.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.render_k8s import configmap, rendered
+from deploy.render_k8s import RENDER, configmap, rendered
 from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
 from llmgw import certs, config, wire
+from llmgw.topology import Topology
 from router.settings import redis_address
 from tests.envoy_config import (
     check_admin_private,
@@ -400,11 +402,13 @@ def extauthz_holding(
 def test_extauthz_holds_the_router_and_there_is_no_router_service(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """As the local stack runs it: extauthz picks (PICK), with router settings the router's own
-    schema and plugin profile accept (read as extauthz reads them), pods from the headless
-    Service `vllm` and the fleet load published to the `redis` Service."""
+    """As the local stack runs it: extauthz picks (the gateway topology, Envoy's config's too),
+    with router settings the router's own schema and plugin profile accept (read as extauthz
+    reads them), pods from the headless Service `vllm` and the fleet load published to the
+    `redis` Service."""
     settings = extauthz_holding(monkeypatch, "router", "LLMGW_ROUTER__")
-    assert settings.pick is True
+    assert settings.topology is Topology.GATEWAY
+    assert "--topology" in RENDER and RENDER[RENDER.index("--topology") + 1] == "gateway"
     router = picking(settings)  # extauthz's own reading: schema, plugins and profile
     vllm = find("Service", "vllm")
     assert vllm["spec"]["clusterIP"] == "None"  # every pod resolved
@@ -454,11 +458,12 @@ def test_the_inference_pool_example_points_at_the_router_in_picker_mode() -> Non
 def test_extauthz_holds_the_rate_limiter_and_there_is_no_ratelimit_service(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """As the local stack runs it: extauthz admits (ADMIT), with rate-limit settings the rate
-    limiter's own schema accepts (read as extauthz reads them), its counters in the `redis`
-    Service with the shared password, and the same cluster switch as the router's."""
+    """As the local stack runs it: extauthz admits (the gateway topology), with rate-limit
+    settings the rate limiter's own schema accepts (read as extauthz reads them), its counters
+    in the `redis` Service with the shared password, and the same cluster switch as the
+    router's."""
     settings = extauthz_holding(monkeypatch, "ratelimit", "LLMGW_RATELIMIT__")
-    assert settings.admit is True
+    assert settings.holds_limiter
     env = env_of("extauthz")
     limiter = admitting(settings)  # extauthz's own reading
     assert limiter.redis.host == "redis"

@@ -22,6 +22,7 @@ import pytest
 from extauthz.types import Limits
 from llmgw import facts, wire
 from llmgw.stack import Stack
+from llmgw.topology import Topology
 from tests.conftest import stack_settings
 from tests.http import Reply, call
 from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations, wait_for
@@ -339,9 +340,7 @@ def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
     the pod too (the rate limiter and the router run inside extauthz): no gRPC call, no
     rate-limit call, no ext_proc; everything after the answer travels in the batched access log.
     The admission is there all the same: its x-ratelimit-* headers reach the client."""
-    assert ledger_stack.services.router_in_extauthz
-    assert ledger_stack.services.ratelimit_in_extauthz
-    assert ledger_stack.services.extauthz_http is not None
+    assert ledger_stack.services.topology is Topology.GATEWAY
     key = add_tenant(ledger_stack, "lg-path", "standard")
     names = (
         "http.openai.ext_authz.ok",

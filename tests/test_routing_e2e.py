@@ -19,6 +19,7 @@ import pytest
 
 from llmgw import wire
 from llmgw.stack import Stack, StackSettings
+from llmgw.topology import Topology
 from tests.conftest import api_key, stack_settings
 from tests.http import call
 
@@ -183,7 +184,7 @@ async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
     request gives its pod back: a burst 4x the tier's rate picks exactly the admitted requests
     (a refused one holds no pod and teaches the prefix index nothing), and every pick is
     released by its access-log entry."""
-    assert own_stack.services.router_in_extauthz and own_stack.services.ratelimit_in_extauthz
+    assert own_stack.services.router_inside and own_stack.services.limiter_inside
     pods = [f"{p.host}:{p.port}" for p in own_stack.pods]
     picks_before = sum(router_picks(own_stack, pod) for pod in pods)
     headers = {"authorization": f"Bearer {api_key(own_stack, 'free')}"}
@@ -216,8 +217,8 @@ async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
 
 @pytest.fixture
 def apart_stack(tmp_path: Path) -> Iterator[Stack]:
-    """The router in its own process behind ext_proc (`python -m router`)."""
-    settings = stack_settings(pods=3).model_copy(update={"router_in_extauthz": False})
+    """The router in its own process behind ext_proc (`python -m router`): the epp topology."""
+    settings = stack_settings(pods=3).model_copy(update={"topology": Topology.EPP})
     with Stack(settings, tmp_path / "stack") as running:
         yield running
 
@@ -245,7 +246,8 @@ def test_two_router_replicas_keep_sessions_on_one_pod(
     """Two stacks (two Envoys, two routers) in front of the same pods; turns alternate."""
     for name, value in PATIENT_SCRAPES.items():
         monkeypatch.setenv(name, value)
-    first = stack_settings(pods=3).model_copy(update={"services": ("router",)})
+    alone = {"services": ("router",), "topology": Topology.EPP}  # the router alone
+    first = stack_settings(pods=3).model_copy(update=alone)
     with Stack(first, tmp_path / "a") as a:
         second = StackSettings.model_validate(
             first.model_dump()

@@ -408,7 +408,7 @@ def test_the_limiter_inside_reads_extauthzs_tier_table(
     limiter_file = tmp_path / "ratelimit.yaml"
     limiter_file.write_text("{}")
     config = tmp_path / "admitting.yaml"
-    settings = {**yaml.safe_load(good.read_text()), "admit": True}
+    settings = {**yaml.safe_load(good.read_text()), "topology": "epp"}
     config.write_text(yaml.safe_dump({**settings, "ratelimit_config": str(limiter_file)}))
     assert service_cli(["--check-config", str(config)]) == 0
     assert limiter_settings(extauthz_settings(config)).limits_file == tiers
@@ -418,5 +418,5 @@ def test_the_limiter_inside_reads_extauthzs_tier_table(
     assert service_cli(["--check-config", str(config)]) == 1
     limiter_file.write_text(yaml.safe_dump({"limits_file": str(tiers)}))  # the same file
     assert service_cli(["--check-config", str(config)]) == 0
-    config.write_text(yaml.safe_dump({**settings, "admit": False, "ratelimit_config": "x"}))
+    config.write_text(yaml.safe_dump({**settings, "topology": "rls", "ratelimit_config": "x"}))
     assert service_cli(["--check-config", str(config)]) == 1  # settings nothing would read

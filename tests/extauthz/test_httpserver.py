@@ -397,8 +397,6 @@ async def test_a_replica_that_stops_under_load_fails_no_check(tmp_path: Path) ->
         where = Services(
             extauthz=Address(port=free_port()),  # gRPC: unused without router or ledger
             extauthz_http=Address(port=port),
-            router_in_extauthz=True,
-            ratelimit_in_extauthz=True,
         )
         admin = Address(port=free_port())
         settings = EnvoySettings(
@@ -472,7 +470,7 @@ async def test_sigterm_drains_the_check_port_before_it_closes(
         "serve": {"port": port, "grace_seconds": 2.0},
         "http_port": http_port,
         "http_drain_seconds": 1.0,
-        "pick": True,
+        "topology": "rls",  # the router alone
         "tenants_file": str(tenants_file),
         "tiers_file": str(tiers_file),
         "sessions": {"secret": SECRET.decode(), "worker_id": 3},

@@ -345,11 +345,8 @@ def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     router_file = tmp_path / "router.yaml"
     router_file.write_text(yaml.safe_dump({"fleet": {"pods": ["127.0.0.1:1"]}}))
     picking = tmp_path / "picking.yaml"
-    picking.write_text(
-        yaml.safe_dump(
-            {**yaml.safe_load(good.read_text()), "pick": True, "router_config": str(router_file)}
-        )
-    )
+    held = {"topology": "rls", "router_config": str(router_file)}  # the router alone
+    picking.write_text(yaml.safe_dump({**yaml.safe_load(good.read_text()), **held}))
     assert service_cli(["--check-config", str(picking)]) == 0
     router_file.write_text(yaml.safe_dump({"profile": {"picker": "no-such-plugin"}}))
     assert service_cli(["--check-config", str(picking)]) == 1
@@ -359,7 +356,7 @@ def test_check_config(tmp_path: Path, tenants_file: Path, keys: Keys) -> None:
     assert service_cli(["--check-config", str(picking)]) == 1
     router_file.write_text("{}")
     assert service_cli(["--check-config", str(picking)]) == 0
-    ignored = {**yaml.safe_load(picking.read_text()), "pick": False}
+    ignored = {**yaml.safe_load(picking.read_text()), "topology": "epp"}
     picking.write_text(yaml.safe_dump(ignored))  # a router_config that nothing reads
     assert service_cli(["--check-config", str(picking)]) == 1
     tenants_file.write_text("tenants: [{id: 1}]")  # the tenants file it names is checked too

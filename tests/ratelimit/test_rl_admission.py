@@ -16,6 +16,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from llmgw import envoyconf, wire
 from llmgw.facts import MetaValue, RequestFacts
 from llmgw.tenant import TenantContext
+from llmgw.topology import Topology
 from ratelimit.admission import from_context
 from ratelimit.descriptors import parse
 from ratelimit.types import Grant, Limit, Unit
@@ -28,8 +29,9 @@ def _rate_limits() -> list[Any]:
     """The route's rate_limits as the template renders them for `python -m ratelimit`."""
     pods = [envoyconf.Address(host="127.0.0.1", port=1)]
     services = envoyconf.Services(
+        topology=Topology.RLS,
         extauthz=envoyconf.Address(port=2),
-        extauthz_keys=envoyconf.Address(port=4),
+        extauthz_http=envoyconf.Address(port=4),
         ratelimit=envoyconf.Address(port=3),
     )
     rendered = envoyconf.render(envoyconf.EnvoySettings(), envoyconf.Address(), pods, services)
