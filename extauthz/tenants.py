@@ -98,7 +98,7 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
                 expires=key.expires.timestamp() if key.expires else None,
                 revoked=key.revoked,
             )
-    return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants))
+    return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants), tiers=table)
 
 
 def load(path: Path, table: TierTable) -> Snapshot:

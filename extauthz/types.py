@@ -12,6 +12,7 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 from llmgw import wire
 from llmgw.config import Strict
 from llmgw.facts import MetaValue
+from llmgw.tiers import TierTable
 
 KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
@@ -67,8 +68,8 @@ class TenantsFile(Strict):
         if not data["tiers"]:  # files written before the tier table moved out: nothing in it
             return {k: v for k, v in data.items() if k != "tiers"}
         raise ValueError(
-            "tiers: tiers are defined once, in the tier table (extauthz tiers_file, "
-            "ratelimit limits_file; llmgw/tiers.py), not in the tenants file"
+            "tiers: tiers are defined once, in the tier table (every service's tiers_file; "
+            "llmgw/tiers.py), not in the tenants file"
         )
 
     @model_validator(mode="after")
@@ -117,10 +118,13 @@ class KeyEntry:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One immutable, validated tenants file; swapped as a whole on reload."""
+    """One immutable, validated tenants file and the tier table it was checked against;
+    swapped as a whole on reload."""
 
     keys: Mapping[bytes, KeyEntry]  # by SHA-256 digest of the API key
     tenants: Mapping[str, TenantView]
+    # The process's tier table (the rate limiter inside reads it from here: one load, one swap).
+    tiers: TierTable
 
 
 @dataclass(frozen=True, slots=True)

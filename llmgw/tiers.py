@@ -1,7 +1,8 @@
 """The tier table: every tier defined once, read by every service that needs one.
 
-One YAML file (the stack's `ratelimit_limits`, ratelimit's `limits_file`, extauthz's
-`tiers_file`: the same file) holds the tiers; the built-in ones apply when it is absent:
+One YAML file, every service's `tiers_file` (and the stack's: `llmgw up`; once `limits_file`
+and `ratelimit_limits`, names still read with a warning), holds the tiers; the built-in ones
+apply when it is absent:
 
 ```yaml
 default_tier: free            # for a tier name the table does not know
@@ -34,6 +35,7 @@ from pydantic import Field, model_validator
 
 from llmgw.breaker import BreakerSpec, seed
 from llmgw.config import Strict, read_yaml, validate
+from llmgw.reload import Reloading
 
 
 class Unit(StrEnum):
@@ -146,6 +148,12 @@ class TierTable(Strict):
         budget = over.budget or spec.budget
         amounts = [a for _, a in tokens.amounts()] + ([budget.tokens] if budget else [])
         return min(amounts, default=None)
+
+
+def watched_tiers(path: Path | None) -> Reloading[TierTable]:
+    """The tier table of a process, kept current while it runs: loaded once per process and
+    handed to every reader there, so that all of them decide by the same table."""
+    return Reloading("tiers", [path] if path else [], lambda _: load_tiers(path))
 
 
 def load_tiers(path: Path | None) -> TierTable:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from collections.abc import Callable
 
-from llmgw.tiers import PerUnit, TenantSpec, TierTable, load_tiers
+from llmgw.tiers import PerUnit, TenantSpec, TierTable
 from ratelimit.types import Limit, Policy
 
 log = logging.getLogger(__name__)
@@ -15,11 +15,11 @@ def _limits(per: PerUnit) -> tuple[Limit, ...]:
     return tuple(Limit(unit, amount) for unit, amount in per.amounts())
 
 
-def reload_limits(path: Path | None, previous: Limits | None) -> Limits:
-    """The tier table at `path`. A tier the previous table had and this one lacks is kept until a
-    restart: tenants may still name it (extauthz refuses a tenants file naming a missing tier and
-    keeps its last good one), and dropping it would put them on the default tier's limits."""
-    table = load_tiers(path)
+def kept(table: TierTable, previous: Limits | None) -> Limits:
+    """The Limits of a new tier table. A tier the previous table had and this one lacks is kept
+    until a restart: tenants may still name it (extauthz refuses a tenants file naming a missing
+    tier and keeps its last good one), and dropping it would put them on the default tier's
+    limits."""
     if previous is not None:
         gone = {n: s for n, s in previous.config.tiers.items() if n not in table.all_tiers}
         if gone:
@@ -29,6 +29,22 @@ def reload_limits(path: Path | None, previous: Limits | None) -> Limits:
             )
             table = table.model_copy(update={"tiers": {**gone, **table.tiers}})
     return Limits(table)
+
+
+class TableLimits:
+    """The Limits of whichever tier table is in force (`table()`: read at each decision, so a
+    swapped table applies from the next one), made once per table."""
+
+    def __init__(self, table: Callable[[], TierTable]) -> None:
+        self._table = table
+        self._source: TierTable | None = None
+        self._limits: Limits | None = None
+
+    def policy(self, tenant: str, tier: str) -> Policy:
+        table = self._table()
+        if self._limits is None or table is not self._source:
+            self._limits, self._source = kept(table, self._limits), table
+        return self._limits.policy(tenant, tier)
 
 
 class Limits:

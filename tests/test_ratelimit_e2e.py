@@ -44,7 +44,7 @@ def rl_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     (state / "limits-src.yaml").write_text(LIMITS)
     settings = stack_settings().model_copy(
         update={
-            "ratelimit_limits": state / "limits-src.yaml",
+            "tiers_file": state / "limits-src.yaml",
         }
     )
     with Stack(settings, state / "stack") as running:
@@ -255,8 +255,8 @@ def test_tenant_limits_from_the_tenants_file_reach_the_limiter(rl_stack: Stack) 
 def test_the_tier_table_reloads_in_every_service_and_a_broken_one_is_refused(
     rl_stack: Stack,
 ) -> None:
-    table = rl_stack.limits_file
-    assert table is not None and table == rl_stack.settings.ratelimit_limits  # not a copy
+    table = rl_stack.tiers_file
+    assert table is not None and table == rl_stack.settings.tiers_file  # not a copy
     original = table.read_text()
     try:
         # extauthz refuses a tenants file naming a tier the table lacks: add the tier first.
