@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import secrets
 import tempfile
@@ -27,6 +28,8 @@ from llmgw import wire
 from llmgw.config import ConfigError, read_yaml, validate
 from llmgw.facts import MetaValue
 from llmgw.tiers import TierTable
+
+log = logging.getLogger(__name__)
 
 
 def digest(api_key: str) -> bytes:
@@ -60,6 +63,14 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
     tenants: dict[str, TenantView] = {}
     keys: dict[bytes, KeyEntry] = {}
     known = table.all_tiers
+    own = [t.id for t in data.tenants if t.limits.spec() is not None]
+    if own:
+        log.warning(
+            "%s: deprecated setting tenants.*.limits (rpm, tpm): state a tenant's own limits "
+            "in the tier table's tenants: (llmgw/tiers.py)",
+            source,
+            extra={"tenants": own},
+        )
     for i, tenant in enumerate(data.tenants):
         if tenant.tier not in known:
             raise ConfigError(
@@ -86,7 +97,7 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
             if tenant.cache_group
             else f"tenant/{tenant.id}",
             max_output=known[tenant.tier].max_output_tokens,
-            token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.tpm),
+            token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.spec()),
         )
         tenants[tenant.id] = view
         for key in tenant.keys:

@@ -12,17 +12,28 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 from llmgw import wire
 from llmgw.config import Strict
 from llmgw.facts import MetaValue
-from llmgw.tiers import TierTable
+from llmgw.tiers import PerUnit, TenantSpec, TierTable
 
 KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 
 class Limits(Strict):
-    """Per-minute limits that replace the tier's defaults in the rate limiter."""
+    """A tenant's own per-minute limits, the older form of the tier table's `tenants:` entry
+    (llmgw/tiers.py TenantSpec), still read with a warning: they travel with each request (a
+    limiter apart reads no tenants file) and are merged like that entry."""
 
     rpm: int | None = Field(default=None, gt=0)
     tpm: int | None = Field(default=None, gt=0)
+
+    def spec(self) -> TenantSpec | None:
+        """These limits in the tier table's schema; None: none."""
+        if self.rpm is None and self.tpm is None:
+            return None
+        return TenantSpec(
+            requests=None if self.rpm is None else PerUnit(minute=self.rpm),
+            tokens=None if self.tpm is None else PerUnit(minute=self.tpm),
+        )
 
 
 class ApiKey(Strict):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.config import ConfigError
-from llmgw.tiers import load_tiers, watched_tiers
+from llmgw.tiers import PerUnit, TenantSpec, TierSpec, TierTable, load_tiers, watched_tiers
 from ratelimit.limits import Limits, TableLimits, kept
 from ratelimit.settings import Settings
 from ratelimit.types import Limit, Unit
@@ -120,3 +120,21 @@ def test_the_old_setting_names_are_read_with_a_warning(
     assert old["redis"] == {"port": 7000, "deadline_ms": 15}  # the caller's input left whole
     with pytest.raises(ValueError, match="set only tiers_file"):
         Settings.model_validate({"limits_file": "a", "tiers_file": "b"})
+
+
+def test_a_tenants_own_limits_merge_alike_stated_in_the_table_or_carried_by_the_request() -> None:
+    """One rule for a tenant's own limits, wherever they come from: the tier table's `tenants:`
+    entry, or the request (the tenants file's older `limits`, as extauthz's metadata or Envoy's
+    descriptors carry them, over the table's entry): each replaces the tier's of its unit."""
+    gold = TierSpec(requests=PerUnit(second=200, minute=6000), tokens=PerUnit(minute=10**6))
+    table = TierTable(tiers={"gold": gold})
+    own = TenantSpec(requests=PerUnit(minute=100), tokens=PerUnit(minute=5000))
+    stated = Limits(table.model_copy(update={"tenants": {"acme": own}})).policy("acme", "gold")
+    carried = Limits(table).policy(
+        "acme", "gold", Limit(Unit.MINUTE, 100), Limit(Unit.MINUTE, 5000)
+    )
+    assert stated == carried
+    assert carried.requests == (Limit(Unit.SECOND, 200), Limit(Unit.MINUTE, 100))
+    assert carried.tokens == (Limit(Unit.MINUTE, 5000),)
+    both = Limits(table.model_copy(update={"tenants": {"acme": own}}))
+    assert both.policy("acme", "gold", Limit(Unit.MINUTE, 7)).requests[1] == Limit(Unit.MINUTE, 7)
