@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ledger.settings import Settings as LedgerSettings
 from llmgw import config
 from llmgw.stack import StackSettings
 
@@ -39,3 +40,21 @@ def test_broken_yaml_is_a_config_error(tmp_path: Path) -> None:
     path.write_text("pods: [\n")
     with pytest.raises(config.ConfigError, match=r"stack\.yaml"):
         config.load(StackSettings, path, "LLMGW_STACK", {})
+
+
+def test_an_old_setting_name_is_read_as_the_new_one_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tier table's and the Redis waits' older names still load, from a file or the
+    environment; both names at once name the conflict."""
+    env = {"LLMGW_STACK__RATELIMIT_LIMITS": str(tmp_path)}
+    assert config.load(StackSettings, None, "LLMGW_STACK", env).tiers_file == tmp_path
+    assert "stack ratelimit_limits: use tiers_file" in caplog.text
+    path = tmp_path / "ledger.yaml"
+    path.write_text("redis: {host: r, timeout_s: 7}\n")
+    ledger = config.load(LedgerSettings, path, "LLMGW_LEDGER", {})
+    assert ledger.settle.timeout_s == 7 and ledger.redis.host == "r"
+    assert "ledger redis.timeout_s: use settle.timeout_s" in caplog.text
+    path.write_text("redis: {timeout_s: 7}\nsettle: {timeout_s: 3}\n")
+    with pytest.raises(config.ConfigError, match=r"redis\.timeout_s: the deprecated name of"):
+        config.load(LedgerSettings, path, "LLMGW_LEDGER", {})
