@@ -1,5 +1,6 @@
-"""The rate limiter as a part any process can hold: the tier table (hot reload), the Redis store
-with its failover, the fleet view borrowing reads, and the limiter that decides.
+"""The rate limiter as a part any process can hold: the tier table (its own, hot reloaded, or
+the one its holder loads), the Redis store with its failover, the fleet view borrowing reads,
+and the limiter that decides.
 
 `python -m ratelimit` serves it behind Envoy's rate-limit filter (ratelimit/service.py); extauthz
 holds one to admit inside its own Check, which saves the request path a gRPC exchange
