@@ -1,6 +1,6 @@
-"""Where a service finds Redis: one settings model for every service that connects to it (the
-rate limiter, apart or inside extauthz, and the ledger). How long each use may wait is the
-using service's own setting (ratelimit's `failover`, the ledger's `settle`), not Redis's."""
+"""Where a service finds Redis: one settings model for the rate limiter (apart or inside
+extauthz) and the ledger. How long each use may wait is the using service's own setting
+(ratelimit's `failover`, the ledger's `settle`), not Redis's."""
 
 from __future__ import annotations
 
