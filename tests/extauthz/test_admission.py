@@ -88,8 +88,10 @@ async def _admitting(
     store = tenants_store(tenants_file, tiers_file)
     redis = RedisSettings(port=redis_port, connect_timeout_s=0.2)
     failover = FailoverSettings(deadline_ms=200)
-    # As extauthz's `admitting` hands it over: the limiter's tier table is extauthz's.
-    held = Settings(tiers_file=tiers_file, redis=redis, failover=failover)
+    # As extauthz's `admitting` hands it over: the limiter's tier table is extauthz's. Its reload
+    # interval does not apply to a held limiter; one that watched the table on its own would
+    # not see a change within a test (the new-tier test below then fails every time).
+    held = Settings(tiers_file=tiers_file, reload_interval_s=60, redis=redis, failover=failover)
     limiter = held_limiter(held, store)
     await limiter.start()
     router = make_router()
