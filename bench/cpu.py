@@ -306,7 +306,7 @@ class Bench:
             # Mutual TLS between Envoy and the services, as deployed; bench/trivial.py speaks
             # plaintext (its floor is without TLS), and --no-tls measures what TLS costs.
             tls=services is not None and not self.args.no_tls,
-            ratelimit_limits=self.limits,
+            tiers_file=self.limits,
             envoy=EnvoySettings(concurrency=1),
         )
         state = self.tmp / label.replace(" ", "_").replace("+", "plus")

@@ -17,7 +17,7 @@ from extauthz.httpserver import HttpCheckServer
 from extauthz.service import register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
-from extauthz.store import tenants_store
+from extauthz.store import TenantsStore, tenants_store
 from llmgw import telemetry
 from llmgw.config import ConfigError, load
 from llmgw.serve import command, serve
@@ -57,7 +57,7 @@ async def main(settings: Settings) -> None:
     await bodies.start()
     limiter = None
     if settings.holds_limiter:
-        limiter = RateLimiter(admitting(settings))
+        limiter = held_limiter(admitting(settings), store)
         await limiter.start()
     router = None
     if settings.holds_router:
@@ -122,17 +122,25 @@ def picking(settings: Settings) -> router_settings.Settings:
     return held
 
 
+def held_limiter(settings: ratelimit_settings.Settings, store: TenantsStore) -> RateLimiter:
+    """The rate limiter this process holds. It decides by the tier table of the tenants snapshot,
+    the process's one load and swap of it: a tenant moved onto a new tier is never decided by a
+    table without that tier (which would limit it as the default tier)."""
+    return RateLimiter(settings, tiers=lambda: store.current.tiers)
+
+
 def admitting(settings: Settings) -> ratelimit_settings.Settings:
-    """The settings of the rate limiter this process holds (its serve, tracing and metrics do not
-    apply: it decides inside extauthz's Check). Its tier table is extauthz's: a tier is defined
-    once, and a limiter on another table would put a tenant's custom tier on the default one."""
+    """The settings of the rate limiter this process holds (its serve, tracing, metrics and
+    reload interval do not apply: it decides inside extauthz's Check, by the tier table of the
+    tenants snapshot). Its tier table is extauthz's: a tier is defined once, and a limiter on
+    another table would put a tenant's custom tier on the default one."""
     held = ratelimit_settings.check(settings.ratelimit_config)
-    if held.limits_file is None:
-        return held.model_copy(update={"limits_file": settings.tiers_file})
-    if settings.tiers_file is None or held.limits_file.resolve() != settings.tiers_file.resolve():
+    if held.tiers_file is None:
+        return held.model_copy(update={"tiers_file": settings.tiers_file})
+    if settings.tiers_file is None or held.tiers_file.resolve() != settings.tiers_file.resolve():
         raise ConfigError(
-            f"the rate limiter's limits_file ({held.limits_file}) is not extauthz's tiers_file "
-            f"({settings.tiers_file}): one tier table for both (leave limits_file unset)"
+            f"the rate limiter's tiers_file ({held.tiers_file}) is not extauthz's tiers_file "
+            f"({settings.tiers_file}): one tier table for both (leave the limiter's unset)"
         )
     return held
 

@@ -111,7 +111,7 @@ class Settings(Strict):
     router_config: Path | None = None
     ratelimit_config: Path | None = None
     # The longest an admission may take, Redis however slow (a borrowing one makes up to three
-    # round trips, each within the limiter's redis.deadline_ms); past it the request goes on
+    # round trips, each within the limiter's failover.deadline_ms); past it the request goes on
     # unchecked, counted. Keep it well below Envoy's wait for this Check (2 s), which fails
     # closed.
     admit_timeout_ms: float = Field(default=1000.0, gt=0)

@@ -1,5 +1,9 @@
 """The live tenants snapshot: the tenants file checked against the tier table, both reloaded
-while running (llmgw/reload.py: parse → validate → swap, the last good snapshot kept)."""
+while running (llmgw/reload.py: parse → validate → swap, the last good snapshot kept).
+
+The process's only load of the tier table: the snapshot carries it, and the rate limiter this
+process holds reads it from there, so a tenant moved onto a new tier is never decided by a
+table that lacks it (the default tier's limits)."""
 
 from __future__ import annotations
 

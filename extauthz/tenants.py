@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import secrets
 import tempfile
@@ -26,6 +27,8 @@ from extauthz.types import (
 from llmgw import wire
 from llmgw.config import ConfigError, read_yaml, validate
 from llmgw.tiers import TierTable
+
+log = logging.getLogger(__name__)
 
 
 def digest(api_key: str) -> bytes:
@@ -55,6 +58,14 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
     tenants: dict[str, TenantView] = {}
     keys: dict[bytes, KeyEntry] = {}
     known = table.all_tiers
+    own = [t.id for t in data.tenants if t.limits.spec() is not None]
+    if own:
+        log.warning(
+            "%s: deprecated setting tenants.*.limits (rpm, tpm): state a tenant's own limits "
+            "in the tier table's tenants: (llmgw/tiers.py)",
+            source,
+            extra={"tenants": own},
+        )
     for i, tenant in enumerate(data.tenants):
         if tenant.tier not in known:
             raise ConfigError(
@@ -76,7 +87,7 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
             if tenant.cache_group
             else f"tenant/{tenant.id}",
             max_output=known[tenant.tier].max_output_tokens,
-            token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.tpm),
+            token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.spec()),
         )
         tenants[tenant.id] = view
         for key in tenant.keys:
@@ -88,7 +99,7 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
                 expires=key.expires.timestamp() if key.expires else None,
                 revoked=key.revoked,
             )
-    return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants))
+    return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants), tiers=table)
 
 
 def load(path: Path, table: TierTable) -> Snapshot:

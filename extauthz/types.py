@@ -13,16 +13,28 @@ from llmgw import wire
 from llmgw.config import Strict
 from llmgw.facts import RequestFacts
 from llmgw.tenant import TenantContext
+from llmgw.tiers import PerUnit, TenantSpec, TierTable
 
 KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 
 class Limits(Strict):
-    """Per-minute limits that replace the tier's defaults in the rate limiter."""
+    """A tenant's own per-minute limits, the older form of the tier table's `tenants:` entry
+    (llmgw/tiers.py TenantSpec), still read with a warning: they travel with each request (a
+    limiter apart reads no tenants file) and are merged like that entry."""
 
     rpm: int | None = Field(default=None, gt=0)
     tpm: int | None = Field(default=None, gt=0)
+
+    def spec(self) -> TenantSpec | None:
+        """These limits in the tier table's schema; None: none."""
+        if self.rpm is None and self.tpm is None:
+            return None
+        return TenantSpec(
+            requests=None if self.rpm is None else PerUnit(minute=self.rpm),
+            tokens=None if self.tpm is None else PerUnit(minute=self.tpm),
+        )
 
 
 class ApiKey(Strict):
@@ -68,8 +80,8 @@ class TenantsFile(Strict):
         if not data["tiers"]:  # files written before the tier table moved out: nothing in it
             return {k: v for k, v in data.items() if k != "tiers"}
         raise ValueError(
-            "tiers: tiers are defined once, in the tier table (extauthz tiers_file, "
-            "ratelimit limits_file; llmgw/tiers.py), not in the tenants file"
+            "tiers: tiers are defined once, in the tier table (every service's tiers_file; "
+            "llmgw/tiers.py), not in the tenants file"
         )
 
     @model_validator(mode="after")
@@ -118,10 +130,13 @@ class KeyEntry:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One immutable, validated tenants file; swapped as a whole on reload."""
+    """One immutable, validated tenants file and the tier table it was checked against;
+    swapped as a whole on reload."""
 
     keys: Mapping[bytes, KeyEntry]  # by SHA-256 digest of the API key
     tenants: Mapping[str, TenantView]
+    # The process's tier table (the rate limiter inside reads it from here: one load, one swap).
+    tiers: TierTable
 
 
 @dataclass(frozen=True, slots=True)

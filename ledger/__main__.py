@@ -22,9 +22,8 @@ from ledger.webhooks import Hook, Webhooks
 from llmgw import telemetry
 from llmgw.config import load, reveal
 from llmgw.link import RedisLink
-from llmgw.reload import Reloading
 from llmgw.serve import command, serve
-from llmgw.tiers import load_tiers
+from llmgw.tiers import load_tiers, watched_tiers
 
 NAME = "ledger"
 
@@ -48,26 +47,19 @@ async def main(settings: Settings) -> None:
         backlog=lambda: {"unsettled": recorder.pending, "unwritten": db.backlog if db else 0},
         interval_s=settings.alerts.interval_s,
     )
-    path = settings.tiers_file
-    tiers = Reloading("tiers", [path] if path else [], lambda _: load_tiers(path))
+    tiers = watched_tiers(settings.tiers_file)
     watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
     s = settings.settle
     recorder = Recorder(
-        RedisLink(
-            settings.redis.host,
-            settings.redis.port,
-            settings.redis.connect_timeout_s,
-            reveal(settings.redis.password),
-            cluster=settings.redis.cluster,
-        ),
+        RedisLink.of(settings.redis),
         db,
         batch_max=s.batch_max,
         pending_max=s.pending_max,
         done_ttl_s=s.done_ttl_s,
-        timeout_s=settings.redis.timeout_s,
+        timeout_s=s.timeout_s,
         retry_max_s=s.retry_max_s,
         watch=alerts,
-        breakers=Breakers(lambda: tiers.current, db, alerts.emit),
+        breakers=Breakers(tiers.get, db, alerts.emit),
     )
     recorder.start()
     webhooks.start()

@@ -8,24 +8,15 @@ from pydantic import Field, HttpUrl, SecretStr, model_validator
 
 from ledger.alerts import AlertKind
 from ledger.detectors import Rules
-from llmgw.config import Strict
+from llmgw.config import Strict, renamed
+from llmgw.redisconf import RedisSettings
 from llmgw.secret import Secret
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
 
 ENV_PREFIX = "LLMGW_LEDGER"
-
-
-class RedisSettings(Strict):
-    host: str = "127.0.0.1"
-    port: int = 6379
-    password: Secret | None = None  # Redis's requirepass; None: no AUTH
-    # host:port is one node of a Redis Cluster; the others are found from it (llmgw/cluster.py).
-    # Run the cluster with `cluster-require-full-coverage no`: else while one master is down
-    # (until its replica takes over; for good without one) every slot stalls, not just its own.
-    cluster: bool = False
-    connect_timeout_s: float = Field(default=0.5, gt=0)
-    timeout_s: float = Field(default=2.0, gt=0)  # one batch's settlement round trip
+# Old names still read (llmgw.config.renamed), and what they are now.
+DEPRECATED = {"redis.timeout_s": "settle.timeout_s"}
 
 
 class SettleSettings(Strict):
@@ -34,6 +25,7 @@ class SettleSettings(Strict):
     # How long a settled request ID is remembered, so a batch delivered twice charges once.
     done_ttl_s: float = Field(default=3600.0, gt=0)
     retry_max_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)  # one batch's settlement round trip
 
 
 class WebhookSettings(Strict):
@@ -84,3 +76,8 @@ class Settings(Strict):
     tiers_file: Path | None = None
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     drain_s: float = Field(default=5.0, ge=0)  # on SIGTERM: time to write what is left
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated(cls, data: object) -> object:
+        return renamed(data, DEPRECATED, "ledger ")

@@ -1,10 +1,9 @@
 -- Settle one request's tokens, atomically and at most once (idempotent by request ID), at Redis's
 -- own time, under the window rule of ratelimit/windows.py.
 -- KEYS[1]: the tenant's key prefix (llmgw.wire.tenant_prefix). ARGV: request id, actual tokens,
--- done_ttl_ms.
--- The reservation `<prefix>:res:<id>` (ratelimit/admit.lua) holds n = tokens reserved and s = one
--- "name bucket_ms buckets rolling bucket_index" per token window it was charged to. With c the
--- current bucket and N the window's buckets, per window:
+-- done_ttl_ms. The keys are llmgw/reservation.lua's, prepended to this script.
+-- The reservation ratelimit/admit.lua made holds the tokens reserved and each token window it
+-- was charged to. With c the current bucket and N the window's buckets, per window:
 --   * reserved bucket still counted whole (index > c − N): refund (n − actual) into it, or add
 --     the excess (actual − n) to the current bucket;
 --   * reserved bucket decaying (c − N) or gone (a stream about as long as its window, or longer):
@@ -13,44 +12,39 @@
 --     bucket decays (at most one bucket, the strict side). Refunding into the decaying bucket
 --     instead would count the stream's tokens only at the decay's weight in the window it ended in.
 -- Without a reservation (admitted fail-open or degraded, or expired) the actual tokens are charged
--- to the current buckets of the tenant's windows (`<prefix>:tspec`), when known.
--- Buckets created here live as long as admit.lua's: N + 2 buckets (N + 1 fixed).
+-- to the current buckets of the tenant's windows (rs_tspec), when known.
+-- Buckets created here live as long as admit.lua's (rs_life).
 -- Returns {1 reservation settled | 0 none | 2 already settled, tokens reserved, tokens charged}.
 local p = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
-local done = p .. ':done:' .. rid
+local done = rs_done(p, rid)
 if redis.call('EXISTS', done) == 1 then return {2, 0, 0} end
-local rkey = p .. ':res:' .. rid
-local r = redis.call('HMGET', rkey, 'n', 's')
-local found = r[1] and 1 or 0
-local reserved = tonumber(r[1]) or 0
-local spec = r[2]
-if found == 0 then spec = redis.call('GET', p .. ':tspec') end
+local n, spec = rs_reservation(p, rid)
+local found = n and 1 or 0
+local reserved = tonumber(n) or 0
+if found == 0 then spec = redis.call('GET', rs_tspec(p)) end
 if spec and (found == 1 or actual > 0) then
-  local f = {}
-  for w in string.gmatch(spec, '%S+') do f[#f + 1] = w end
-  for i = 1, #f - 4, 5 do
-    local name, bms, nb = f[i], tonumber(f[i + 1]), tonumber(f[i + 2])
-    local rolling, idx = tonumber(f[i + 3]), tonumber(f[i + 4])
+  for _, w in ipairs(rs_windows(spec)) do
+    local name, bms, nb, rolling, idx = unpack(w)
     local cur = math.floor(now / bms)
     local add = actual
     if found == 1 and idx > cur - nb then
       add = actual - reserved
       if add < 0 then
-        local rk = p .. ':' .. name .. ':' .. string.format('%d', idx)
+        local rk = rs_bucket(p, name, idx)
         if redis.call('EXISTS', rk) == 1 then redis.call('DECRBY', rk, -add) end
       end
     end
     if add > 0 then
-      local ckey = p .. ':' .. name .. ':' .. string.format('%d', cur)
+      local ckey = rs_bucket(p, name, cur)
       redis.call('INCRBY', ckey, add)
-      redis.call('PEXPIRE', ckey, (nb + rolling + 1) * bms)
+      redis.call('PEXPIRE', ckey, rs_life(bms, nb, rolling))
     end
   end
 end
-if found == 1 then redis.call('DEL', rkey) end
+if found == 1 then redis.call('DEL', rs_res(p, rid)) end
 redis.call('SET', done, 1, 'PX', tonumber(ARGV[3]))
 return {found, reserved, spec and actual or 0}

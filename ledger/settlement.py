@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
+from llmgw.reservation import with_prelude
 from llmgw.resp import Client, RespError, evalsha_each
 from llmgw.wire import tenant_prefix
 
-SOURCE = resources.files("ledger").joinpath("settle.lua").read_text()
+SOURCE = with_prelude(resources.files("ledger").joinpath("settle.lua").read_text())
 SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
 
 

@@ -7,6 +7,7 @@ and ``[a, b]`` mean what they say. Unknown keys are errors that name the file an
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 class Strict(BaseModel):
@@ -31,6 +33,55 @@ def reveal(secret: SecretStr | None) -> str | None:
 
 class ConfigError(Exception):
     """A settings file or override that does not fit its schema."""
+
+
+def renamed(data: object, names: Mapping[str, str], where: str) -> object:
+    """A model's input with each deprecated key (old → new, dotted for a nested one:
+    "redis.timeout_s") read under its new name, and a warning; both names at once is an error
+    (which one was meant?). For a `mode="before"` model validator, so files, environment
+    overrides and flags written for the old name still load."""
+    if not isinstance(data, Mapping):
+        return data
+    out = dict(data)
+    for old, new in names.items():
+        found, value = _pop(out, old.split("."))
+        if not found:
+            continue
+        if not _put(out, new.split("."), value):
+            raise ValueError(f"{old}: the deprecated name of {new}; set only {new}")
+        log.warning("deprecated setting %s%s: use %s", where, old, new)
+    return out
+
+
+def _pop(data: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
+    """Remove the key at `path`, copying the mappings on the way (the caller's stay whole)."""
+    *parents, last = path
+    node = data
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, Mapping):
+            return False, None
+        node[part] = dict(child)
+        node = node[part]
+    if last not in node:
+        return False, None
+    return True, node.pop(last)
+
+
+def _put(data: dict[str, Any], path: list[str], value: Any) -> bool:
+    """Set the key at `path`; False when it is already set (or a parent is not a mapping)."""
+    *parents, last = path
+    node = data
+    for part in parents:
+        child = node.get(part, {})
+        if not isinstance(child, Mapping):
+            return False
+        node[part] = dict(child)
+        node = node[part]
+    if last in node:
+        return False
+    node[last] = value
+    return True
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

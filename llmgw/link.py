@@ -9,6 +9,8 @@ each round, so a Redis that was down when the service started is used once it is
 from __future__ import annotations
 
 from llmgw.cluster import connect
+from llmgw.config import reveal
+from llmgw.redisconf import RedisSettings
 from llmgw.resp import Client
 
 
@@ -26,6 +28,16 @@ class RedisLink:
         self.cluster = cluster  # host:port is one node of a Redis Cluster
         self._password = password
         self._client: Client | None = None
+
+    @classmethod
+    def of(cls, settings: RedisSettings) -> RedisLink:
+        return cls(
+            settings.host,
+            settings.port,
+            settings.connect_timeout_s,
+            reveal(settings.password),
+            cluster=settings.cluster,
+        )
 
     async def get(self) -> Client:
         if self._client is None or self._client.closed:

@@ -55,6 +55,10 @@ class Reloading(Generic[T]):
         self._stamp = _stamp(self.paths)
         self.current: T = load(None)
 
+    def get(self) -> T:
+        """The value in force, for a reader handed this method (it reads the latest swap)."""
+        return self.current
+
     async def reload_if_changed(self) -> bool:
         """One poll; True when a new value was installed."""
         stamp = await asyncio.to_thread(_stamp, self.paths)

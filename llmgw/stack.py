@@ -20,7 +20,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from extauthz.demo import seed_demo
 from llmgw import certs, envoyconf
-from llmgw.config import Strict, reveal
+from llmgw.config import Strict, renamed, reveal
 from llmgw.envoyconf import Address, EnvoySettings, Services, UpstreamTls
 from llmgw.postgres import Postgres
 from llmgw.procs import (
@@ -63,7 +63,7 @@ class StackSettings(Strict):
     database_url: str | None = None
     postgres_dir: Path | None = None
     # The tier table (llmgw/tiers.py): ratelimit, extauthz, the ledger (breakers).
-    ratelimit_limits: Path | None = None
+    tiers_file: Path | None = None
     # How long a token reservation waits for the ledger's settlement (then it stays charged).
     ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
     # extauthz hands each tenant's priority to the pods' scheduler (x-vllm-priority); off: all 0.
@@ -93,6 +93,11 @@ class StackSettings(Strict):
             )
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tier_table_name(cls, data: object) -> object:
+        return renamed(data, {"ratelimit_limits": "tiers_file"}, "stack ")
+
 
 class Stack:
     """Start in dependency order, stop in reverse; every child dies with its parent."""
@@ -116,9 +121,7 @@ class Stack:
         self.metrics: dict[str, str] = {}
         self.tenants_file = state_dir / "tenants.yaml"
         # The operator's own file, not a copy: its edits reload in every service.
-        self.limits_file = (
-            settings.ratelimit_limits.resolve() if settings.ratelimit_limits else None
-        )
+        self.tiers_file = settings.tiers_file.resolve() if settings.tiers_file else None
         self.tenants: list[dict[str, str]] = []
         self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (llmgw/certs.py)
         # The run's CA, in memory only: tests issue certificates of it (`ca.write`).
@@ -229,11 +232,10 @@ class Stack:
             settings["ledger"]["DATABASE_URL"] = self._database()
         if "extauthz" in self.settings.services:
             self.tenants = seed_demo(self.tenants_file)
-        if self.limits_file is not None:
+        if self.tiers_file is not None:
             # The tier table: ratelimit's limits, and the tiers extauthz lets a tenant name.
-            settings["ratelimit"]["LIMITS_FILE"] = str(self.limits_file)
-            settings["extauthz"]["TIERS_FILE"] = str(self.limits_file)
-            settings["ledger"]["TIERS_FILE"] = str(self.limits_file)  # each tier's breaker
+            for name in ("ratelimit", "extauthz", "ledger"):  # the ledger: each tier's breaker
+                settings[name]["TIERS_FILE"] = str(self.tiers_file)
         names = self.settings.services
         topology = self.settings.topology
         inside = {"router": topology.router_inside, "ratelimit": topology.limiter_inside}

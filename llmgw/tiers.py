@@ -1,7 +1,8 @@
 """The tier table: every tier defined once, read by every service that needs one.
 
-One YAML file (the stack's `ratelimit_limits`, ratelimit's `limits_file`, extauthz's
-`tiers_file`: the same file) holds the tiers; the built-in ones apply when it is absent:
+One YAML file, every service's `tiers_file` (and the stack's: `llmgw up`; once `limits_file`
+and `ratelimit_limits`, names still read with a warning), holds the tiers; the built-in ones
+apply when it is absent:
 
 ```yaml
 default_tier: free            # for a tier name the table does not know
@@ -20,8 +21,10 @@ tenants:                      # a tenant's overrides, merged over its tier unit 
 ```
 
 A tenant names its tier in the tenants file (extauthz), which refuses a tier this table does not
-define; its per-minute `limits` there are overrides too (they reach ratelimit as descriptor
-limits). Both files reload while running: parse → validate → swap, the last good one kept.
+define. A tenant's own limits are stated here, under `tenants:` (the tenants file's per-minute
+`limits: {rpm, tpm}`, its older form, is still read, with a warning: they reach ratelimit as
+descriptor limits, merged by the same rule, TierTable.tenant_spec). Both files reload while
+running: parse → validate → swap, the last good one kept.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pydantic import Field, model_validator
 
 from llmgw.breaker import BreakerSpec, seed
 from llmgw.config import Strict, read_yaml, validate
+from llmgw.reload import Reloading
 
 
 class Unit(StrEnum):
@@ -137,15 +141,35 @@ class TierTable(Strict):
         tiers = self.all_tiers
         return tiers.get(name) or tiers[self.default_tier]
 
-    def token_ceiling(self, tenant: str, tier: str, minute: int | None = None) -> int | None:
-        """The smallest token limit a tenant of `tier` runs under (rate windows and budget),
-        `minute` replacing the per-minute one; None: none. No reservation above it can pass."""
-        spec = self.all_tiers[tier]
-        over = self.tenants.get(tenant, TenantSpec())
-        tokens = spec.tokens.merged(over.tokens).merged(PerUnit(minute=minute) if minute else None)
-        budget = over.budget or spec.budget
-        amounts = [a for _, a in tokens.amounts()] + ([budget.tokens] if budget else [])
-        return min(amounts, default=None)
+    def tenant_spec(self, tenant: str, tier: str, over: TenantSpec | None = None) -> TierSpec:
+        """The limits a tenant of `tier` runs under: the tier's, with the tenant's own (its entry
+        in `tenants:`, then `over`: what reached the limiter with the request) merged over them
+        unit by unit. The one merge of a tenant's own limits."""
+        spec = self.tier(tier)
+        for own in (self.tenants.get(tenant), over):
+            if own is not None:
+                spec = spec.model_copy(
+                    update={
+                        "requests": spec.requests.merged(own.requests),
+                        "tokens": spec.tokens.merged(own.tokens),
+                        "budget": own.budget or spec.budget,
+                        "shadow": spec.shadow if own.shadow is None else own.shadow,
+                    }
+                )
+        return spec
+
+    def token_ceiling(self, tenant: str, tier: str, over: TenantSpec | None = None) -> int | None:
+        """The smallest token limit a tenant of `tier` runs under (rate windows and budget);
+        None: none. No reservation above it can pass."""
+        spec = self.tenant_spec(tenant, tier, over)
+        budget = [spec.budget.tokens] if spec.budget else []
+        return min([a for _, a in spec.tokens.amounts()] + budget, default=None)
+
+
+def watched_tiers(path: Path | None) -> Reloading[TierTable]:
+    """The tier table of a process, kept current while it runs: loaded once per process and
+    handed to every reader there, so that all of them decide by the same table."""
+    return Reloading("tiers", [path] if path else [], lambda _: load_tiers(path))
 
 
 def load_tiers(path: Path | None) -> TierTable:

@@ -142,8 +142,9 @@ META_STREAMED_EVENTS = "streamed"
 META_STREAM_FAILED = "stream_failed"  # the pod sent an error event after its 200
 
 
-# Counters in Redis, one key prefix per tenant (ratelimit/admit.lua, ledger/settle.lua). The
-# `{tenant}` hash tag keeps a tenant's keys in one Redis Cluster slot.
+# Counters in Redis, one key prefix per tenant; the keys under it are llmgw/reservation.lua's,
+# prepended to ratelimit/admit.lua and ledger/settle.lua. The `{tenant}` hash tag keeps a
+# tenant's keys in one Redis Cluster slot.
 def tenant_prefix(tenant: str) -> str:
     """The key prefix of a tenant; braces in the ID are escaped so the hash tag stays intact."""
     return "llmgw:rl:{" + tenant.replace("{", "%7B").replace("}", "%7D") + "}"

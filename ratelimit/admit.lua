@@ -1,5 +1,6 @@
 -- One admission decision, atomically, at Redis's own time (rule: ratelimit/windows.py).
--- KEYS[1]: the tenant's key prefix "llmgw:rl:{tenant}"; every key below shares its hash tag.
+-- KEYS[1]: the tenant's key prefix "llmgw:rl:{tenant}"; its keys are llmgw/reservation.lua's,
+-- prepended to this script.
 -- ARGV: shadow (0/1), reservation id ("" for none), reservation ttl_ms, check count,
 --       then per check: name, bucket_ms, buckets, rolling (0/1), limit, cost, reserve (0: no,
 --       1: part of the token reservation, 2: that and a hard budget that may lower the cap),
@@ -39,7 +40,7 @@ for i = 1, n do
   local cur = math.floor(now / bms)
   local span = nb + rolling
   local keys = {}
-  for j = 0, span - 1 do keys[j + 1] = p .. ':' .. name .. ':' .. string.format('%d', cur - j) end
+  for j = 0, span - 1 do keys[j + 1] = rs_bucket(p, name, cur - j) end
   local vals = redis.call('MGET', unpack(keys))
   local used = 0
   for j = 1, span do
@@ -55,7 +56,7 @@ for i = 1, n do
   end
   if span * bms > longest then longest = span * bms end
   -- The cost as sent (an integer string): Lua would print a large number in exponent form.
-  plan[i] = {keys[1], name .. ' ' .. bms .. ' ' .. nb .. ' ' .. rolling .. ' ' .. string.format('%d', cur), cost, ARGV[a - 2], (span + 1) * bms, reserve, used, limit}
+  plan[i] = {keys[1], rs_window(name, bms, nb, rolling, cur), cost, ARGV[a - 2], rs_life(bms, nb, rolling), reserve, used, limit}
 end
 
 local prompt, seqs = tonumber(ARGV[a]) or 0, tonumber(ARGV[a + 1]) or 0
@@ -100,14 +101,10 @@ if ok or shadow then
     local spec = table.concat(taken, ' ')
     -- The reservation, for the ledger's settlement (ledger/settle.lua). Never given back by
     -- itself: one that is never settled stays charged as reserved.
-    if rid ~= '' then
-      local rkey = p .. ':res:' .. rid
-      redis.call('HSET', rkey, 'n', amount, 's', spec)
-      redis.call('PEXPIRE', rkey, ttl)
-    end
+    if rid ~= '' then rs_reserve(p, rid, amount, spec, ttl) end
     -- The tenant's token windows, for settling usage that had no reservation (admitted while
     -- this service was down or degraded, or settled after its reservation expired).
-    redis.call('SET', p .. ':tspec', spec, 'PX', longest + ttl)
+    redis.call('SET', rs_tspec(p), spec, 'PX', longest + ttl)
   end
 end
 if ok then out[1] = '1' end

@@ -18,8 +18,9 @@ Request time (one RateLimitRequest, decided with one atomic store call):
 Tokens are settled after the response by the ledger (ledger/), from Envoy's access log.
 
 A descriptor's `limit` (Envoy's `limit: {dynamic_metadata}` override from extauthz's
-limit_requests / limit_tokens, the tenant's own limit in the tenants file) replaces the tier's
-limit of that unit for its kind.
+limit_requests / limit_tokens: the tenant's own limit in the tenants file, the older form of the
+tier table's `tenants:`) replaces the tier's limit of that unit for its kind, by the tier table's
+rule (llmgw/tiers.py TierTable.tenant_spec).
 
 Descriptors with another domain, another `kind`, or missing entries are answered OK and not
 counted. Envoy leaves out a descriptor when one of its metadata keys is absent (except those

@@ -1,11 +1,11 @@
 """Redis within a deadline, else this replica's share in process memory; back to Redis by itself.
 
-Down, not busy. A decision waits for Redis's reply until Redis has sent nothing for `deadline_s`
-(0.5 s, settings.redis.deadline_ms) while the reply waits: a reply late only because the replies
-before it, or this event loop, are busy (a burst of 1,000 decisions on a machine busy with other
-work) still counts, as long as Redis keeps answering. 0.5 s is below Envoy's 2 s timeout
-(llmgw/envoyconf.py), so a degraded answer still reaches Envoy; the admission in extauthz has its
-own budget (admit_timeout_ms) however long Redis stays busy.
+Down, not busy. A decision waits for Redis's reply until Redis has sent nothing for
+`deadline_s` (0.5 s, settings.failover.deadline_ms) while the reply waits: a reply late only
+because the replies before it, or this event loop, are busy (a burst of 1,000 decisions on a
+machine busy with other work) still counts, as long as Redis keeps answering. 0.5 s is below
+Envoy's 2 s timeout (llmgw/envoyconf.py), so a degraded answer still reaches Envoy; the
+admission in extauthz has its own budget (admit_timeout_ms) however long Redis stays busy.
 
 What degrades. Only a timeout or a transport failure (refused, reset, closed): decisions then use
 the LocalStore, a warning is logged once, the gauge goes to 1, and a background probe reconnects

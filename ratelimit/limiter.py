@@ -18,7 +18,6 @@ from ratelimit.pool import Draw, Pool, size
 from ratelimit.store import Store
 from ratelimit.types import (
     MAX_COUNT,
-    UNIT_MS,
     Admission,
     Check,
     CheckState,
@@ -39,25 +38,9 @@ from ratelimit.windows import SLIDING, fixed, state
 RETRY_MIN_MS = 1_000
 RETRY_MAX_MS = 30_000
 MAX_PLANS = 1024
-
-
-def overridden(policy: Policy, requests: Limit | None, tokens: Limit | None) -> Policy:
-    """The policy with a tenant's own limits, each replacing the limit of its unit."""
-    if requests is None and tokens is None:
-        return policy
-
-    def merge(limits: tuple[Limit, ...], own: Limit | None) -> tuple[Limit, ...]:
-        if own is None:
-            return limits
-        return tuple(sorted((*(x for x in limits if x.unit != own.unit), own), key=_unit_ms))
-
-    return replace(
-        policy, requests=merge(policy.requests, requests), tokens=merge(policy.tokens, tokens)
-    )
-
-
-def _unit_ms(limit: Limit) -> int:
-    return UNIT_MS[limit.unit]
+# A tenant's policy: its tier's limits with its own merged over them (ratelimit/limits.py), from
+# (tenant, tier, its own requests limit, its own tokens limit) as the request carries them.
+Resolve = Callable[[str, str, Limit | None, Limit | None], Policy]
 
 
 def retry_after_ms(base_s: float, load: float, free_ms: int, jitter: float) -> int:
@@ -69,7 +52,7 @@ def retry_after_ms(base_s: float, load: float, free_ms: int, jitter: float) -> i
 class Limiter:
     def __init__(
         self,
-        limits: Callable[[str, str], Policy],
+        limits: Resolve,
         store: Store,
         fleet: Callable[[], FleetLoad],
         clock: Callable[[], float],
@@ -118,7 +101,7 @@ class Limiter:
         """`checks`, from the policy's cached plan."""
         plan = self._plans.get(id(policy))
         if plan is None or plan[0] is not policy:
-            if len(self._plans) >= MAX_PLANS:  # overridden policies are new objects each time
+            if len(self._plans) >= MAX_PLANS:  # each new table makes new policies
                 self._plans.clear()
             base = self.checks(policy, 0)
             requests = tuple(c for c in base if not c.reserve)
@@ -129,7 +112,7 @@ class Limiter:
         return checks
 
     async def admit(self, req: Admission) -> Verdict:
-        policy = overridden(self.limits(req.tenant, req.tier), req.requests_limit, req.tokens_limit)
+        policy = self.limits(req.tenant, req.tier, req.requests_limit, req.tokens_limit)
         now_s = self.clock()
         now_ms = int(now_s * 1000)
         fleet = self.fleet()

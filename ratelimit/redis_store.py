@@ -1,33 +1,34 @@
 """Counters in Redis: one EVALSHA per decision (admit.lua), at Redis's own time.
 
-Keys (prefix `llmgw.wire.tenant_prefix`): `llmgw:rl:{<tenant>}:<check>:<bucket>` for buckets,
-`…:res:<request id>` for token reservations (settled by the ledger, ledger/settle.lua) and
-`…:tspec` for the tenant's token windows. The `{tenant}` hash tag keeps one tenant's keys
-in one Redis Cluster slot, so each script touches a single slot; a replay (replay.lua) is one
-script per tenant, all sent at once. `llmgw:rl:replicas` is the replicas' heartbeat set
-(replicas.lua). A NOSCRIPT reply (Redis restarted or flushed its script cache) is answered by
-EVAL of the source, which caches it again.
+Keys (prefix `llmgw.wire.tenant_prefix`): each window's buckets, token reservations (settled by
+the ledger, ledger/settle.lua) and the tenant's token windows, named once in
+llmgw/reservation.lua, which both sides prepend to their scripts. The `{tenant}` hash tag keeps
+one tenant's keys in one Redis Cluster slot, so each script touches a single slot; a replay
+(replay.lua) is one script per tenant, all sent at once. `llmgw:rl:replicas` is the replicas'
+heartbeat set (replicas.lua). A NOSCRIPT reply (Redis restarted or flushed its script cache) is
+answered by EVAL of the source, which caches it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 
-from llmgw.breaker import with_prelude
+from llmgw.breaker import with_prelude as with_breaker
+from llmgw.reservation import with_prelude as with_keys
 from llmgw.resp import Arg, Client, Reply, RespError
 from ratelimit.store import Made
 from ratelimit.types import Check, Grant, Outcome
 
 
-def script(name: str, prelude: bool = False) -> tuple[str, str]:
-    """A Lua script of this package, with the breaker's rule before it if `prelude`: its
-    source and SHA1 (for EVALSHA)."""
+def script(name: str, *preludes: Callable[[str], str]) -> tuple[str, str]:
+    """A Lua script of this package with each prelude's rule before it (the last one first):
+    its source and SHA1 (for EVALSHA)."""
     source = resources.files("ratelimit").joinpath(name).read_text()
-    if prelude:
-        source = with_prelude(source)
+    for prelude in preludes:
+        source = prelude(source)
     return source, hashlib.sha1(source.encode()).hexdigest()
 
 
@@ -41,8 +42,8 @@ async def run(client: Client, lua: tuple[str, str], *args: Arg) -> Reply:
         return await client.call("EVAL", lua[0], *args)
 
 
-ADMIT = script("admit.lua", prelude=True)
-REPLAY = script("replay.lua")
+ADMIT = script("admit.lua", with_keys, with_breaker)
+REPLAY = script("replay.lua", with_keys)
 REPLICAS = script("replicas.lua")
 REPLICAS_KEY = "llmgw:rl:replicas"
 

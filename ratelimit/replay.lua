@@ -1,6 +1,6 @@
 -- Counts one replica made in process memory while Redis was out of reach, added to the tenant's
 -- buckets (ratelimit/failover.py), at Redis's own time.
--- KEYS[1]: the tenant's key prefix. ARGV: per bucket: name, bucket_ms, buckets, rolling (0/1),
+-- KEYS[1]: the tenant's key prefix (keys: llmgw/reservation.lua, prepended). ARGV: per bucket: name, bucket_ms, buckets, rolling (0/1),
 -- bucket index, count. Buckets that already left their window are skipped; a key that cannot
 -- be added to (WRONGTYPE) is skipped too, so one broken key never blocks the return to Redis.
 -- Returns the number of buckets added.
@@ -13,7 +13,7 @@ for a = 1, #ARGV - 5, 6 do
   local idx = tonumber(ARGV[a + 4])
   local gone = (idx + span) * bms  -- when the bucket has left the window entirely
   if gone > now then
-    local key = p .. ':' .. name .. ':' .. ARGV[a + 4]
+    local key = rs_bucket(p, name, idx)
     if type(redis.pcall('INCRBY', key, ARGV[a + 5])) == 'number' then
       redis.call('PEXPIRE', key, gone + bms - now)
       added = added + 1

@@ -1,5 +1,6 @@
-"""The rate limiter as a part any process can hold: the tier table (hot reload), the Redis store
-with its failover, the fleet view borrowing reads, and the limiter that decides.
+"""The rate limiter as a part any process can hold: the tier table (its own, hot reloaded, or
+the one its holder loads), the Redis store with its failover, the fleet view borrowing reads,
+and the limiter that decides.
 
 `python -m ratelimit` serves it behind Envoy's rate-limit filter (ratelimit/service.py); extauthz
 holds one to admit inside its own Check, which saves the request path a gRPC exchange
@@ -11,32 +12,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from llmgw import wire
 from llmgw.config import reveal
 from llmgw.reload import Reloading
+from llmgw.tiers import TierTable, watched_tiers
 from ratelimit.failover import Failover
 from ratelimit.fleet import FleetView
 from ratelimit.limiter import Limiter
-from ratelimit.limits import reload_limits
+from ratelimit.limits import TableLimits
 from ratelimit.pool import Pool
 from ratelimit.settings import Settings
 
 
 class RateLimiter:
-    def __init__(self, settings: Settings) -> None:
-        path = settings.limits_file
+    def __init__(self, settings: Settings, tiers: Callable[[], TierTable] | None = None) -> None:
+        """`tiers`: the tier table in force in the process that holds this limiter, loaded and
+        swapped there (extauthz: the one its tenants are checked against, so a tenant's tier is
+        never one this limiter does not know yet); None: `settings.tiers_file`, watched here."""
         self.settings = settings
-        self.limits = Reloading(
-            "tiers", [path] if path else [], lambda last: reload_limits(path, last)
-        )
-        redis = settings.redis
+        self.tiers: Reloading[TierTable] | None = None
+        if tiers is None:
+            self.tiers = watched_tiers(settings.tiers_file)
+            tiers = self.tiers.get
+        self.limits = TableLimits(tiers)
+        redis, failover = settings.redis, settings.failover
         self.store = store = Failover(
             redis.host,
             redis.port,
             replicas=settings.replicas,
-            deadline_s=redis.deadline_ms / 1000,
-            probe_interval_s=redis.probe_interval_s,
+            deadline_s=failover.deadline_ms / 1000,
+            probe_interval_s=failover.probe_interval_s,
             connect_timeout_s=redis.connect_timeout_s,
             password=reveal(redis.password),
             cluster=redis.cluster,
@@ -45,7 +52,7 @@ class RateLimiter:
             lambda: store.get_fleet(wire.FLEET_LOAD_KEY), time.time, settings.fleet.cache_s
         )
         self.limiter = Limiter(
-            lambda tenant, tier: self.limits.current.policy(tenant, tier),
+            self.limits.policy,
             store,
             fleet.snapshot,
             time.time,
@@ -54,15 +61,16 @@ class RateLimiter:
             near_limit_ratio=settings.near_limit_ratio,
             pool=Pool(
                 lambda: None if store.redis is None else store.redis.client,
-                deadline_s=redis.deadline_ms / 1000,
+                deadline_s=failover.deadline_ms / 1000,
             ),
         )
         self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Connect to Redis (degraded until it answers), then watch the tier table."""
+        """Connect to Redis (degraded until it answers), then watch the tier table (if its own)."""
         await self.store.start()
-        self._watcher = asyncio.create_task(self.limits.watch(self.settings.reload_interval_s))
+        if self.tiers is not None:
+            self._watcher = asyncio.create_task(self.tiers.watch(self.settings.reload_interval_s))
 
     async def stop(self) -> None:
         if self._watcher is not None:

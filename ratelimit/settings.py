@@ -4,31 +4,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from llmgw.config import Strict, load
-from llmgw.secret import Secret
+from llmgw.config import Strict, load, renamed
+from llmgw.redisconf import RedisSettings
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
 from llmgw.tiers import load_tiers
 
 ENV_PREFIX = "LLMGW_RATELIMIT"
+# Old names still read (llmgw.config.renamed), and what they are now.
+DEPRECATED = {
+    "limits_file": "tiers_file",
+    "redis.deadline_ms": "failover.deadline_ms",
+    "redis.probe_interval_s": "failover.probe_interval_s",
+}
 
 
-class RedisSettings(Strict):
-    host: str = "127.0.0.1"
-    port: int = 6379
-    password: Secret | None = None  # Redis's requirepass; None: no AUTH
-    # host:port is one node of a Redis Cluster; the others are found from it (llmgw/cluster.py).
-    # Run the cluster with `cluster-require-full-coverage no`: else while one master is down
-    # (until its replica takes over; for good without one) every slot stalls, not just its own.
-    cluster: bool = False
-    # Longest a decision waits on Redis before it counts as down (ratelimit/failover.py): far
-    # above a reply late only because of a burst, below Envoy's ratelimit timeout (apart) and
-    # extauthz's admit_timeout_ms (inside: a borrowing decision waits up to three times).
+class FailoverSettings(Strict):
+    """How long a decision waits on Redis (ratelimit/failover.py)."""
+
+    # Longest a decision waits on Redis before it counts as down: far above a reply late only
+    # because of a burst, below Envoy's ratelimit timeout (apart) and extauthz's
+    # admit_timeout_ms (inside: a borrowing decision waits up to three times).
     deadline_ms: float = Field(default=500.0, gt=0)
     probe_interval_s: float = Field(default=0.5, gt=0)  # reconnect attempts while degraded
-    connect_timeout_s: float = Field(default=0.5, gt=0)
 
 
 class FleetSettings(Strict):
@@ -41,9 +41,10 @@ class Settings(Strict):
     tracing: TracingSettings = TracingSettings()
     metrics: MetricsSettings = MetricsSettings()
     log_level: str = "info"
-    limits_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
+    tiers_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     redis: RedisSettings = RedisSettings()
+    failover: FailoverSettings = FailoverSettings()
     fleet: FleetSettings = FleetSettings()
     # The least number of replicas degraded mode assumes (limit / replicas each); the count
     # itself comes from the replicas' heartbeat in Redis (ratelimit/failover.py).
@@ -53,9 +54,14 @@ class Settings(Strict):
     reservation_ttl_s: float = Field(default=3600.0, gt=0)
     near_limit_ratio: float = Field(default=0.1, ge=0, le=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated(cls, data: object) -> object:
+        return renamed(data, DEPRECATED, "ratelimit ")
+
 
 def check(path: Path | None) -> Settings:
     """The settings (file + environment) and the tier table they name, both validated."""
     loaded = load(Settings, path, ENV_PREFIX)
-    load_tiers(loaded.limits_file)
+    load_tiers(loaded.tiers_file)
     return loaded

@@ -33,7 +33,7 @@ tiers:
 def cb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("cb-stack")
     (state / "limits.yaml").write_text(LIMITS)
-    settings = stack_settings().model_copy(update={"ratelimit_limits": state / "limits.yaml"})
+    settings = stack_settings().model_copy(update={"tiers_file": state / "limits.yaml"})
     with Stack(settings, state / "stack") as running:
         yield running
 

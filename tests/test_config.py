@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from extauthz.settings import Settings as ExtauthzSettings
+from ledger.settings import Settings as LedgerSettings
 from llmgw import config
 from llmgw.stack import StackSettings
 from llmgw.topology import Topology
@@ -106,3 +107,21 @@ def test_extauthzs_deprecated_pick_and_admit_name_what_it_holds_and_warn(
     assert len(warned) == len(env)
     for name in env:
         assert any(f"`{name.lower()}` is deprecated: use `topology`" in w for w in warned), warned
+
+
+def test_an_old_setting_name_is_read_as_the_new_one_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tier table's and the Redis waits' older names still load, from a file or the
+    environment; both names at once name the conflict."""
+    env = {"LLMGW_STACK__RATELIMIT_LIMITS": str(tmp_path)}
+    assert config.load(StackSettings, None, "LLMGW_STACK", env).tiers_file == tmp_path
+    assert "stack ratelimit_limits: use tiers_file" in caplog.text
+    path = tmp_path / "ledger.yaml"
+    path.write_text("redis: {host: r, timeout_s: 7}\n")
+    ledger = config.load(LedgerSettings, path, "LLMGW_LEDGER", {})
+    assert ledger.settle.timeout_s == 7 and ledger.redis.host == "r"
+    assert "ledger redis.timeout_s: use settle.timeout_s" in caplog.text
+    path.write_text("redis: {timeout_s: 7}\nsettle: {timeout_s: 3}\n")
+    with pytest.raises(config.ConfigError, match=r"redis\.timeout_s: the deprecated name of"):
+        config.load(LedgerSettings, path, "LLMGW_LEDGER", {})

@@ -43,7 +43,7 @@ def graceful_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("graceful-stack")
     (state / "limits.yaml").write_text(LIMITS)
     settings = stack_settings().model_copy(
-        update={"ratelimit_limits": state / "limits.yaml", "sim_args": ("--time-scale", "0.5")}
+        update={"tiers_file": state / "limits.yaml", "sim_args": ("--time-scale", "0.5")}
     )
     with Stack(settings, state / "stack") as running:
         yield running

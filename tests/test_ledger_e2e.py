@@ -42,7 +42,7 @@ tiers:
 def ledger_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("ledger-stack")
     (state / "limits.yaml").write_text(LIMITS)
-    settings = stack_settings().model_copy(update={"ratelimit_limits": state / "limits.yaml"})
+    settings = stack_settings().model_copy(update={"tiers_file": state / "limits.yaml"})
     with Stack(settings, state / "stack") as running:
         yield running
 
@@ -235,7 +235,7 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
     """Requests whose outcome was lost with the ledger keep their reservation charged; every
     other one is settled to its usage; nothing is refunded that was not used."""
     (tmp_path / "limits.yaml").write_text(LIMITS)
-    settings = stack_settings().model_copy(update={"ratelimit_limits": tmp_path / "limits.yaml"})
+    settings = stack_settings().model_copy(update={"tiers_file": tmp_path / "limits.yaml"})
     with Stack(settings, tmp_path / "stack") as stack:
         key = add_tenant(stack, "lg-kill", "standard")
         bodies: dict[str, dict[str, Any]] = {}
@@ -296,7 +296,7 @@ def test_a_borrowed_admission_is_recorded_as_borrowed(tmp_path: Any) -> None:
     (tmp_path / "limits.yaml").write_text(BORROWING_LIMITS)
     settings = stack_settings().model_copy(
         update={
-            "ratelimit_limits": tmp_path / "limits.yaml",
+            "tiers_file": tmp_path / "limits.yaml",
             "services": ("extauthz", "ratelimit", "ledger"),
         }
     )

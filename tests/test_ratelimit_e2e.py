@@ -44,7 +44,7 @@ def rl_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     (state / "limits-src.yaml").write_text(LIMITS)
     settings = stack_settings().model_copy(
         update={
-            "ratelimit_limits": state / "limits-src.yaml",
+            "tiers_file": state / "limits-src.yaml",
         }
     )
     with Stack(settings, state / "stack") as running:
@@ -114,10 +114,11 @@ def _tokens(line: dict[str, str]) -> int | None:
 
 
 def reloads(stack: Stack, result: str) -> float:
-    """ratelimit's count of tier-table reloads with this result."""
+    """The count of tier-table reloads with this result where the limiter runs: inside extauthz,
+    the tenants snapshot's (the process's one load of the table: the limiter reads it there)."""
     with urllib.request.urlopen(stack.metrics["ratelimit"], timeout=5) as r:
         text = r.read().decode()
-    line = f'llmgw_config_reloads_total{{config="tiers",result="{result}"}} '
+    line = f'llmgw_config_reloads_total{{config="tenants",result="{result}"}} '
     return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
 
@@ -255,14 +256,14 @@ def test_tenant_limits_from_the_tenants_file_reach_the_limiter(rl_stack: Stack) 
 def test_the_tier_table_reloads_in_every_service_and_a_broken_one_is_refused(
     rl_stack: Stack,
 ) -> None:
-    table = rl_stack.limits_file
-    assert table is not None and table == rl_stack.settings.ratelimit_limits  # not a copy
+    table = rl_stack.tiers_file
+    assert table is not None and table == rl_stack.settings.tiers_file  # not a copy
     original = table.read_text()
     try:
         # extauthz refuses a tenants file naming a tier the table lacks: add the tier first.
         ok, failed = reloads(rl_stack, "ok"), reloads(rl_stack, "failed")
         table.write_text(original + "  late: {requests: {minute: 3}, tokens: {minute: 100000}}\n")
-        wait_for(lambda: reloads(rl_stack, "ok") > ok, "ratelimit did not reload the tiers")
+        wait_for(lambda: reloads(rl_stack, "ok") > ok, "extauthz did not reload the tiers")
         key = add_tenant(rl_stack, "rl-late", "late")  # waits for extauthz to take it
         assert [chat(rl_stack, key).status for _ in range(3)] == [200, 200, 429]  # probe + 2
         table.write_text("tiers: {late: {requests: {minute: nope}}}")  # refused by both

@@ -40,7 +40,7 @@ def capped_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     (state / "limits.yaml").write_text(LIMITS)
     settings = stack_settings().model_copy(
         update={
-            "ratelimit_limits": state / "limits.yaml",
+            "tiers_file": state / "limits.yaml",
             "sim_args": (*FAST_PODS, "--max-model-len", str(CONTEXT)),
         }
     )

@@ -21,9 +21,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from extauthz import answers, metrics
+from extauthz import answers, metrics, tenants
 from extauthz.__main__ import admitting as limiter_settings
 from extauthz.__main__ import cli as service_cli
+from extauthz.__main__ import held_limiter
 from extauthz.__main__ import settings as extauthz_settings
 from extauthz.context import RequestContext, Timings
 from extauthz.director import Director
@@ -32,8 +33,9 @@ from extauthz.store import tenants_store
 from extauthz.types import Allow
 from llmgw import wire
 from llmgw.procs import Process, bin_path, free_port, redis_ping
+from llmgw.redisconf import RedisSettings
 from ratelimit.runtime import RateLimiter
-from ratelimit.settings import RedisSettings, Settings
+from ratelimit.settings import FailoverSettings, Settings
 from router.runtime import Router
 from router.types import PodMetrics
 from tests.extauthz.conftest import Keys, make_decider
@@ -85,13 +87,17 @@ async def _admitting(
     admit_timeout_s: float = 1.0,
     tiers: str = LIMITS,
 ) -> AsyncIterator[Admitting]:
-    limits = tmp_path / "limits.yaml"
-    limits.write_text(tiers)
-    redis = RedisSettings(port=redis_port, deadline_ms=200, connect_timeout_s=0.2)
-    limiter = RateLimiter(Settings(limits_file=limits, redis=redis))
+    await asyncio.to_thread(tiers_file.write_text, tiers)
+    store = tenants_store(tenants_file, tiers_file)
+    redis = RedisSettings(port=redis_port, connect_timeout_s=0.2)
+    failover = FailoverSettings(deadline_ms=200)
+    # As extauthz's `admitting` hands it over: the limiter's tier table is extauthz's. Its reload
+    # interval does not apply to a held limiter; one that watched the table on its own would
+    # not see a change within a test (the new-tier test below then fails every time).
+    held = Settings(tiers_file=tiers_file, reload_interval_s=60, redis=redis, failover=failover)
+    limiter = held_limiter(held, store)
     await limiter.start()
     router = make_router()
-    store = tenants_store(tenants_file, tiers_file)
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -331,6 +337,35 @@ async def test_a_tenants_own_limit_reaches_the_limiter_inside(
     )
 
 
+def move_globex_to_a_new_tier(tiers_file: Path, tenants_file: Path) -> None:
+    """The tier "diamond" (2 requests a minute) added, then globex moved onto it."""
+    tiers_file.write_text(LIMITS + "  diamond: {requests: {minute: 2}, tokens: {minute: 900000}}\n")
+    with tenants.editing(tenants_file):
+        data = tenants.read(tenants_file)
+        moved = tuple(
+            t.model_copy(update={"tier": "diamond"}) if t.id == "globex" else t
+            for t in data.tenants
+        )
+        tenants.write(tenants_file, data.model_copy(update={"tenants": moved}))
+
+
+async def test_a_tenant_moved_onto_a_new_tier_is_limited_by_it_from_its_first_request(
+    admitting: Admitting, tiers_file: Path, tenants_file: Path, keys: Keys
+) -> None:
+    """One load of the tier table in the process: the first check decided once the tenants
+    snapshot shows the tenant on a tier just added is limited by that tier. A second watch of
+    the same file (the limiter's own, every 0.5 s beside the snapshot's 0.25 s) left it on the
+    default tier (free: 600 a minute) until that watch came round."""
+    store = admitting.service.store
+    await asyncio.to_thread(move_globex_to_a_new_tier, tiers_file, tenants_file)
+    assert await store.reload_if_changed()  # the snapshot's watch coming round: one poll
+    assert store.current.tenants["globex"].tier == "diamond"
+    replies = [await admitting.stub.Check(check(keys.globex, f"moved-{i}")) for i in range(3)]
+    assert [r.status.code for r in replies] == [code_pb2.OK] * 2 + [code_pb2.RESOURCE_EXHAUSTED]
+    limit = header_map(replies[0].ok_response.response_headers_to_add)["x-ratelimit-limit-requests"]
+    assert limit == "2"
+
+
 async def test_a_limiter_that_raises_costs_the_admission_not_the_request(
     admitting: Admitting, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -411,12 +446,12 @@ def test_the_limiter_inside_reads_extauthzs_tier_table(
     settings = {**yaml.safe_load(good.read_text()), "topology": "epp"}
     config.write_text(yaml.safe_dump({**settings, "ratelimit_config": str(limiter_file)}))
     assert service_cli(["--check-config", str(config)]) == 0
-    assert limiter_settings(extauthz_settings(config)).limits_file == tiers
+    assert limiter_settings(extauthz_settings(config)).tiers_file == tiers
     other = tmp_path / "other-tiers.yaml"
     other.write_text(tiers.read_text())
-    limiter_file.write_text(yaml.safe_dump({"limits_file": str(other)}))
+    limiter_file.write_text(yaml.safe_dump({"tiers_file": str(other)}))
     assert service_cli(["--check-config", str(config)]) == 1
-    limiter_file.write_text(yaml.safe_dump({"limits_file": str(tiers)}))  # the same file
+    limiter_file.write_text(yaml.safe_dump({"tiers_file": str(tiers)}))  # the same file
     assert service_cli(["--check-config", str(config)]) == 0
     config.write_text(yaml.safe_dump({**settings, "topology": "rls", "ratelimit_config": "x"}))
     assert service_cli(["--check-config", str(config)]) == 1  # settings nothing would read

@@ -10,8 +10,10 @@ import yaml
 from extauthz import tenants
 from extauthz.store import tenants_store
 from extauthz.types import KEY_PREFIX
+from llmgw import wire
 from llmgw.config import ConfigError
 from llmgw.reload import RELOADS
+from llmgw.tiers import PerUnit, TenantSpec
 from tests.extauthz.conftest import NOW, TIERS, TIERS_YAML, Keys
 
 
@@ -34,6 +36,33 @@ def test_snapshot_looks_up_by_digest(tenants_file: Path, keys: Keys) -> None:
     assert snap.keys[tenants.digest(keys.revoked)].revoked
     assert snap.tenants["acme"].models == frozenset({"llama-3-8b", "mistral-7b"})
     assert snap.tenants["globex"].models is None
+
+
+def test_a_tenants_own_limits_in_the_tenants_file_are_read_with_a_warning(
+    tenants_file: Path, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    """acme's `limits: {rpm: 100}`, the older form of the tier table's `tenants:` entry, still
+    limits it (the request carries it to the limiter) and names the new place."""
+    snap = tenants.load(tenants_file, TIERS)
+    assert "deprecated setting tenants.*.limits" in caplog.text
+    assert snap.tenants["acme"].limits[wire.META_LIMIT_REQUESTS] == {
+        "requests_per_unit": 100.0,
+        "unit": "MINUTE",
+    }
+    assert wire.META_LIMIT_REQUESTS not in snap.tenants["globex"].limits
+
+
+def test_the_token_ceiling_merges_a_tenants_own_limits_by_the_tier_tables_rule(
+    tenants_file: Path, keys: Keys
+) -> None:
+    """The tenants file's tpm and the tier table's own limits for the tenant, merged by one rule:
+    each replaces the tier's limit of its unit, the request's last."""
+    _edit(tenants_file, lambda d: d["tenants"][0].update(limits={"tpm": 5000}))
+    table = TIERS.model_copy(update={"tenants": {"acme": TenantSpec(tokens=PerUnit(minute=9000))}})
+    assert tenants.load(tenants_file, table).tenants["acme"].token_ceiling == 5000
+    _edit(tenants_file, lambda d: d["tenants"][0].pop("limits"))
+    assert tenants.load(tenants_file, table).tenants["acme"].token_ceiling == 9000
+    assert tenants.load(tenants_file, TIERS).tenants["acme"].token_ceiling == 400_000  # standard
 
 
 def _edit(path: Path, change: object) -> None:

@@ -17,7 +17,7 @@ from ratelimit.failover import Failover
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
-from ratelimit.settings import RedisSettings
+from ratelimit.settings import FailoverSettings
 from ratelimit.types import Admission
 
 MakeFailover = Callable[..., Awaitable[Failover]]
@@ -192,7 +192,7 @@ async def test_outage_of_three_replicas_holds_the_stated_bound(
 async def test_a_burst_is_busy_not_down(redis: int, make_failover: MakeFailover) -> None:
     """1,000 concurrent admissions through one replica at the default deadline: their replies
     come late only because this event loop is busy. Exactly the limit, and no degraded mode."""
-    store = await make_failover(redis, deadline_s=RedisSettings().deadline_ms / 1000)
+    store = await make_failover(redis, deadline_s=FailoverSettings().deadline_ms / 1000)
     config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=40))})
     engine = Limiter(Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time)
     verdicts = await asyncio.gather(*(engine.admit(Admission("acme", "free")) for _ in range(1000)))
@@ -206,7 +206,7 @@ async def test_replies_later_than_the_deadline_are_busy_while_redis_answers(
     """5,000 admissions at once against the default deadline (0.5 s): the burst takes longer
     than that, yet Redis answers all along, so no reply times out and nothing degrades (a
     deadline per reply degraded the replica on the burst alone)."""
-    deadline_s = RedisSettings().deadline_ms / 1000
+    deadline_s = FailoverSettings().deadline_ms / 1000
     store = await make_failover(redis, deadline_s=deadline_s)
     config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=40))})
     engine = Limiter(Limits(config).policy, store, lambda: IDLE_UNKNOWN, time.time)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.config import ConfigError
-from llmgw.reload import Reloading
-from llmgw.tiers import load_tiers
-from ratelimit.limits import Limits, reload_limits
+from llmgw.tiers import PerUnit, TenantSpec, TierSpec, TierTable, load_tiers, watched_tiers
+from ratelimit.limits import Limits, TableLimits, kept
+from ratelimit.settings import Settings
 from ratelimit.types import Limit, Unit
 
 GOOD = """
@@ -67,7 +67,7 @@ def test_check_config_cli(tmp_path: Path) -> None:
     limits = tmp_path / "limits.yaml"
     limits.write_text(GOOD)
     settings = tmp_path / "ratelimit.yaml"
-    settings.write_text(f"limits_file: {limits}\nredis: {{deadline_ms: 15}}\n")
+    settings.write_text(f"tiers_file: {limits}\nfailover: {{deadline_ms: 15}}\n")
     run = [sys.executable, "-m", "ratelimit", "--check-config", str(settings)]
     assert subprocess.run(run, capture_output=True).returncode == 0
     limits.write_text("tiers: {gold: {requests: {minute: -3}}}")
@@ -79,28 +79,62 @@ def test_a_tier_removed_from_the_table_is_kept_not_put_on_the_default(tmp_path: 
     """A tenant may still name it; the default tier (free: 600/min) would raise its limits."""
     table = tmp_path / "tiers.yaml"
     table.write_text("tiers: {small: {requests: {minute: 40}}}\n")
-    first = reload_limits(table, None)
+    first = kept(load_tiers(table), None)
     table.write_text("tiers: {}\n")
-    kept = reload_limits(table, first)
-    assert kept.policy("acme", "small").requests == (Limit(Unit.MINUTE, 40),)
-    assert reload_limits(table, None).policy("acme", "small").tier == "free"  # at a restart
+    after = kept(load_tiers(table), first)
+    assert after.policy("acme", "small").requests == (Limit(Unit.MINUTE, 40),)
+    assert kept(load_tiers(table), None).policy("acme", "small").tier == "free"  # at a restart
 
 
 async def test_an_undecodable_file_is_refused_and_the_watch_goes_on(tmp_path: Path) -> None:
     table = tmp_path / "tiers.yaml"
     table.write_text("tiers: {small: {requests: {minute: 40}}}\n")
-    limits = Reloading("tiers", [table], lambda last: reload_limits(table, last))
-    watch = asyncio.create_task(limits.watch(0.01))
+    tiers = watched_tiers(table)
+    limits = TableLimits(tiers.get)
+    watch = asyncio.create_task(tiers.watch(0.01))
     try:
         table.write_bytes(table.read_bytes() + b"\xff")  # not UTF-8: once killed the watcher
         await asyncio.sleep(0.2)
         assert not watch.done()
-        assert limits.current.policy("acme", "small").requests == (Limit(Unit.MINUTE, 40),)
+        assert limits.policy("acme", "small").requests == (Limit(Unit.MINUTE, 40),)
         table.write_text("tiers: {small: {requests: {minute: 7}}}\n")
         for _ in range(100):
-            if limits.current.policy("acme", "small").requests == (Limit(Unit.MINUTE, 7),):
+            if limits.policy("acme", "small").requests == (Limit(Unit.MINUTE, 7),):
                 break
             await asyncio.sleep(0.02)
-        assert limits.current.policy("acme", "small").requests == (Limit(Unit.MINUTE, 7),)
+        assert limits.policy("acme", "small").requests == (Limit(Unit.MINUTE, 7),)
     finally:
         watch.cancel()
+
+
+def test_the_old_setting_names_are_read_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`limits_file` and the Redis deadlines under `redis` still load, as their new names."""
+    old = {"limits_file": str(tmp_path), "redis": {"port": 7000, "deadline_ms": 15}}
+    settings = Settings.model_validate(old)
+    assert settings.tiers_file == tmp_path and settings.redis.port == 7000
+    assert settings.failover.deadline_ms == 15
+    assert "limits_file: use tiers_file" in caplog.text
+    assert "redis.deadline_ms: use failover.deadline_ms" in caplog.text
+    assert old["redis"] == {"port": 7000, "deadline_ms": 15}  # the caller's input left whole
+    with pytest.raises(ValueError, match="set only tiers_file"):
+        Settings.model_validate({"limits_file": "a", "tiers_file": "b"})
+
+
+def test_a_tenants_own_limits_merge_alike_stated_in_the_table_or_carried_by_the_request() -> None:
+    """One rule for a tenant's own limits, wherever they come from: the tier table's `tenants:`
+    entry, or the request (the tenants file's older `limits`, as extauthz's metadata or Envoy's
+    descriptors carry them, over the table's entry): each replaces the tier's of its unit."""
+    gold = TierSpec(requests=PerUnit(second=200, minute=6000), tokens=PerUnit(minute=10**6))
+    table = TierTable(tiers={"gold": gold})
+    own = TenantSpec(requests=PerUnit(minute=100), tokens=PerUnit(minute=5000))
+    stated = Limits(table.model_copy(update={"tenants": {"acme": own}})).policy("acme", "gold")
+    carried = Limits(table).policy(
+        "acme", "gold", Limit(Unit.MINUTE, 100), Limit(Unit.MINUTE, 5000)
+    )
+    assert stated == carried
+    assert carried.requests == (Limit(Unit.SECOND, 200), Limit(Unit.MINUTE, 100))
+    assert carried.tokens == (Limit(Unit.MINUTE, 5000),)
+    both = Limits(table.model_copy(update={"tenants": {"acme": own}}))
+    assert both.policy("acme", "gold", Limit(Unit.MINUTE, 7)).requests[1] == Limit(Unit.MINUTE, 7)

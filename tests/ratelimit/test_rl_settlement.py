@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 from rl_redis import redis_port, start_redis
 
+from ledger import settlement
 from ledger.recorder import Recorder
 from ledger.settlement import Charge, Settled, settle
+from llmgw import breaker, reservation
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.procs import Process
 from llmgw.resp import Resp
 from llmgw.wire import tenant_prefix
-from ratelimit.redis_store import RedisStore
+from ratelimit.redis_store import ADMIT, REPLAY, RedisStore
 from ratelimit.types import Check, Unit, Window
 from ratelimit.windows import SLIDING, fixed, used
 
@@ -80,6 +83,16 @@ async def redis_ms(resp: Resp) -> int:
 async def one(resp: Resp, rid: str, actual: int) -> Settled:
     (result,) = await settle(resp, [Charge("acme", rid, actual)], DONE_TTL)
     return result
+
+
+def test_admission_and_settlement_spell_the_keys_only_in_their_shared_prelude() -> None:
+    """A key admission wrote under one name and settlement read under another would leave every
+    reservation unsettled (charged as reserved): every script takes them from one prelude, and
+    the tests below run admission's reservations through settlement."""
+    for source in (ADMIT[0], REPLAY[0], settlement.SOURCE):
+        own = source.replace(reservation.PRELUDE, "").replace(breaker.PRELUDE, "")
+        assert own != source
+        assert not re.search(r"':(res|tspec|done)\b|\.\. ':' \.\.", own), own
 
 
 async def test_refund_to_the_reserved_bucket_and_excess_to_the_current(resp: Resp) -> None:
