@@ -45,6 +45,16 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield running
 
 
+@pytest.fixture
+def patient_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
+    """A stack of this test's own whose router keeps its view of the pods however busy the
+    machine: every admitted request is picked."""
+    for name, value in PATIENT_SCRAPES.items():
+        monkeypatch.setenv(name, value)
+    with Stack(stack_settings(pods=3), tmp_path / "stack") as running:
+        yield running
+
+
 def chat(stack: Stack, messages: list[dict[str, str]], session: str | None = None) -> Any:
     headers = {"authorization": f"Bearer {api_key(stack)}"} if stack.tenants else {}
     if session:
@@ -84,6 +94,24 @@ def router_picks(stack: Stack, pod: str) -> float:
     return router_metric(stack, "llmgw_router_picks_total", pod)
 
 
+def admissions(stack: Stack) -> tuple[float, float]:
+    """The limiter's admissions inside extauthz so far: those it admitted (its "ok" verdicts and
+    those it let through undecided, fail-open), and those it refused."""
+    with urllib.request.urlopen(stack.metrics["ratelimit"], timeout=5) as resp:
+        text = resp.read().decode()
+    admitted = refused = 0.0
+    for line in text.splitlines():
+        if line.startswith("llmgw_ratelimit_decisions_total{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if 'result="ok"' in line:
+                admitted += value
+            else:
+                refused += value
+        elif line.startswith("llmgw_extauthz_admit_errors_total{"):
+            admitted += float(line.rsplit(" ", 1)[1])
+    return admitted, refused
+
+
 def converse(stacks: list[Stack], turns: int, session: str | None = None) -> tuple[str, list[str]]:
     """One session's turns (alternating over `stacks`), with the history; the pods they hit."""
     messages = [{"role": "system", "content": SYSTEM}]
@@ -120,11 +148,16 @@ def test_a_shared_prompt_prefix_lands_on_the_pod_that_holds_it(routed: Stack) ->
 
 
 async def load(
-    stack: Stack, seconds: float, concurrency: int, on_done: Any = None, rate: float = 40.0
+    stack: Stack,
+    seconds: float,
+    concurrency: int,
+    on_done: Any = None,
+    rate: float = 40.0,
+    until: int | None = None,
 ) -> tuple[int, list[BaseException]]:
-    """Chat requests from `concurrency` workers for `seconds`, each at most `rate` a second (so
-    that a fast machine stays under the platinum tier's 500 a second): how many, and the
-    failures."""
+    """Chat requests from `concurrency` workers for `seconds` (or until `until` are done, with
+    `seconds` only a bound against a hang), each at most `rate` a second (so that a fast machine
+    stays under the platinum tier's 500 a second): how many, and the failures."""
     headers = {"authorization": f"Bearer {api_key(stack)}"}
     deadline = time.monotonic() + seconds
     done = 0
@@ -133,7 +166,7 @@ async def load(
     async def worker(session: aiohttp.ClientSession, w: int) -> None:
         nonlocal done
         next_at = time.monotonic()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (until is None or done < until):
             next_at += 1 / rate
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"w{w} {done}"}]}
@@ -178,21 +211,22 @@ async def test_a_failing_pod_stops_receiving_picks_and_no_request_fails(own_stac
 
 
 async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
-    own_stack: Stack,
+    patient_stack: Stack,
 ) -> None:
     """The router inside extauthz chooses while the admission is under way, and a refused
     request gives its pod back: a burst 4x the tier's rate picks exactly the admitted requests
     (a refused one holds no pod and teaches the prefix index nothing), and every pick is
     released by its access-log entry."""
-    assert own_stack.services.router_inside and own_stack.services.limiter_inside
-    pods = [f"{p.host}:{p.port}" for p in own_stack.pods]
-    picks_before = sum(router_picks(own_stack, pod) for pod in pods)
-    headers = {"authorization": f"Bearer {api_key(own_stack, 'free')}"}
+    assert patient_stack.services.router_inside and patient_stack.services.limiter_inside
+    pods = [f"{p.host}:{p.port}" for p in patient_stack.pods]
+    picks_before = sum(router_picks(patient_stack, pod) for pod in pods)
+    admitted_before, refused_before = admissions(patient_stack)
+    headers = {"authorization": f"Bearer {api_key(patient_stack, 'free')}"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     async with aiohttp.ClientSession(headers=headers) as session:
 
         async def one() -> int:
-            async with session.post(f"{own_stack.base_url}/chat/completions", json=body) as r:
+            async with session.post(f"{patient_stack.base_url}/chat/completions", json=body) as r:
                 await r.read()
                 return r.status
 
@@ -203,14 +237,23 @@ async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
     # the tier's seconds: 98 of 200 beside a second suite): the premise is only that many were.
     assert refused >= 50 and statuses.count(200) >= 20, statuses
     assert set(statuses) <= {200, 429, 503}, statuses
-    picks = sum(router_picks(own_stack, pod) for pod in pods) - picks_before
-    assert picks == statuses.count(200)
+    picks = sum(router_picks(patient_stack, pod) for pod in pods) - picks_before
+    admitted, refused_by_limiter = (
+        a - b
+        for a, b in zip(admissions(patient_stack), (admitted_before, refused_before), strict=True)
+    )
+    # The limiter refused some: without the give-back, their picks would count too.
+    assert refused_by_limiter >= 1 and statuses.count(429) >= 1, statuses
+    # Exactly the admitted are picked. Not exactly those answered 200: on a busy machine Envoy
+    # can give up on a check (503) that extauthz admits after all, and that pick counts.
+    assert picks == admitted
+    assert statuses.count(200) <= picks
     deadline = time.monotonic() + 5.0  # entries flush every 0.2 s
-    while any(router_metric(own_stack, "llmgw_router_in_flight", pod) for pod in pods):
+    while any(router_metric(patient_stack, "llmgw_router_in_flight", pod) for pod in pods):
         assert time.monotonic() < deadline, "picks still in flight after their requests ended"
         await asyncio.sleep(0.1)
     # Envoy's default log buffer (16 KiB a logger) dropped entries of such a burst.
-    stats = own_stack.envoy_stats()
+    stats = patient_stack.envoy_stats()
     assert stats["access_logs.grpc_access_log.logs_dropped"] == 0
     assert stats["access_logs.grpc_access_log.logs_written"] == 2 * len(statuses)  # two loggers
 
@@ -235,9 +278,10 @@ async def test_killing_the_router_apart_mid_load_fails_no_request(apart_stack: S
             assert sum(router_picks(apart_stack, pod) for pod in pods) - before > 0
             router.kill()
 
-    done, failures = await load(apart_stack, 3.0, 8, kill)
+    # As many requests after the kill as before it, however long a busy machine takes.
+    done, failures = await load(apart_stack, 120.0, 8, kill, until=80)
     assert router.popen is not None and router.popen.poll() is not None
-    assert done > 80 and failures == []
+    assert done >= 80 and failures == []
 
 
 def test_two_router_replicas_keep_sessions_on_one_pod(
