@@ -25,6 +25,8 @@ COPY extauthz extauthz
 COPY ratelimit ratelimit
 COPY router router
 COPY ledger ledger
+# The `llmgw` command (tenants, keys, usage, certs, render-envoy): the wheel's console script.
+COPY tools tools
 RUN pip install --no-deps . \
  && python -c "import extauthz.__main__, ratelimit.__main__, router.__main__, ledger.__main__" \
  && pip uninstall -y pip setuptools

@@ -48,10 +48,10 @@ import uvloop
 from bench import loadgen
 from bench.loadgen import Samples, Target
 from llmgw import wire
-from llmgw.envoyconf import Address, EnvoySettings, Services
-from llmgw.procs import Process, StartError, free_port, grpc_serving, http_ok
-from llmgw.stack import ServiceName, Stack, StackSettings
 from llmgw.topology import Topology
+from tools.envoyconf import Address, EnvoySettings, Services
+from tools.procs import Process, StartError, free_port, grpc_serving, http_ok
+from tools.stack import ServiceName, Stack, StackSettings
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -30,8 +30,8 @@ from extauthz.demo import seed_demo
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.types import Allow
-from llmgw.procs import Process, free_port, grpc_serving
 from llmgw.tiers import TierTable
+from tools.procs import Process, free_port, grpc_serving
 
 SECRET = "bench-secret-bench-secret-bench-secret"
 BODY = json.dumps(

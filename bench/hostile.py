@@ -26,8 +26,8 @@ import aiohttp
 import numpy as np
 
 from bench.large_bodies import SMALL, key, small_load
-from llmgw.envoyconf import Address
-from llmgw.stack import Stack, StackSettings
+from tools.envoyconf import Address
+from tools.stack import Stack, StackSettings
 
 MB = 1024 * 1024
 STRANGER = f"sk-llmgw-{'z' * 43}"

@@ -21,8 +21,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from llmgw.envoyconf import Address
-from llmgw.stack import Stack, StackSettings
+from tools.envoyconf import Address
+from tools.stack import Stack, StackSettings
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SMALL = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

@@ -27,12 +27,12 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from llmgw import facts, wire
-from llmgw.postgres import Postgres
-from llmgw.procs import Process, bin_path, free_port, grpc_serving, redis_ping
 from llmgw.resp import Resp
 from ratelimit.redis_store import RedisStore
 from ratelimit.types import Check, Unit
 from ratelimit.windows import SLIDING
+from tools.postgres import Postgres
+from tools.procs import Process, bin_path, free_port, grpc_serving, redis_ping
 
 TICK_S = 0.2
 TENANTS = 20

@@ -1,4 +1,4 @@
-"""Ledger write throughput: records/s into a real PostgreSQL (llmgw.postgres) by batch size.
+"""Ledger write throughput: records/s into a real PostgreSQL (tools.postgres) by batch size.
 
     .venv/bin/python -m bench.ledger_write [--records 50000] [--batches 100,1000,5000]
 
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from ledger.db import Ledger, LedgerMetrics
 from llmgw.outcome import Outcome
-from llmgw.postgres import Postgres
+from tools.postgres import Postgres
 
 
 def records(n: int, offset: int = 0) -> list[Outcome]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from llmgw.envoyconf import Address
-from llmgw.stack import ServiceName, Stack, StackSettings
+from tools.envoyconf import Address
+from tools.stack import ServiceName, Stack, StackSettings
 
 PROMPT = [{"role": "user", "content": "Summarise the plot of a short story in one line."}]
 CONFIGS: dict[str, tuple[ServiceName, ...]] = {

@@ -19,7 +19,6 @@ from pathlib import Path
 import redis.asyncio as redis_asyncio
 import uvloop
 
-from llmgw.procs import Process, bin_path, free_port, redis_ping
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit.failover import Failover
@@ -28,6 +27,7 @@ from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.redis_store import ADMIT
 from ratelimit.types import Admission
+from tools.procs import Process, bin_path, free_port, redis_ping
 
 CONFIG = TierTable(
     tiers={

@@ -27,7 +27,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from llmgw import wire
-from llmgw.procs import Process, bin_path, free_port, grpc_serving, redis_ping
+from tools.procs import Process, bin_path, free_port, grpc_serving, redis_ping
 
 REPO = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")

@@ -52,8 +52,8 @@ import aiohttp
 import numpy as np
 
 from llmgw import wire
-from llmgw.envoyconf import Address, EnvoySettings
-from llmgw.stack import ServiceName, Stack, StackSettings
+from tools.envoyconf import Address, EnvoySettings
+from tools.stack import ServiceName, Stack, StackSettings
 
 POLICIES: dict[str, tuple[str, tuple[ServiceName, ...]]] = {
     "least_request": ("least_request", ("extauthz",)),

@@ -29,7 +29,7 @@ import uvloop
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 from google.rpc import code_pb2, status_pb2
 
-from llmgw.procs import Process, free_port, tcp_open
+from tools.procs import Process, free_port, tcp_open
 
 
 class _Auth(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]

@@ -15,7 +15,7 @@ import contextlib
 import io
 import sys
 
-from llmgw import cli
+from tools import cli
 
 RENDER = [
     "render-envoy",

@@ -116,7 +116,7 @@ class Settings(Strict):
     # closed.
     admit_timeout_ms: float = Field(default=1000.0, gt=0)
     # Answer Envoy's checks over HTTP too, on this port of serve.host (extauthz/httpserver.py;
-    # Envoy's ext_authz `http_service` in the gateway topology, llmgw/envoyconf.py): no gRPC
+    # Envoy's ext_authz `http_service` in the gateway topology, tools/envoyconf.py): no gRPC
     # plumbing per check. None: gRPC only. Health, metrics and access logs stay on gRPC.
     http_port: int | None = Field(default=None, ge=0, le=65535)
     # From SIGTERM, the check port drains at least this long before it closes (Envoy's health

@@ -10,7 +10,7 @@ answer's headers by name (envoy/envoy.yaml.j2 renders the matchers from this mod
   `dynamic_metadata_from_headers` makes no numbers or booleans. `Typed` restores the contract's
   types for a reader of that metadata (the ledger); a struct (a tenant's limit overrides, for
   Envoy's rate-limit filter) is not sent, which is why this mode needs the rate limiter inside
-  extauthz (llmgw/envoyconf.py).
+  extauthz (tools/envoyconf.py).
 
 Envoy takes any 5xx from an HTTP authorization server for the server failing: a 5xx denial (the
 breaker's 503, extauthz overloaded) is sent as a 429 carrying the status meant in its `status`

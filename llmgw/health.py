@@ -11,11 +11,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
-
-from llmgw.procs import grpc_serving
+from collections.abc import Callable, Mapping
 
 SUFFIXES = ("__SERVE__HEALTH_PORT", "__SERVE__PORT")  # first found wins
+
+
+def grpc_serving(target: str, service: str = "") -> Callable[[], bool]:
+    def probe() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(target) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+
+    return probe
 
 
 def default_target(environ: Mapping[str, str]) -> str:

@@ -4,7 +4,7 @@ A client without a certificate of our CA (plaintext, no certificate, another CA'
 handshake; grpc does not surface that to the server, so it is not counted (the HTTP check port
 logs it). A client with one of the CA's certificates that is not Envoy's is refused per call
 (PERMISSION_DENIED) and counted in `llmgw_refused_peers_total{method}`: the call's handler never
-runs, so a forged access-log batch changes nothing. Certificates: llmgw/certs.py.
+runs, so a forged access-log batch changes nothing. Certificates: tools/certs.py.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ RATE_HEADERS = {
 }
 # The rate limiter's answer is dynamic metadata (in every access-log entry): in ext_authz's
 # namespace when the limiter runs inside extauthz, else in the RLS response's, which Envoy keeps
-# under its rate-limit filter's name (llmgw/envoyconf.py Services.admission_namespace).
+# under its rate-limit filter's name (tools/envoyconf.py Services.admission_namespace).
 RATELIMIT_NAMESPACE = "envoy.filters.http.ratelimit"
 # true on every answer the rate limiter gave: an admitted request without it reached a pod
 # unchecked (the limiter failed open: it raised or ran over its budget inside extauthz, or

@@ -4,7 +4,7 @@ Down, not busy. A decision waits for Redis's reply until Redis has sent nothing 
 `deadline_s` (0.5 s, settings.failover.deadline_ms) while the reply waits: a reply late only
 because the replies before it, or this event loop, are busy (a burst of 1,000 decisions on a
 machine busy with other work) still counts, as long as Redis keeps answering. 0.5 s is below
-Envoy's 2 s timeout (llmgw/envoyconf.py), so a degraded answer still reaches Envoy; the
+Envoy's 2 s timeout (tools/envoyconf.py), so a degraded answer still reaches Envoy; the
 admission in extauthz has its own budget (admit_timeout_ms) however long Redis stays busy.
 
 What degrades. Only a timeout or a transport failure (refused, reset, closed): decisions then use

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from llmgw.envoyconf import Address, EnvoySettings, Health, Outlier, Timeouts
-from llmgw.stack import Stack, StackSettings
+from tools.envoyconf import Address, EnvoySettings, Health, Outlier, Timeouts
+from tools.stack import Stack, StackSettings
 
 # Pods 20x faster than an H100 so end-to-end tests stay quick; shapes and ordering are unchanged.
 FAST_PODS = ("--time-scale", "0.05")

@@ -6,7 +6,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any
 
-from llmgw import certs, envoyconf
+from tools import certs, envoyconf
 
 Config = dict[str, Any]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.procs import free_port
+from tools.procs import free_port
 
 MODEL = "recorded-model"
 METRICS = (

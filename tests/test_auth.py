@@ -13,11 +13,11 @@ import openai
 import pytest
 
 from extauthz import tenants
-from llmgw import cli
-from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import Reply, call
 from tests.recording_pod import MODEL, STREAM_TAIL, recording_pod
+from tools import cli
+from tools.stack import Stack
 
 RELOAD_SECONDS = 2.0  # a key change must apply within this
 

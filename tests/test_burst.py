@@ -20,11 +20,11 @@ import aiohttp
 import pytest
 
 from extauthz.types import Limits
-from llmgw.stack import Stack
 from llmgw.topology import Topology
 from tests.conftest import stack_settings
 from tests.http import call
 from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter
+from tools.stack import Stack
 
 LIMIT = 40
 

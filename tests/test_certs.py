@@ -1,4 +1,4 @@
-"""llmgw/certs.py: what `llmgw certs --out DIR` writes, and who may use which certificate."""
+"""tools/certs.py: what `llmgw certs --out DIR` writes, and who may use which certificate."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from llmgw import certs, cli
 from llmgw.health import default_target
 from llmgw.tls import ENVOY_IDENTITY
+from tools import certs, cli
 
 
 def load(path: Path) -> x509.Certificate:

@@ -39,10 +39,8 @@ import pytest
 import redis
 import yaml
 
-from llmgw import certs, cli, postgres, wire
+from llmgw import wire
 from llmgw.health import default_target
-from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
-from llmgw.stack import Stack
 from ratelimit.redis_store import REPLICAS_KEY
 from tests.conftest import api_key
 from tests.envoy_config import (
@@ -52,6 +50,9 @@ from tests.envoy_config import (
     validated_with_certs,
 )
 from tests.http import call
+from tools import certs, cli, postgres
+from tools.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
+from tools.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
@@ -316,7 +317,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
         for pod in PODS:
             host, _, pod_port = pod.partition(":")
             port = run.port(host, int(pod_port))
-            argv = [sys.executable, "-m", "llmgw.sim", "--port", str(port), "--time-scale", "0.05"]
+            argv = [sys.executable, "-m", "sim", "--port", str(port), "--time-scale", "0.05"]
             ready = http_ok(f"http://127.0.0.1:{port}/health")
             # The pod's key, as the compose file gives it to vLLM.
             pod_env = spec["services"][host]["environment"]

@@ -11,8 +11,8 @@ import pytest
 from extauthz.settings import Settings as ExtauthzSettings
 from ledger.settings import Settings as LedgerSettings
 from llmgw import config
-from llmgw.stack import StackSettings
 from llmgw.topology import Topology
+from tools.stack import StackSettings
 
 
 def test_env_overrides_nested_values(tmp_path: Path) -> None:

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw import authzhttp, cli, envoyconf, wire
-from llmgw.envoyconf import Address, EnvoySettings
-from llmgw.procs import Process, bin_path, free_port, http_ok
+from llmgw import authzhttp, wire
 from llmgw.topology import Topology
 from ratelimit import response
 from ratelimit.response import rate_headers
 from ratelimit.types import KindState, Unit, Verdict
 from tests.envoy_config import check_admin_private, grpc_loggers, http_filters, pick_sources
 from tests.http import call
+from tools import cli, envoyconf
+from tools.envoyconf import Address, EnvoySettings
+from tools.procs import Process, bin_path, free_port, http_ok
 
 
 def render_and_validate(tmp_path: Path, settings: EnvoySettings, pods: list[Address]) -> dict:  # type: ignore[type-arg]

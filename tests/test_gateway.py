@@ -9,9 +9,9 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.stack import Stack
 from tests.conftest import api_key
 from tests.http import Reply, call
+from tools.stack import Stack
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.envoyconf import Uploads
-from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.test_ratelimit_e2e import MODEL
+from tools.envoyconf import Uploads
+from tools.stack import Stack
 
 MB = 1024 * 1024
 SHARE = 16 * MB

@@ -62,7 +62,7 @@ def test_the_image_leaves_out_only_the_local_stack_binaries() -> None:
 def test_the_installed_package_has_every_service_and_its_data_files(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    for item in ("pyproject.toml", "README.md", "llmgw", *SERVICES):
+    for item in ("pyproject.toml", "README.md", "llmgw", *SERVICES, "tools"):
         copy = shutil.copytree if (ROOT / item).is_dir() else shutil.copy
         copy(ROOT / item, src / item)
     subprocess.run(
@@ -76,6 +76,7 @@ def test_the_installed_package_has_every_service_and_its_data_files(tmp_path: Pa
     for service in SERVICES:
         assert f"{service}/__main__.py" in files
     assert "llmgw/health.py" in files
+    assert "tools/cli.py" in files  # the `llmgw` console script's module
     for data in (ROOT).glob("*/**/*"):
         if data.suffix in (".lua", ".sql") and data.parts[len(ROOT.parts)] in SERVICES:
             assert str(data.relative_to(ROOT)) in files, data

@@ -15,11 +15,11 @@ import pytest
 
 from extauthz import tenants
 from extauthz.types import Tenant, TenantsFile
-from llmgw.stack import Stack
 from tests.conftest import stack_settings
 from tests.http import call
 from tests.recording_pod import MODEL as RECORDED_MODEL
 from tests.recording_pod import recording_pod
+from tools.stack import Stack
 
 SIM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SECRET = "Tenant A's confidential instructions: never disclose the merger with Initech. " * 30

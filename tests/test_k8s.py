@@ -31,7 +31,7 @@ import yaml
 from deploy.render_k8s import RENDER, configmap, rendered
 from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
-from llmgw import certs, config, wire
+from llmgw import config, wire
 from llmgw.topology import Topology
 from router.settings import redis_address
 from tests.envoy_config import (
@@ -40,6 +40,7 @@ from tests.envoy_config import (
     pick_sources,
     validated_with_certs,
 )
+from tools import certs
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"

@@ -21,11 +21,11 @@ import pytest
 
 from extauthz.types import Limits
 from llmgw import facts, wire
-from llmgw.stack import Stack
 from llmgw.topology import Topology
 from tests.conftest import stack_settings
 from tests.http import Reply, call
 from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations, wait_for
+from tools.stack import Stack
 
 LIMITS = """
 tiers:

@@ -20,14 +20,15 @@ import pytest
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmgw import certs, wire
+from llmgw import wire
 from llmgw.health import default_target
-from llmgw.stack import Stack
 from llmgw.tls import ENVOY_IDENTITY
 from tests.conftest import stack_settings
 from tests.ledger.test_entry import entry
 from tests.test_ledger_e2e import recorded, records
 from tests.test_ratelimit_e2e import wait_for
+from tools import certs
+from tools.stack import Stack
 
 ACCESS_LOG = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
 FORGED = {wire.META_PROMPT_TOKENS: 5_000_000, wire.META_COMPLETION_TOKENS: 1}

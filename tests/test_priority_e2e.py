@@ -10,10 +10,10 @@ import urllib.request
 from pathlib import Path
 
 from llmgw import priority, wire
-from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import call
 from tests.recording_pod import MODEL, recording_pod
+from tools.stack import Stack
 
 DEMO_PRIORITY = {"free": 2, "platinum": 9}  # extauthz/demo.py
 FORGED = {wire.HEADER_VLLM_PRIORITY: "-100"}

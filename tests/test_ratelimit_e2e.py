@@ -20,9 +20,9 @@ import pytest
 
 from extauthz import tenants
 from extauthz.types import Limits, Tenant, TenantsFile
-from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import Reply, call
+from tools.stack import Stack
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 LIMITS = """

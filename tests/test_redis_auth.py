@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from llmgw import wire
-from llmgw.procs import redis_ping
-from llmgw.stack import Stack
 from tests.http import call
+from tools.procs import redis_ping
+from tools.stack import Stack
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:

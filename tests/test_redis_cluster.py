@@ -17,12 +17,12 @@ import redis
 
 from ledger.settlement import Charge, settle
 from llmgw.cluster import Addr, Cluster, command_slot, key_slot
-from llmgw.procs import Process, StartError, bin_path, free_port, redis_ping
 from llmgw.resp import AuthError, Client, Resp, RespError
 from llmgw.wire import FLEET_LOAD_KEY, tenant_prefix
 from ratelimit.failover import Failover
 from ratelimit.redis_store import RedisStore
 from ratelimit.types import Check, Outcome, Window
+from tools.procs import Process, StartError, bin_path, free_port, redis_ping
 
 PASSWORD = "cluster-secret"
 HOST = "127.0.0.1"

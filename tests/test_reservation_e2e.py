@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from extauthz.types import Limits
-from llmgw.stack import Stack
 from tests.conftest import FAST_PODS, stack_settings
 from tests.test_ratelimit_e2e import add_tenant
+from tools.stack import Stack
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CONTEXT = 2048

@@ -8,8 +8,8 @@ import urllib.request
 
 import openai
 
-from llmgw.stack import Stack
 from tests.conftest import api_key
+from tools.stack import Stack
 
 REQUESTS = 120
 CONCURRENCY = 12

@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 
 from llmgw import wire
-from llmgw.stack import Stack, StackSettings
 from llmgw.topology import Topology
 from tests.conftest import api_key, stack_settings
 from tests.http import call
+from tools.stack import Stack, StackSettings
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SYSTEM = "You are the support assistant of the Example Corporation. " * 40  # ~600 tokens

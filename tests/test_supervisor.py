@@ -27,9 +27,9 @@ import pytest
 import redis
 
 from llmgw import wire
-from llmgw.procs import Process
-from llmgw.supervisor import Backoff, State, Supervisor
 from tests.http import call
+from tools.procs import Process
+from tools.supervisor import Backoff, State, Supervisor
 
 READY_TIMEOUT = 120
 RECOVERY_TIMEOUT = 60  # generous: a Python service's start-up on a loaded 2-core box
@@ -308,7 +308,7 @@ def test_sigterm_stops_every_child_even_restarted_ones(
 
 
 class OneChild:
-    """A stack of one child, as the supervisor sees a stack (llmgw.supervisor.Supervised)."""
+    """A stack of one child, as the supervisor sees a stack (tools.supervisor.Supervised)."""
 
     def __init__(self, proc: Process) -> None:
         self.processes = [proc]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.stack import Stack
 from llmgw.topology import Topology
 from tests.conftest import api_key, stack_settings
 from tests.http import call
+from tools.stack import Stack
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # Envoy's counters of each way a request may travel: a check answered over HTTP or over gRPC

@@ -13,10 +13,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from llmgw.envoyconf import Address
-from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import call
+from tools.envoyconf import Address
+from tools.stack import Stack
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):

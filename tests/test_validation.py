@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.stack import Stack
 from tests.conftest import api_key, stack_settings
 from tests.http import Reply, call
 from tests.recording_pod import MODEL, RecordingPod, recording_pod
+from tools.stack import Stack
 
 
 @pytest.fixture(scope="module")

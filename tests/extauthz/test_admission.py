@@ -32,7 +32,6 @@ from extauthz.service import register
 from extauthz.store import tenants_store
 from extauthz.types import Allow
 from llmgw import wire
-from llmgw.procs import Process, bin_path, free_port, redis_ping
 from llmgw.redisconf import RedisSettings
 from ratelimit.runtime import RateLimiter
 from ratelimit.settings import FailoverSettings, Settings
@@ -48,6 +47,7 @@ from tests.extauthz.test_service import (
     header_map,
     make_router,
 )
+from tools.procs import Process, bin_path, free_port, redis_ping
 
 # The custom tier "gold" (globex) at 3 requests a minute: the fourth is refused.
 LIMITS = "tiers:\n  gold: {requests: {minute: 3}, tokens: {minute: 900000}}\n"

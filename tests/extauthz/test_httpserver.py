@@ -30,13 +30,14 @@ from extauthz.director import Director
 from extauthz.httpserver import MAX_HEAD_BYTES, HttpCheckServer, encode
 from extauthz.service import check_response
 from extauthz.store import tenants_store
-from llmgw import authzhttp, envoyconf, wire
-from llmgw.envoyconf import Address, EnvoySettings, Health, Services
-from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok
+from llmgw import authzhttp, wire
 from llmgw.structs import to_dict
 from tests.extauthz.conftest import SECRET, Keys, kill_worker, make_decider
 from tests.extauthz.test_service import CHAT
 from tests.recording_pod import recording_pod
+from tools import envoyconf
+from tools.envoyconf import Address, EnvoySettings, Health, Services
+from tools.procs import Process, bin_path, free_port, grpc_serving, http_ok
 
 
 class Response:

@@ -33,7 +33,6 @@ from extauthz.service import register
 from extauthz.store import TenantsStore, tenants_store
 from llmgw import authzhttp, wire
 from llmgw.facts import MESSAGE_TOKENS
-from llmgw.procs import Process, free_port, grpc_serving
 from llmgw.reload import RELOADS
 from router.engine import Engine
 from router.fleet import Fleet, FleetSettings
@@ -42,6 +41,7 @@ from router.runtime import Router
 from router.types import PodMetrics
 from tests.extauthz.conftest import SECRET, TIERS_YAML, Keys, kill_worker, make_decider
 from tests.router.test_service import log_entry, send_log
+from tools.procs import Process, free_port, grpc_serving
 
 Stub: Any = external_auth_pb2_grpc.AuthorizationStub
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

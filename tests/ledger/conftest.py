@@ -1,4 +1,4 @@
-"""Fixtures of the ledger tests: a real PostgreSQL (llmgw.postgres), a fresh database per test."""
+"""Fixtures of the ledger tests: a real PostgreSQL (tools.postgres), a fresh database per test."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ledger.db import Ledger, LedgerMetrics
 from llmgw.outcome import Outcome
-from llmgw.postgres import Postgres
+from tools.postgres import Postgres
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

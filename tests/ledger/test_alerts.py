@@ -37,13 +37,13 @@ from ledger.detectors import (
 from ledger.recorder import Recorder
 from ledger.settings import ENV_PREFIX, Settings
 from ledger.webhooks import Hook, Webhooks
-from llmgw import procs
 from llmgw.config import ConfigError, load
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from tests.ledger.conftest import outcome, rows, until
 from tests.ledger.test_entry import entry
 from tests.ratelimit.rl_redis import start_redis
+from tools import procs
 
 SECRET = b"test-secret-0123456789"
 POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"

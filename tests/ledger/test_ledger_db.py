@@ -10,8 +10,8 @@ import pytest
 
 from ledger.db import COLUMNS, Ledger, Migration, MigrationError, migrate, migrations
 from llmgw.outcome import Outcome
-from llmgw.postgres import Postgres
 from tests.ledger.conftest import metric, outcome, rows, until
+from tools.postgres import Postgres
 
 MakeLedger = Callable[..., Ledger]
 

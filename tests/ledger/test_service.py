@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from llmgw import procs
 from tests.ledger.test_entry import USED, entry
+from tools import procs
 
 
 def metrics(url: str) -> str:

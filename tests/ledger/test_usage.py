@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from ledger.db import Ledger
-from llmgw import cli, usage
 from llmgw.outcome import JSON_FIELDS, Outcome
-from llmgw.postgres import Postgres
 from tests.ledger.conftest import metric, until
+from tools import cli, usage
+from tools.postgres import Postgres
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 BASE = NOW - timedelta(hours=1)

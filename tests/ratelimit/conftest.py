@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rl_redis import flushall, redis_port, start_redis
 
-from llmgw.procs import Process
 from llmgw.resp import Resp
 from ratelimit.failover import Failover
+from tools.procs import Process
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from llmgw.procs import Process, bin_path, free_port, redis_ping
+from tools.procs import Process, bin_path, free_port, redis_ping
 
 
 def start_redis(log_dir: Path, port: int | None = None, password: str | None = None) -> Process:

@@ -13,13 +13,14 @@ import yaml
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from llmgw import envoyconf, wire
+from llmgw import wire
 from llmgw.facts import MetaValue, RequestFacts
 from llmgw.tenant import TenantContext
 from llmgw.topology import Topology
 from ratelimit.admission import from_context
 from ratelimit.descriptors import parse
 from ratelimit.types import Grant, Limit, Unit
+from tools import envoyconf
 
 Entry = ratelimit_pb2.RateLimitDescriptor.Entry
 Override = ratelimit_pb2.RateLimitDescriptor.RateLimitOverride

@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 from rl_redis import redis_port, start_redis
 
-from llmgw.procs import Process, redis_ping
 from llmgw.resp import AuthError, Resp, RespError
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 from ratelimit.failover import Failover
@@ -18,6 +17,7 @@ from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.types import Admission
+from tools.procs import Process, redis_ping
 
 MakeFailover = Callable[..., Awaitable[Failover]]
 PASSWORD = secrets.token_urlsafe(24)

@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable
 
 from rl_redis import redis_port, start_redis
 
-from llmgw.procs import Process
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 from llmgw.wire import tenant_prefix
 from ratelimit.failover import Failover
@@ -19,6 +18,7 @@ from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.settings import FailoverSettings
 from ratelimit.types import Admission
+from tools.procs import Process
 
 MakeFailover = Callable[..., Awaitable[Failover]]
 DEADLINE_S = 0.02
@@ -76,7 +76,7 @@ async def test_redis_killed_mid_load_then_restarted(
 
 
 async def test_unreachable_at_start_uses_the_local_share(make_failover: MakeFailover) -> None:
-    from llmgw.procs import free_port
+    from tools.procs import free_port
 
     store = await make_failover(free_port(), deadline_s=DEADLINE_S, replicas=4)
     config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=100))})
@@ -88,7 +88,7 @@ async def test_unreachable_at_start_uses_the_local_share(make_failover: MakeFail
 
 
 async def test_a_share_never_rounds_a_limit_to_zero(make_failover: MakeFailover) -> None:
-    from llmgw.procs import free_port
+    from tools.procs import free_port
 
     store = await make_failover(free_port(), deadline_s=DEADLINE_S, replicas=3)
     config = TierTable(tiers={"free": TierSpec(requests=PerUnit(minute=2))})

@@ -17,13 +17,13 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import wrappers_pb2
 from opentelemetry import trace
 
-from llmgw.procs import Process, free_port, grpc_serving
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 from ratelimit.failover import Failover
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.service import RateLimitService
+from tools.procs import Process, free_port, grpc_serving
 
 Code = rls_pb2.RateLimitResponse.Code
 Stub = rls_pb2_grpc.RateLimitServiceStub

@@ -19,12 +19,12 @@ from ledger.settlement import Charge, Settled, settle
 from llmgw import breaker, reservation
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
-from llmgw.procs import Process
 from llmgw.resp import Resp
 from llmgw.wire import tenant_prefix
 from ratelimit.redis_store import ADMIT, REPLAY, RedisStore
 from ratelimit.types import Check, Unit, Window
 from ratelimit.windows import SLIDING, fixed, used
+from tools.procs import Process
 
 PREFIX = tenant_prefix("acme")
 DONE_TTL = 60_000

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from llmgw import procs
 from router.types import Candidate, PodMetrics
+from tools import procs
 
 VLLM_V1 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

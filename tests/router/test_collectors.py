@@ -7,13 +7,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.sim.pod import SimPod
-from llmgw.sim.types import DEFAULT_MODEL, SimSettings
 from router.collectors import scrape
 from router.collectors.resolver import Resolver
 from router.collectors.scrape import parse_metrics
 from router.collectors.scraper import Scraper
 from router.fleet import DnsTarget, Fleet, FleetSettings
+from sim.pod import SimPod
+from sim.types import DEFAULT_MODEL, SimSettings
 from tests.router.conftest import Clock, FakePod, metrics_text
 
 

@@ -22,9 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
 from llmgw import wire
-from llmgw.procs import Process, bin_path, free_port, grpc_serving, http_ok, stop_all
 from router.picker import HEALTH_SERVICES
 from tests.http import call
+from tools.procs import Process, bin_path, free_port, grpc_serving, http_ok, stop_all
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default
 
@@ -44,7 +44,7 @@ def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
         pods = []
         for i in range(2):
             port = free_port()
-            argv = [sys.executable, "-m", "llmgw.sim", "--port", str(port), "--seed", str(i)]
+            argv = [sys.executable, "-m", "sim", "--port", str(port), "--seed", str(i)]
             ready = http_ok(f"http://127.0.0.1:{port}/health")
             procs.append(Process(f"pod-{i}", argv, ready, tmp / f"pod-{i}.log").start())
             pods.append(f"127.0.0.1:{port}")

@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.json_format import MessageToDict
 from opentelemetry import trace
 
-from llmgw import facts, procs, wire
+from llmgw import facts, wire
 from router.collectors.resolver import Resolver
 from router.collectors.scraper import Scraper
 from router.engine import Engine
@@ -32,6 +32,7 @@ from router.runtime import Router
 from router.service import RouterService
 from router.types import PodMetrics
 from tests.router.conftest import FakePod, metrics_text
+from tools import procs
 
 Served = tuple[RouterService, pb_grpc.ExternalProcessorStub, als_pb2_grpc.AccessLogServiceStub]
 Starter = Callable[[Fleet], Awaitable[Served]]

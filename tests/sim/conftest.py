@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.sim import SimPod, SimSettings
+from sim import SimPod, SimSettings
 
 MakePod = Callable[..., Awaitable[SimPod]]
 

@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.sim import SimPod
-from llmgw.sim.profile import PROFILES, StepLoad, decode_step_seconds, step_seconds
+from sim import SimPod
+from sim.profile import PROFILES, StepLoad, decode_step_seconds, step_seconds
 from tests.sim.conftest import MakePod, chat, drained
 
 H100 = PROFILES["h100-llama-8b"]

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.sim import SimPod
+from sim import SimPod
 from tests.sim.conftest import chat, drained
 
 pytestmark = pytest.mark.timeout(30)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmgw.sim.kvcache import BlockPool
-from llmgw.sim.tokens import block_hashes
+from sim.kvcache import BlockPool
+from sim.tokens import block_hashes
 
 
 def test_allocation_fails_when_full_and_release_frees() -> None:

@@ -1,4 +1,4 @@
-"""`python -m llmgw.sim` as the launcher runs it: flags, clean SIGTERM, the `die` fault."""
+"""`python -m sim` as the launcher runs it: flags, clean SIGTERM, the `die` fault."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.procs import Process, free_port, http_ok
-from llmgw.sim.__main__ import settings_from
+from sim.__main__ import settings_from
+from tools.procs import Process, free_port, http_ok
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 def pod_process(tmp_path: Path) -> Iterator[tuple[Process, str]]:
     port = free_port()
-    argv = [sys.executable, "-m", "llmgw.sim", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "sim", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--model", "tiny", "--time-scale", "0.05", "--seed", "3", "--max-num-seqs", "8"]
     url = f"http://127.0.0.1:{port}"
     proc = Process("pod", argv, http_ok(url + "/health"), tmp_path / "pod.log")

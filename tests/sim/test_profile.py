@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.sim.profile import PROFILES, StepLoad, decode_step_seconds, step_seconds
+from sim.profile import PROFILES, StepLoad, decode_step_seconds, step_seconds
 
 H100 = PROFILES["h100-llama-8b"]
 A100 = PROFILES["a100-llama-8b"]

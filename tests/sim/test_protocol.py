@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.sim.errors import ApiError
-from llmgw.sim.protocol import parse
-from llmgw.sim.types import SimSettings
+from sim.errors import ApiError
+from sim.protocol import parse
+from sim.types import SimSettings
 
 SETTINGS = SimSettings()
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from llmgw.sim.engine import Engine, Sequence
-from llmgw.sim.metrics import Stats
-from llmgw.sim.profile import PROFILES
-from llmgw.sim.types import Job, SchedulingPolicy, SimSettings
-from llmgw.sim.waiting import FcfsQueue, PriorityQueue
+from sim.engine import Engine, Sequence
+from sim.metrics import Stats
+from sim.profile import PROFILES
+from sim.types import Job, SchedulingPolicy, SimSettings
+from sim.waiting import FcfsQueue, PriorityQueue
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.sim import SimPod
+from sim import SimPod
 from tests.sim.conftest import MakePod, chat
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

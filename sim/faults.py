@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from llmgw.config import ConfigError, validate
-from llmgw.sim.types import Faults
+from sim.types import Faults
 
 CLOSE_AFTER_CHUNKS = 3  # a dropped stream still delivers its first few chunks
 

@@ -1,4 +1,4 @@
-"""`python -m llmgw.sim`: one simulated vLLM pod until SIGTERM or SIGINT (then exit 0)."""
+"""`python -m sim`: one simulated vLLM pod until SIGTERM or SIGINT (then exit 0)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 from llmgw import logs
 from llmgw.config import ConfigError, load, validate
 from llmgw.serve import run
-from llmgw.sim.pod import SimPod
-from llmgw.sim.profile import PROFILES
-from llmgw.sim.types import DEFAULT_MODEL, SimSettings
+from sim.pod import SimPod
+from sim.profile import PROFILES
+from sim.types import DEFAULT_MODEL, SimSettings
 
 ENV_PREFIX = "LLMGW_SIM"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for --api-key
@@ -23,7 +23,7 @@ API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for --api-key
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m llmgw.sim",
+        prog="python -m sim",
         description="A simulated vLLM OpenAI server. Settings: --config YAML, then "
         f"{ENV_PREFIX}__FIELD=value, then these flags.",
     )
@@ -104,7 +104,7 @@ def cli(argv: list[str]) -> int:
     try:
         settings = settings_from(argv)
     except ConfigError as exc:
-        print(f"llmgw.sim: {exc}", file=sys.stderr)
+        print(f"sim: {exc}", file=sys.stderr)
         return 2
     run(lambda: main(settings))
     return 0

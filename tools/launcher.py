@@ -13,9 +13,9 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
-from llmgw.procs import Process
-from llmgw.stack import Stack
-from llmgw.supervisor import Backoff, Supervisor, SupervisorMetrics
+from tools.procs import Process
+from tools.stack import Stack
+from tools.supervisor import Backoff, Supervisor, SupervisorMetrics
 
 log = logging.getLogger("llmgw.up")
 
@@ -65,7 +65,7 @@ def write_ready(ready_file: Path, info: dict[str, Any]) -> None:
 
 
 def supervise(stack: Stack, ready_file: Path | None, backoff: Backoff | None = None) -> int:
-    """Run until SIGINT/SIGTERM (exit 0), restarting any child that dies (llmgw.supervisor).
+    """Run until SIGINT/SIGTERM (exit 0), restarting any child that dies (tools.supervisor).
 
     The ready file is rewritten after each restart (new pid, restart counts); the supervisor's
     metrics (`llmgw_child_restarts_total` ...) are served at `metrics.launcher` in it.

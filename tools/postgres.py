@@ -4,7 +4,7 @@
     pg.start(timeout)          # first run: initdb (a few seconds), then the server
     pg.url                     # postgresql://llmgw:…@127.0.0.1:PORT/llmgw
 
-`Postgres` is a `llmgw.procs.Process`: the `postgres` server runs in the foreground as a child,
+`Postgres` is a `tools.procs.Process`: the `postgres` server runs in the foreground as a child,
 ready when it answers a startup message with an authentication request (the protocol level,
 past crash recovery). `home` outlives a run: `home/data` is the cluster, `home/password` (0600)
 the generated password of the superuser `llmgw`. Each `Postgres` listens on 127.0.0.1 only, on a
@@ -30,7 +30,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from llmgw.procs import Process, StartError, free_port, open_log
+from tools.procs import Process, StartError, free_port, open_log
 
 USER = "llmgw"  # the database superuser
 DATABASE = "llmgw"

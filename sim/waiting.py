@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-from llmgw.sim.types import SchedulingPolicy
+from sim.types import SchedulingPolicy
 
 
 class Queued(Protocol):

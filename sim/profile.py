@@ -8,7 +8,7 @@ are added on top. Decodes are memory bound, so batching them is nearly free unti
 per-sequence and KV terms dominate (throughput rises with batch to a plateau); a prefill
 chunk is compute bound, so a long one stretches the step every running decode waits on.
 
-Every constant is listed with its source in `llmgw/sim/README.md`.
+Every constant is listed with its source in `sim/README.md`.
 """
 
 from __future__ import annotations

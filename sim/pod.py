@@ -14,12 +14,12 @@ from types import TracebackType
 from aiohttp import web
 
 from llmgw.config import ConfigError
-from llmgw.sim.engine import Engine
-from llmgw.sim.faults import FaultState
-from llmgw.sim.metrics import Collector, Stats, registry
-from llmgw.sim.profile import PROFILES
-from llmgw.sim.service import Service
-from llmgw.sim.types import SimSettings
+from sim.engine import Engine
+from sim.faults import FaultState
+from sim.metrics import Collector, Stats, registry
+from sim.profile import PROFILES
+from sim.service import Service
+from sim.types import SimSettings
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from llmgw import postgres
 from llmgw.outcome import JSON_FIELDS
+from tools import postgres
 
 By = Literal["tenant", "session", "model", "pod"]
 BY_KEYS: tuple[By, ...] = ("tenant", "session", "model", "pod")

@@ -12,12 +12,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from llmgw.sim.chunks import DONE, STREAM_ERROR, Reply
-from llmgw.sim.engine import Engine, Sequence
-from llmgw.sim.errors import ApiError, not_found_route, request_invalid
-from llmgw.sim.faults import CLOSE_AFTER_CHUNKS, FaultState
-from llmgw.sim.protocol import PRIORITY_HEADER, Kind, Request, dumps, parse
-from llmgw.sim.types import SimSettings
+from sim.chunks import DONE, STREAM_ERROR, Reply
+from sim.engine import Engine, Sequence
+from sim.errors import ApiError, not_found_route, request_invalid
+from sim.faults import CLOSE_AFTER_CHUNKS, FaultState
+from sim.protocol import PRIORITY_HEADER, Kind, Request, dumps, parse
+from sim.types import SimSettings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

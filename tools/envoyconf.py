@@ -13,8 +13,8 @@ from pydantic import Field, model_validator
 
 from llmgw import authzhttp, wire
 from llmgw.config import Strict
-from llmgw.procs import bin_path
 from llmgw.topology import Topology
+from tools.procs import bin_path
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "envoy"
 TEMPLATE = "envoy.yaml.j2"
@@ -176,7 +176,7 @@ STATS_PATHS = ("/ready", "/stats/prometheus")
 
 
 class UpstreamTls(Strict):
-    """Envoy's side of mutual TLS with the services (llmgw/certs.py), as paths Envoy reads: its
+    """Envoy's side of mutual TLS with the services (tools/certs.py), as paths Envoy reads: its
     client certificate and key, and the CA each service's certificate must chain to. Each
     service's must also carry the service's name (its cluster's) as a SAN."""
 

@@ -20,12 +20,12 @@ import asyncio
 import logging
 from collections.abc import Iterator
 
-from llmgw.sim.kvcache import BlockPool
-from llmgw.sim.metrics import Stats
-from llmgw.sim.profile import Profile, StepLoad, step_seconds
-from llmgw.sim.tokens import EOS, block_hashes, words
-from llmgw.sim.types import Job, SimSettings
-from llmgw.sim.waiting import WaitingQueue, waiting_queue
+from sim.kvcache import BlockPool
+from sim.metrics import Stats
+from sim.profile import Profile, StepLoad, step_seconds
+from sim.tokens import EOS, block_hashes, words
+from sim.types import Job, SimSettings
+from sim.waiting import WaitingQueue, waiting_queue
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 from extauthz import cli as extauthz_cli
-from llmgw import certs, config, envoyconf, logs, usage
-from llmgw.envoyconf import Address
-from llmgw.stack import Stack, StackSettings
+from llmgw import config, logs
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology, deprecated
+from tools import certs, envoyconf, usage
+from tools.envoyconf import Address
+from tools.stack import Stack, StackSettings
 
 ADMIN_PORT = 9901  # Envoy's conventional admin port, for rendered deployments
 
@@ -44,7 +45,7 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from llmgw.launcher import supervise
+    from tools.launcher import supervise
 
     # Owner-only, whatever the children create (Envoy's access log, Redis's files, configs).
     os.umask(0o077)
@@ -136,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run Envoy, Redis, the services and pods on this machine")
-    up.add_argument("--config", type=Path, help="stack settings YAML (llmgw.stack.StackSettings)")
+    up.add_argument("--config", type=Path, help="stack settings YAML (tools.stack.StackSettings)")
     up.add_argument("--listen", help="HOST:PORT for the OpenAI endpoint (default 127.0.0.1:8080)")
     up.add_argument("--pods", type=int, help="number of simulated vLLM pods (default 2)")
     up.add_argument(

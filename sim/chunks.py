@@ -13,8 +13,8 @@ import os
 import time
 from typing import Any
 
-from llmgw.sim.protocol import Request, dumps
-from llmgw.sim.types import FinishReason
+from sim.protocol import Request, dumps
+from sim.types import FinishReason
 
 DONE = b"data: [DONE]\n\n"
 # A GenerationError after the 200 (json.dumps with its default separators, as vLLM does).

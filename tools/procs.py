@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+# The gRPC-health probe lives beside the image's health check, which runs without the tools.
+from llmgw.health import grpc_serving as grpc_serving
 from llmgw.resp import encode
 
 
@@ -102,22 +104,6 @@ def redis_ping(host: str, port: int, password: str | None = None) -> Callable[[]
                     reply += chunk
                 return reply == expected
         except OSError:
-            return False
-
-    return probe
-
-
-def grpc_serving(target: str, service: str = "") -> Callable[[], bool]:
-    def probe() -> bool:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            with grpc.insecure_channel(target) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-        except grpc.RpcError:
             return False
 
     return probe

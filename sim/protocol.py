@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmgw.sim.errors import ApiError, from_pydantic, invalid, request_invalid
-from llmgw.sim.tokens import count_tokens, natural_length, render_chat
-from llmgw.sim.types import INT64_MAX, INT64_MIN, FinishReason, Job, SimSettings
+from sim.errors import ApiError, from_pydantic, invalid, request_invalid
+from sim.tokens import count_tokens, natural_length, render_chat
+from sim.types import INT64_MAX, INT64_MIN, FinishReason, Job, SimSettings
 
 Kind = Literal["chat", "completion"]
 PRIORITY_HEADER = "X-Vllm-Priority"  # overrides the body's priority (generate/base/serving.py)

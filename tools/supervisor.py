@@ -21,13 +21,13 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from llmgw.procs import Process
+from tools.procs import Process
 
-log = logging.getLogger("llmgw.supervisor")
+log = logging.getLogger("tools.supervisor")
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of a stack (llmgw.stack.Stack)."""
+    """What the supervisor needs of a stack (tools.stack.Stack)."""
 
     @property
     def processes(self) -> list[Process]: ...
@@ -92,7 +92,7 @@ class SupervisorMetrics:
 
 class Supervisor:
     """Call `step()` periodically from the thread that started the stack (children get
-    SIGTERM when the thread that spawned them dies: llmgw.procs)."""
+    SIGTERM when the thread that spawned them dies: tools.procs)."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.sim.pod import SimPod
-from llmgw.sim.types import Faults, SimSettings
+from sim.pod import SimPod
+from sim.types import Faults, SimSettings
 
 __all__ = ["Faults", "SimPod", "SimSettings"]

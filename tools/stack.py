@@ -19,11 +19,13 @@ import redis
 from pydantic import Field, SecretStr, model_validator
 
 from extauthz.demo import seed_demo
-from llmgw import certs, envoyconf
 from llmgw.config import Strict, renamed, reveal
-from llmgw.envoyconf import Address, EnvoySettings, Services, UpstreamTls
-from llmgw.postgres import Postgres
-from llmgw.procs import (
+from llmgw.tls import ENVOY_IDENTITY
+from llmgw.topology import Topology, pop_deprecated
+from tools import certs, envoyconf
+from tools.envoyconf import Address, EnvoySettings, Services, UpstreamTls
+from tools.postgres import Postgres
+from tools.procs import (
     Process,
     StartError,
     bin_path,
@@ -33,10 +35,8 @@ from llmgw.procs import (
     redis_ping,
     stop_all,
 )
-from llmgw.tls import ENVOY_IDENTITY
-from llmgw.topology import Topology, pop_deprecated
 
-SIM_MODULE = "llmgw.sim"
+SIM_MODULE = "sim"
 POD_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable for --api-key; Envoy's too (pod_key_env)
 ServiceName = Literal["extauthz", "ratelimit", "router", "ledger"]
 
@@ -49,7 +49,7 @@ class StackSettings(Strict):
     # The pods' vLLM --api-key: the upstreams' if they ask for one; None with simulated pods:
     # one is generated, so that only the gateway and the router reach their /v1.
     pod_api_key: SecretStr | None = None
-    sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m llmgw.sim --help`
+    sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m sim --help`
     pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
     # without extauthz they count nothing.
@@ -123,7 +123,7 @@ class Stack:
         # The operator's own file, not a copy: its edits reload in every service.
         self.tiers_file = settings.tiers_file.resolve() if settings.tiers_file else None
         self.tenants: list[dict[str, str]] = []
-        self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (llmgw/certs.py)
+        self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (tools/certs.py)
         # The run's CA, in memory only: tests issue certificates of it (`ca.write`).
         self.ca = certs.Authority()
 
@@ -374,7 +374,7 @@ class Stack:
 
     def renew(self, name: str) -> Process:
         """Stop child `name` if it still runs and put a fresh, unstarted Process in its place:
-        the same argv, environment, readiness probe, port and log file (llmgw.supervisor)."""
+        the same argv, environment, readiness probe, port and log file (tools.supervisor)."""
         old = next(p for p in self.processes if p.name == name)
         old.stop()
         new = old.fresh()
