@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	@# xds-protos ships an old copy of opentelemetry/proto/*: put opentelemetry-proto's own back,
-	@# or the OTLP exporter cannot import (tests/test_tracing.py).
+	@# or the OTLP exporter cannot import (tests/e2e/test_tracing.py).
 	$(PY) -m pip install --quiet --force-reinstall --no-deps \
 		"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $@

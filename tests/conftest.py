@@ -1,52 +1,18 @@
-"""Fixtures that run the real stack (Envoy, Redis, simulated pods) on free ports."""
+"""The whole suite: unit tests first, then the end-to-end ones (tests/e2e/, marked `e2e`)."""
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tools.envoyconf import Address, EnvoySettings, Health, Outlier, Timeouts
-from tools.stack import Stack, StackSettings
 
-# Pods 20x faster than an H100 so end-to-end tests stay quick; shapes and ordering are unchanged.
-FAST_PODS = ("--time-scale", "0.05")
-
-
-def stack_settings(pods: int = 2, **envoy: Any) -> StackSettings:
-    return StackSettings(
-        listen=Address(port=0),
-        pods=pods,
-        sim_args=FAST_PODS,
-        envoy=EnvoySettings(
-            health=Health(interval="0.25s", timeout="0.5s"),
-            outlier=Outlier(base_ejection_time="1s", interval="0.25s"),
-            timeouts=Timeouts(upstream_idle="10s", stream_idle="30s"),
-            slow_start="1s",
-            **envoy,
-        ),
-    )
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One stack shared by the tests that only send traffic through it."""
-    with Stack(stack_settings(), tmp_path_factory.mktemp("stack")) as running:
-        yield running
-
-
-@pytest.fixture
-def own_stack(tmp_path: Path) -> Iterator[Stack]:
-    """A stack of this test's own, for tests that break pods."""
-    with Stack(stack_settings(pods=3), tmp_path / "stack") as running:
-        yield running
-
-
-def api_key(stack: Stack, tier: str = "platinum") -> str:
-    return next(t["api_key"] for t in stack.tenants if t["tier"] == tier)
+@pytest.hookimpl(trylast=True)  # after tests/e2e/conftest.py has marked its tests
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tests first, so that a broken unit fails in seconds, not after the stacks; the
+    order within each part stays pytest's (stable sort)."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
 
 
 @pytest.fixture(autouse=True)

@@ -110,7 +110,7 @@ class Services(Strict):
     # picks alone (chains built up one service at a time, in benchmarks).
     routed: bool = True
     # Long enough to mean "down", not "busy": a burst of 1,000 requests queues up its checks on
-    # one core (tests/test_burst.py). extauthz fails closed (503), and bounds its own admission
+    # one core (tests/e2e/test_burst.py). extauthz fails closed (503), and bounds its own admission
     # below this (its admit_timeout_ms); the rate limiter apart fails open, so a timeout that
     # fired while it was merely busy would admit unchecked.
     timeout: str = "2s"

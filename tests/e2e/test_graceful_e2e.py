@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from llmgw.facts import MESSAGE_TOKENS
-from tests.conftest import stack_settings
-from tests.test_ratelimit_e2e import add_tenant, auth, counter, reservations
+from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ratelimit_e2e import add_tenant, auth, counter, reservations
 from tools.stack import Stack
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

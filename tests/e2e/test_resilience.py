@@ -8,7 +8,7 @@ import urllib.request
 
 import openai
 
-from tests.conftest import api_key
+from tests.e2e.conftest import api_key
 from tools.stack import Stack
 
 REQUESTS = 120

@@ -15,7 +15,7 @@ import pytest
 
 from extauthz import tenants
 from extauthz.types import Tenant, TenantsFile
-from tests.conftest import stack_settings
+from tests.e2e.conftest import stack_settings
 from tests.http import call
 from tests.recording_pod import MODEL as RECORDED_MODEL
 from tests.recording_pod import recording_pod

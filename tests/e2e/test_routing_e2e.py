@@ -19,7 +19,7 @@ import pytest
 
 from llmgw import wire
 from llmgw.topology import Topology
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import call
 from tools.stack import Stack, StackSettings
 

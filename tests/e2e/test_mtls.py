@@ -3,7 +3,7 @@
 A forged access-log batch (5M tokens charged to a real tenant) changes nothing when it comes
 over plaintext or with a certificate of the run's CA that is not Envoy's; the same batch with
 Envoy's certificate is recorded and charged, so each refusal is the port's doing, not the
-batch's. Envoy's own traffic through the same ports: tests/test_ledger_e2e.py and the others.
+batch's. Envoy's own traffic through the same ports: tests/e2e/test_ledger_e2e.py and the others.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmgw import wire
 from llmgw.health import default_target
 from llmgw.tls import ENVOY_IDENTITY
-from tests.conftest import stack_settings
+from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ledger_e2e import recorded, records
+from tests.e2e.test_ratelimit_e2e import wait_for
 from tests.ledger.test_entry import entry
-from tests.test_ledger_e2e import recorded, records
-from tests.test_ratelimit_e2e import wait_for
 from tools import certs
 from tools.stack import Stack
 

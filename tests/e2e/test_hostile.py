@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import api_key, stack_settings
-from tests.test_ratelimit_e2e import MODEL
+from tests.e2e.conftest import api_key, stack_settings
+from tests.e2e.test_ratelimit_e2e import MODEL
 from tools.envoyconf import Uploads
 from tools.stack import Stack
 

@@ -20,7 +20,7 @@ import pytest
 
 from extauthz import tenants
 from extauthz.types import Limits, Tenant, TenantsFile
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import Reply, call
 from tools.stack import Stack
 

@@ -21,9 +21,9 @@ import pytest
 
 from extauthz.types import Limits
 from llmgw.topology import Topology
-from tests.conftest import stack_settings
+from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, counter
 from tests.http import call
-from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter
 from tools.stack import Stack
 
 LIMIT = 40

@@ -22,9 +22,9 @@ import pytest
 from extauthz.types import Limits
 from llmgw import facts, wire
 from llmgw.topology import Topology
-from tests.conftest import stack_settings
+from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations, wait_for
 from tests.http import Reply, call
-from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations, wait_for
 from tools.stack import Stack
 
 LIMITS = """

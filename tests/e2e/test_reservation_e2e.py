@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from extauthz.types import Limits
-from tests.conftest import FAST_PODS, stack_settings
-from tests.test_ratelimit_e2e import add_tenant
+from tests.e2e.conftest import FAST_PODS, stack_settings
+from tests.e2e.test_ratelimit_e2e import add_tenant
 from tools.stack import Stack
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

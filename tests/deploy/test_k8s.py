@@ -42,7 +42,7 @@ from tests.envoy_config import (
 )
 from tools import certs
 
-K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 VERSION = "1.33.0"
 SERVICES = {"extauthz": 9001, "ledger": 9004}
 TLS_ENVOY, TLS_SERVICE = "/etc/envoy-tls", "/etc/llmgw-tls"  # the Secret llmgw-tls, mounted

@@ -9,7 +9,7 @@ import pytest
 
 from llmgw import priority
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_more_important_tenants_get_lower_vllm_priorities_from_0() -> None:

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from llmgw import priority, wire
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import call
 from tests.recording_pod import MODEL, recording_pod
 from tools.stack import Stack

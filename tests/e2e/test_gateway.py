@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import api_key
+from tests.e2e.conftest import api_key
 from tests.http import Reply, call
 from tools.stack import Stack
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import uuid
 
+from tests.e2e.test_breaker_e2e import metrics
+from tests.e2e.test_ratelimit_e2e import add_tenant, auth, wait_for
 from tests.http import call
-from tests.test_breaker_e2e import metrics
-from tests.test_ratelimit_e2e import add_tenant, auth, wait_for
 from tools.stack import Stack
 
 PER_MODEL = re.compile(r"^llmgw_ledger_(requests_total|tokens_total|ttft_seconds|duration_seconds)")

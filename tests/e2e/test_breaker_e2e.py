@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from llmgw.wire import breaker_key
-from tests.conftest import stack_settings
+from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, chat, wait_for
 from tests.http import Reply, call
-from tests.test_ratelimit_e2e import MODEL, add_tenant, auth, chat, wait_for
 from tools import cli, usage
 from tools.stack import Stack
 

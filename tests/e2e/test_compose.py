@@ -42,7 +42,7 @@ import yaml
 from llmgw import wire
 from llmgw.health import default_target
 from ratelimit.redis_store import REPLICAS_KEY
-from tests.conftest import api_key
+from tests.e2e.conftest import api_key
 from tests.envoy_config import (
     check_admin_private,
     grpc_loggers,
@@ -54,9 +54,9 @@ from tools import certs, cli, postgres
 from tools.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
 from tools.stack import Stack
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
-SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
+SCHEMA = ROOT / "tests" / "schemas" / "compose-spec.json"
 IMAGE = "${LLMGW_IMAGE:-llmgw:latest}"
 TLS_DIR = "/etc/llmgw-tls"  # where our services find compose/tls's files
 START_TIMEOUT = 90  # a Python service's start on a loaded 2-core box, several at once

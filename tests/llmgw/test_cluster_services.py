@@ -1,5 +1,5 @@
 """The services' own Redis clients with the cluster switch on, against the real 3-master Redis
-Cluster of tests/test_redis_cluster.py; and the switch in the deployments, alike for every
+Cluster of tests/llmgw/test_redis_cluster.py; and the switch in the deployments, alike for every
 service that talks to Redis."""
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from ratelimit.redis_store import RedisStore
 from ratelimit.types import Check, Window
 from router import publisher
 from router.fleet import Fleet, FleetSettings
-from tests import test_compose, test_k8s
-from tests.test_redis_cluster import HOST, PASSWORD, RedisCluster, cluster, redis_cluster
+from tests.deploy import test_k8s
+from tests.e2e import test_compose
+from tests.llmgw.test_redis_cluster import HOST, PASSWORD, RedisCluster, cluster, redis_cluster
 
-__all__ = ["cluster", "redis_cluster"]  # the fixtures, shared with tests/test_redis_cluster.py
+__all__ = ["cluster", "redis_cluster"]  # the fixtures, shared with test_redis_cluster.py
 
 MINUTE = Window(60_000, 10_000)
 # Every Redis client of the deployments: its service and the name of its cluster switch

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.topology import Topology
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import call
 from tools.stack import Stack
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import Reply, call
 from tests.recording_pod import MODEL, RecordingPod, recording_pod
 from tools.stack import Stack

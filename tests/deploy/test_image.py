@@ -12,7 +12,7 @@ from pathlib import Path
 
 from deploy.image_requirements import LOCAL_STACK_ONLY, name, requirements
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("extauthz", "ratelimit", "router", "ledger")
 
 

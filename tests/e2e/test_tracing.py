@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import call
 from tools.envoyconf import Address
 from tools.stack import Stack

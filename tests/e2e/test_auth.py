@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from extauthz import tenants
-from tests.conftest import api_key, stack_settings
+from tests.e2e.conftest import api_key, stack_settings
 from tests.http import Reply, call
 from tests.recording_pod import MODEL, STREAM_TAIL, recording_pod
 from tools import cli

@@ -13,7 +13,7 @@ from llmgw import authzhttp, wire
 from llmgw.facts import RequestFacts
 from llmgw.tenant import TenantContext
 from router.request import from_context, from_metadata
-from tests.test_facts import through_envoy
+from tests.llmgw.test_facts import through_envoy
 
 WRITTEN = TenantContext(
     tenant="acme",
