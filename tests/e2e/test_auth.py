@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -14,6 +12,7 @@ import pytest
 
 from extauthz import tenants
 from tests.e2e.conftest import api_key, stack_settings
+from tests.eventually import eventually
 from tests.http import Reply, call
 from tests.recording_pod import MODEL, STREAM_TAIL, recording_pod
 from tools import cli
@@ -43,16 +42,6 @@ def assert_error(reply: Reply, status: int, code: str) -> None:
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "code", "param"}
     assert error["code"] == code
-
-
-def eventually(check: Callable[[], bool], within: float, what: str) -> float:
-    """Seconds until `check()` held; fails after `within` seconds."""
-    start = time.monotonic()
-    while time.monotonic() - start < within:
-        if check():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not within {within}s")
 
 
 def create_key(stack: Stack, tenant: str, capsys: pytest.CaptureFixture[str], *extra: str) -> str:

@@ -16,7 +16,8 @@ import pytest
 
 from llmgw.wire import breaker_key
 from tests.e2e.conftest import stack_settings
-from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, chat, wait_for
+from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, chat
+from tests.eventually import eventually
 from tests.http import Reply, call
 from tools import cli, usage
 from tools.stack import Stack
@@ -67,7 +68,7 @@ def logged(stack: Stack, ids: set[str]) -> dict[str, dict[str, str]]:
                 found[entry["request_id"]] = entry
         return len(found) == len(ids)
 
-    wait_for(all_there, "access-log entries")
+    eventually(all_there, 10.0, "access-log entries")
     return found
 
 
@@ -115,9 +116,9 @@ def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
         # Platinum: two 500s leave it admitted (each request still reaches a pod), the third trips.
         for n in (1, 2):
             assert chat(cb_stack, platinum).status == 500
-            wait_for(lambda n=n: score(cb_stack, "cb-platinum") > n - 0.1, f"500 #{n} fed")
+            eventually(lambda n=n: score(cb_stack, "cb-platinum") > n - 0.1, 10.0, f"500 #{n} fed")
         assert chat(cb_stack, platinum).status == 500
-        wait_for(lambda: circuit_open(chat(cb_stack, platinum)), "platinum open", timeout=1.0)
+        eventually(lambda: circuit_open(chat(cb_stack, platinum)), 1.0, "platinum open")
     finally:
         faults(cb_stack, False)
     # The others: served (the standard tenant sent nothing that failed); the two stay open.
@@ -128,14 +129,16 @@ def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
 
     # Seen: metrics, ledger events (`llmgw usage --events`) and platinum's alert.
     trips = 'llmgw_breaker_trips_total{cause="500",reopen="false",tenant="cb-free",tier="free"}'
-    wait_for(lambda: f"{trips} 1.0" in metrics(cb_stack, "ledger"), "trip metric")
+    eventually(lambda: f"{trips} 1.0" in metrics(cb_stack, "ledger"), 10.0, "trip metric")
     refusals = 'result="circuit_open",shadow="false",tenant="cb-free",tier="free"}'
     assert refusals in metrics(cb_stack, "ratelimit")
-    wait_for(lambda: "breaker.trip" in events(cb_stack, "cb-free"), "free trip event")
+    eventually(lambda: "breaker.trip" in events(cb_stack, "cb-free"), 10.0, "free trip event")
     (trip,) = [json.loads(line) for line in events(cb_stack, "cb-free").splitlines()]
     assert trip["kind"] == "breaker.trip" and trip["detail"]["cause"] == "500"
     assert trip["detail"]["cooldown_s"] == 120
-    wait_for(lambda: "alert.platinum_breaker_open" in events(cb_stack, "cb-platinum"), "the alert")
+    eventually(
+        lambda: "alert.platinum_breaker_open" in events(cb_stack, "cb-platinum"), 10.0, "the alert"
+    )
     assert "alert." not in events(cb_stack, "cb-free")
 
 
@@ -144,7 +147,7 @@ def trip(stack: Stack, key: str) -> None:
     faults(stack, True)
     try:
         assert chat(stack, key).status == 500
-        wait_for(lambda: circuit_open(chat(stack, key)), "tripped", timeout=2.0)
+        eventually(lambda: circuit_open(chat(stack, key)), 2.0, "tripped")
     finally:
         faults(stack, False)
 
@@ -175,7 +178,7 @@ def test_recovery_through_envoy_lets_a_share_through_then_everyone(cb_stack: Sta
     key = add_tenant(cb_stack, "cb-fast", "fastcb")
     trip(cb_stack, key)
     # Cool-down 0.5 s, then 10 %, 30 % and 100 % for 0.5 s each: served again, and recorded.
-    wait_for(lambda: chat(cb_stack, key).status == 200, "half-open", timeout=3.0)
+    eventually(lambda: chat(cb_stack, key).status == 200, 3.0, "half-open")
     time.sleep(1.6)
     assert [chat(cb_stack, key).status for _ in range(5)] == [200] * 5
-    wait_for(lambda: "breaker.recover" in events(cb_stack, "cb-fast"), "recovery event")
+    eventually(lambda: "breaker.recover" in events(cb_stack, "cb-fast"), 10.0, "recovery event")

@@ -49,6 +49,7 @@ from tests.envoy_config import (
     pick_sources,
     validated_with_certs,
 )
+from tests.eventually import eventually
 from tests.http import call
 from tools import certs, cli, postgres
 from tools.procs import Process, bin_path, free_port, grpc_serving, http_ok, redis_ping, stop_all
@@ -382,10 +383,8 @@ def test_the_ledger_reaches_postgresql_with_the_compose_credentials(started: Sta
         finally:
             await conn.close()
 
-    deadline = time.monotonic() + START_TIMEOUT
-    while not asyncio.run(outcomes_table()):
-        assert time.monotonic() < deadline, "the ledger never applied its schema"
-        time.sleep(0.1)
+    what = "the ledger never applied its schema"
+    eventually(lambda: asyncio.run(outcomes_table()), START_TIMEOUT, what, every_s=0.1)
 
 
 def test_the_limiter_in_extauthz_decides_from_redis_with_the_compose_password(
@@ -398,13 +397,13 @@ def test_the_limiter_in_extauthz_decides_from_redis_with_the_compose_password(
     with redis.Redis(port=port) as anonymous, pytest.raises(redis.AuthenticationError):
         anonymous.ping()
     metrics = started.url("extauthz:9101")
-    deadline = time.monotonic() + START_TIMEOUT
     with redis.Redis(port=port, password=INTERPOLATION["REDIS_PASSWORD"]) as client:
-        while not client.zcard(REPLICAS_KEY) or "llmgw_ratelimit_degraded 0.0" not in fetch(
-            metrics
-        ):
-            assert time.monotonic() < deadline, "the rate limiter never reached Redis"
-            time.sleep(0.1)
+        eventually(
+            lambda: client.zcard(REPLICAS_KEY) and "llmgw_ratelimit_degraded 0.0" in fetch(metrics),
+            START_TIMEOUT,
+            "the rate limiter never reached Redis",
+            every_s=0.1,
+        )
 
 
 def test_the_router_in_extauthz_scrapes_the_pods_and_publishes_to_redis(started: Started) -> None:

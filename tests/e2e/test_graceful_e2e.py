@@ -24,6 +24,7 @@ import pytest
 from llmgw.facts import MESSAGE_TOKENS
 from tests.e2e.conftest import stack_settings
 from tests.e2e.test_ratelimit_e2e import add_tenant, auth, counter, reservations
+from tests.eventually import eventually
 from tools.stack import Stack
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -57,10 +58,7 @@ def estimate(content: str) -> int:
 
 def settled(stack: Stack, tenant: str) -> int:
     """The tenant's budget use once every reservation is settled (bounded wait)."""
-    deadline = time.monotonic() + 10
-    while reservations(stack, tenant):
-        assert time.monotonic() < deadline, "the ledger did not settle"
-        time.sleep(0.05)
+    eventually(lambda: not reservations(stack, tenant), 10, "the ledger did not settle")
     return counter(stack, tenant, "budget:day")
 
 
@@ -154,13 +152,12 @@ def metric(stack: Stack, name: str) -> float:
 
 def wait_for_metric(stack: Stack, name: str, done: object, within_s: float) -> float:
     """Seconds until `done(value)` holds for the summed metric; fails after `within_s`."""
-    started = time.monotonic()
-    while True:
-        value = metric(stack, name)
-        if done(value):  # type: ignore[operator]
-            return time.monotonic() - started
-        assert time.monotonic() - started < within_s, f"{name} is still {value}"
-        time.sleep(0.02)
+    return eventually(
+        lambda: done(metric(stack, name)),  # type: ignore[operator]
+        within_s,
+        lambda: f"{name} is still {metric(stack, name)}",
+        every_s=0.02,
+    )
 
 
 def hang_up_after(stack: Stack, key: str, stream: bool, events: int) -> None:

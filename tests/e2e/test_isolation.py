@@ -16,6 +16,7 @@ import pytest
 from extauthz import tenants
 from extauthz.types import Tenant, TenantsFile
 from tests.e2e.conftest import stack_settings
+from tests.eventually import eventually
 from tests.http import call
 from tests.recording_pod import MODEL as RECORDED_MODEL
 from tests.recording_pod import recording_pod
@@ -134,10 +135,8 @@ def test_the_model_list_is_the_tenants_allow_list(one_pod: Stack) -> None:
                        keys=(record,))
             )  # fmt: skip
         tenants.write(one_pod.tenants_file, TenantsFile(tenants=(*data.tenants, *added)))
-    deadline = time.monotonic() + 10
-    while call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-none"])).status == 401:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    models = lambda: call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-none"]))  # noqa: E731
+    eventually(lambda: models().status != 401, 10, "extauthz did not load the new tenants")
     every = call("GET", f"{one_pod.base_url}/models", headers=auth(one_pod.tenants[0]["api_key"]))
     mine = call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-one"]))
     none = call("GET", f"{one_pod.base_url}/models", headers=auth(keys["ml-none"]))

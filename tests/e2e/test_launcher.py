@@ -7,14 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
+from tests.eventually import eventually
 from tests.http import call
 
 READY_TIMEOUT = 90
@@ -29,15 +29,6 @@ def pid_alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], Path]]:
     ready = tmp_path / "ready.json"
@@ -48,7 +39,12 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: ready.exists() or proc.poll() is not None, READY_TIMEOUT, "ready file")
+        eventually(
+            lambda: ready.exists() or proc.poll() is not None,
+            READY_TIMEOUT,
+            "ready file",
+            every_s=0.1,
+        )
         assert proc.poll() is None, log.read_text()
         yield proc, json.loads(ready.read_text()), log
     finally:
@@ -99,7 +95,9 @@ def test_a_dead_pod_is_reported_restarted_and_the_stack_stays_up(
     proc, info, log = up
     pod_pid = info["pods"][0]["pid"]
     os.kill(pod_pid, signal.SIGKILL)
-    wait_for(lambda: "child exited" in log.read_text(), 10, "the launcher to report the pod")
+    eventually(
+        lambda: "child exited" in log.read_text(), 10, "the launcher to report the pod", every_s=0.1
+    )
     assert "pod-0" in log.read_text()
     assert proc.poll() is None
 
@@ -107,7 +105,7 @@ def test_a_dead_pod_is_reported_restarted_and_the_stack_stays_up(
         return json.loads(ready.read_text())["pods"][0]["pid"] not in (None, pod_pid)
 
     ready = Path(info["logs"]).parent.parent / "ready.json"  # the fixture's --ready-file
-    wait_for(restarted, 60, "the launcher to restart the pod")
+    eventually(restarted, 60, "the launcher to restart the pod", every_s=0.1)
     assert "child restarted" in log.read_text()
     auth = {"authorization": f"Bearer {info['tenants'][0]['api_key']}"}
     model = call("GET", f"{info['base_url']}/models", headers=auth).json()["data"][0]["id"]
@@ -122,4 +120,6 @@ def test_killed_launcher_leaves_no_orphans(
     children = list(info["processes"].values())
     proc.kill()
     proc.wait()
-    wait_for(lambda: not [p for p in children if pid_alive(p)], 10, "children to exit")
+    eventually(
+        lambda: not [p for p in children if pid_alive(p)], 10, "children to exit", every_s=0.1
+    )

@@ -23,7 +23,8 @@ from extauthz.types import Limits
 from llmgw import facts, wire
 from llmgw.topology import Topology
 from tests.e2e.conftest import stack_settings
-from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations, wait_for
+from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, counter, reservations
+from tests.eventually import eventually
 from tests.http import Reply, call
 from tools.stack import Stack
 
@@ -183,7 +184,7 @@ def test_an_aborted_stream_is_charged_its_prompt_and_streamed_tokens(ledger_stac
     assert seen - 1 <= row["completion_tokens"] < 2000
     assert row["prompt_tokens"] > 0
     assert row["charged_tokens"] == row["prompt_tokens"] + row["completion_tokens"]
-    wait_for(lambda: not reservations(ledger_stack, "lg-abort"), "the reservation settled")
+    eventually(lambda: not reservations(ledger_stack, "lg-abort"), 10.0, "the reservation settled")
     after = chat(ledger_stack, key, max_tokens=1)
     nxt = recorded(ledger_stack, {after.headers["x-request-id"]})[after.headers["x-request-id"]]
     remaining = int(after.headers["x-ratelimit-remaining-tokens"])
@@ -204,7 +205,7 @@ def test_a_pod_error_is_not_charged(ledger_stack: Stack) -> None:
     rows = recorded(ledger_stack, {r.headers["x-request-id"] for r in replies})
     assert {r["outcome"] for r in rows.values()} == {"upstream_error"}
     assert all(r["reserved_tokens"] > 300 for r in rows.values())  # reserved at admission …
-    wait_for(lambda: not reservations(ledger_stack, "lg-5xx"), "reservations released")
+    eventually(lambda: not reservations(ledger_stack, "lg-5xx"), 10.0, "reservations released")
     assert counter(ledger_stack, "lg-5xx") == 0  # … and released in full
 
 
@@ -250,7 +251,7 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
             # Killed once it has settled some (Envoy's batches leave at least every 0.2 s).
             prefix = wire.tenant_prefix("lg-kill")
             with stack.redis_client() as r:
-                wait_for(lambda: bool(r.exists(f"{prefix}:done:{first}")), "a settlement")
+                eventually(lambda: bool(r.exists(f"{prefix}:done:{first}")), 10.0, "a settlement")
             next(p for p in stack.processes if p.name == "ledger").kill()
             replies = [f.result() for f in before]
         stack.restart("ledger")
@@ -266,7 +267,7 @@ def test_ledger_killed_under_load_refunds_nothing_and_records_after_it_returns(
             }
         # Requests after the restart are all recorded.
         recorded(stack, {r.headers["x-request-id"] for r in after})
-        wait_for(lambda: stack_ledger_idle(stack), "the ledger settled what it received")
+        eventually(lambda: stack_ledger_idle(stack), 10.0, "the ledger settled what it received")
         expected = lost = 0
         with stack.redis_client() as r:
             for reply in replies:

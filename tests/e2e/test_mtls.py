@@ -25,7 +25,7 @@ from llmgw.health import default_target
 from llmgw.tls import ENVOY_IDENTITY
 from tests.e2e.conftest import stack_settings
 from tests.e2e.test_ledger_e2e import recorded, records
-from tests.e2e.test_ratelimit_e2e import wait_for
+from tests.eventually import eventually
 from tests.ledger.test_entry import entry
 from tools import certs
 from tools.stack import Stack
@@ -128,7 +128,7 @@ def test_a_forged_batch_changes_nothing_unless_it_comes_with_envoys_certificate(
     # recorded and charged (Envoy's flushes of other traffic: none, the stack is idle).
     assert entries(tls_stack) == received + 1
     assert record["tenant"] == tenant
-    wait_for(lambda: tenant_state(tls_stack, tenant) != before, "the control is charged")
+    eventually(lambda: tenant_state(tls_stack, tenant) != before, 10.0, "the control is charged")
     assert [r["request_id"] for r in records(tls_stack)].count(request_id) == 1
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 from llmgw import priority, wire
 from tests.e2e.conftest import api_key, stack_settings
+from tests.eventually import eventually
 from tests.http import call
 from tests.recording_pod import MODEL, recording_pod
 from tools.stack import Stack
@@ -63,10 +63,8 @@ def waiting(stack: Stack) -> float:
 
 
 def eventually_waiting(stack: Stack, count: int) -> None:
-    deadline = time.monotonic() + 30
-    while waiting(stack) != count:
-        assert time.monotonic() < deadline, f"the pod never had {count} requests waiting"
-        time.sleep(0.02)
+    what = f"the pod never had {count} requests waiting"
+    eventually(lambda: waiting(stack) == count, 30, what, every_s=0.02)
 
 
 def test_the_pod_serves_the_more_important_tenant_first_whatever_the_body_says(

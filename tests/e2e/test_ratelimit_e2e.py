@@ -21,6 +21,7 @@ import pytest
 from extauthz import tenants
 from extauthz.types import Limits, Tenant, TenantsFile
 from tests.e2e.conftest import api_key, stack_settings
+from tests.eventually import eventually
 from tests.http import Reply, call
 from tools.stack import Stack
 
@@ -62,10 +63,8 @@ def add_tenant(stack: Stack, tenant_id: str, tier: str, limits: Limits | None = 
             keys=(record,),
         )  # fmt: skip
         tenants.write(stack.tenants_file, TenantsFile(tenants=(*data.tenants, tenant)))
-    deadline = time.monotonic() + 10
-    while call("GET", f"{stack.base_url}/models", headers=auth(key)).status == 401:
-        assert time.monotonic() < deadline, "extauthz did not load the new tenant"
-        time.sleep(0.05)
+    loaded = lambda: call("GET", f"{stack.base_url}/models", headers=auth(key)).status != 401  # noqa: E731
+    eventually(loaded, 10, "extauthz did not load the new tenant")
     return key
 
 
@@ -122,13 +121,6 @@ def reloads(stack: Stack, result: str) -> float:
     return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
 
-def wait_for(condition: object, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_tokens_are_reserved_at_admission_and_settled_to_the_json_usage(rl_stack: Stack) -> None:
     key = add_tenant(rl_stack, "rl-json", "standard")
     reply = chat(rl_stack, key, max_tokens=20)
@@ -137,7 +129,7 @@ def test_tokens_are_reserved_at_admission_and_settled_to_the_json_usage(rl_stack
     # The reservation (extauthz's estimate, a string in metadata) was counted before the pod ran.
     estimate = 1_000_000 - int(reply.headers["x-ratelimit-remaining-tokens"])
     assert estimate > 0 and estimate != usage
-    wait_for(lambda: counter(rl_stack, "rl-json") == usage, "settled to the actual usage")
+    eventually(lambda: counter(rl_stack, "rl-json") == usage, 10.0, "settled to the actual usage")
     assert reservations(rl_stack, "rl-json") == []
 
 
@@ -168,7 +160,7 @@ async def test_streams_settle_to_their_actual_usage_and_hide_forced_usage(rl_sta
     assert len(logged) == 8 and all(isinstance(t, int) and t > 0 for t in logged)  # usage known
     reported = sorted(chunks[-1].usage.total_tokens for asked, chunks in results if asked)  # type: ignore[union-attr]
     assert set(reported) <= set(logged)
-    wait_for(lambda: counter(rl_stack, "rl-stream") == sum(logged), "sum of actual usage")  # type: ignore[arg-type]
+    eventually(lambda: counter(rl_stack, "rl-stream") == sum(logged), 10.0, "sum of actual usage")  # type: ignore[arg-type]
     assert reservations(rl_stack, "rl-stream") == []
 
 
@@ -263,14 +255,16 @@ def test_the_tier_table_reloads_in_every_service_and_a_broken_one_is_refused(
         # extauthz refuses a tenants file naming a tier the table lacks: add the tier first.
         ok, failed = reloads(rl_stack, "ok"), reloads(rl_stack, "failed")
         table.write_text(original + "  late: {requests: {minute: 3}, tokens: {minute: 100000}}\n")
-        wait_for(lambda: reloads(rl_stack, "ok") > ok, "extauthz did not reload the tiers")
+        eventually(lambda: reloads(rl_stack, "ok") > ok, 10.0, "extauthz did not reload the tiers")
         key = add_tenant(rl_stack, "rl-late", "late")  # waits for extauthz to take it
         assert [chat(rl_stack, key).status for _ in range(3)] == [200, 200, 429]  # probe + 2
         table.write_text("tiers: {late: {requests: {minute: nope}}}")  # refused by both
-        wait_for(lambda: reloads(rl_stack, "failed") > failed, "the broken table went unseen")
+        eventually(
+            lambda: reloads(rl_stack, "failed") > failed, 10.0, "the broken table went unseen"
+        )
         assert chat(rl_stack, key).status == 429  # the last good table is still in force
         table.write_text(original + "  late: {requests: {minute: 5}, tokens: {minute: 100000}}\n")
-        wait_for(lambda: chat(rl_stack, key).status == 200, "ratelimit kept the old limit")
+        eventually(lambda: chat(rl_stack, key).status == 200, 10.0, "ratelimit kept the old limit")
     finally:  # rl-late stays in the tenants file, so its tier stays in the table
         table.write_text(original + "  late: {requests: {minute: 5}, tokens: {minute: 100000}}\n")
 

@@ -8,24 +8,16 @@ them would fail at that step with a missing or wrong password.
 from __future__ import annotations
 
 import socket
-import time
 import urllib.request
-from collections.abc import Callable
 
 import pytest
 import redis
 
 from llmgw import wire
+from tests.eventually import eventually
 from tests.http import call
 from tools.procs import redis_ping
 from tools.stack import Stack
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_a_client_without_the_password_is_refused(stack: Stack) -> None:
@@ -57,6 +49,16 @@ def test_a_request_is_admitted_from_redis_and_settled_there(stack: Stack) -> Non
     prefix = wire.tenant_prefix(tenant["id"])
     rid = reply.headers["x-request-id"]
     with stack.redis_client() as client:
-        wait_for(lambda: bool(client.exists(f"{prefix}:done:{rid}")), "the ledger's settlement")
+        eventually(
+            lambda: bool(client.exists(f"{prefix}:done:{rid}")),
+            20.0,
+            "the ledger's settlement",
+            every_s=0.1,
+        )
         assert not client.exists(f"{prefix}:res:{rid}")  # the reservation is settled
-        wait_for(lambda: bool(client.exists(wire.FLEET_LOAD_KEY)), "the router's fleet load")
+        eventually(
+            lambda: bool(client.exists(wire.FLEET_LOAD_KEY)),
+            20.0,
+            "the router's fleet load",
+            every_s=0.1,
+        )

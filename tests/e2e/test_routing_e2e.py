@@ -20,6 +20,7 @@ import pytest
 from llmgw import wire
 from llmgw.topology import Topology
 from tests.e2e.conftest import api_key, stack_settings
+from tests.eventually import eventually_async
 from tests.http import call
 from tools.stack import Stack, StackSettings
 
@@ -248,10 +249,12 @@ async def test_picks_inside_extauthz_are_made_only_for_what_it_admits(
     # can give up on a check (503) that extauthz admits after all, and that pick counts.
     assert picks == admitted
     assert statuses.count(200) <= picks
-    deadline = time.monotonic() + 5.0  # entries flush every 0.2 s
-    while any(router_metric(patient_stack, "llmgw_router_in_flight", pod) for pod in pods):
-        assert time.monotonic() < deadline, "picks still in flight after their requests ended"
-        await asyncio.sleep(0.1)
+    await eventually_async(  # entries flush every 0.2 s
+        lambda: not any(router_metric(patient_stack, "llmgw_router_in_flight", p) for p in pods),
+        5.0,
+        "picks still in flight after their requests ended",
+        every_s=0.1,
+    )
     # Envoy's default log buffer (16 KiB a logger) dropped entries of such a burst.
     stats = patient_stack.envoy_stats()
     assert stats["access_logs.grpc_access_log.logs_dropped"] == 0

@@ -7,7 +7,8 @@ import re
 import uuid
 
 from tests.e2e.test_breaker_e2e import metrics
-from tests.e2e.test_ratelimit_e2e import add_tenant, auth, wait_for
+from tests.e2e.test_ratelimit_e2e import add_tenant, auth
+from tests.eventually import eventually
 from tests.http import call
 from tools.stack import Stack
 
@@ -35,7 +36,7 @@ def test_fresh_model_names_do_not_grow_the_ledgers_metrics(stack: Stack) -> None
         headers = auth(key if i % 2 else f"sk-nobody-{run}")
         body = {"model": f"fresh-{run}-{i}", "messages": [{"role": "user", "content": "hi"}]}
         assert call("POST", url, body, headers).status in (401, 404, 429, 503)
-    wait_for(lambda: entries(metrics(stack, "ledger")) >= logged + 400, "access log", 20.0)
+    eventually(lambda: entries(metrics(stack, "ledger")) >= logged + 400, 20.0, "access log")
     page = metrics(stack, "ledger")
     assert f"fresh-{run}" not in page
     # At most two new tenants (this one, none) × two models (`other`, "": its GET /models), 4

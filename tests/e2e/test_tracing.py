@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -14,6 +13,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from tests.e2e.conftest import api_key, stack_settings
+from tests.eventually import eventually
 from tests.http import call
 from tools.envoyconf import Address
 from tools.stack import Stack
@@ -87,9 +87,7 @@ def test_extauthz_span_continues_envoys_trace(
                 in (attributes := {a.key: a.value.string_value for a in c.attributes})
             ]
 
-        deadline = time.monotonic() + 15
-        while not chat_checks() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        eventually(chat_checks, 15, "an extauthz span with an Envoy parent", every_s=0.1)
         found = chat_checks()
     assert found, f"no extauthz span with an Envoy parent among {len(receiver.spans)} spans"
     parent, check, attributes = found[0]

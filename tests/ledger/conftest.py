@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -81,16 +80,6 @@ def outcome(i: int, **fields: Any) -> Outcome:
 def metric(ledger: Ledger, name: str, **labels: str) -> float:
     value = ledger.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
-
-
-async def until(predicate: Callable[[], bool], within_s: float = 30.0, what: str = "") -> None:
-    """Poll `predicate` (bounded) until it holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {within_s}s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def rows(url: str, sql: str, *args: Any) -> list[asyncpg.Record]:

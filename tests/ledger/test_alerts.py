@@ -40,7 +40,8 @@ from ledger.webhooks import Hook, Webhooks
 from llmgw.config import ConfigError, load
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
-from tests.ledger.conftest import outcome, rows, until
+from tests.eventually import eventually_async
+from tests.ledger.conftest import outcome, rows
 from tests.ledger.test_entry import entry
 from tests.ratelimit.rl_redis import start_redis
 from tools import procs
@@ -202,8 +203,8 @@ async def test_an_alert_is_a_log_line_a_metric_and_an_event_row(
         "acme",
         {"score": 3.4},
     )
-    await until(lambda: ledger.metrics.registry.get_sample_value(
-        "llmgw_ledger_written_total", {"table": "events"}) == 1)  # fmt: skip
+    await eventually_async(lambda: ledger.metrics.registry.get_sample_value(
+        "llmgw_ledger_written_total", {"table": "events"}) == 1, 30.0)  # fmt: skip
     (row,) = await rows(db, "SELECT kind, tenant, detail::text AS d FROM ledger_events")
     assert (row["kind"], row["tenant"]) == ("alert.platinum_breaker_open", "acme")
     assert json.loads(row["d"]) == json.loads(alert.body())  # the webhook body, as sent
@@ -228,10 +229,10 @@ async def test_the_recorder_feeds_the_rules_on_arrival_and_its_unchecked_admissi
         # fail-open, though nothing was found to settle.
         recorder.add(requests(4, 20, pod=POD_A, reserved_tokens=100, quota_checked=True))
         recorder.start()
-        await until(lambda: recorder.pending == 0, what="settled")
+        await eventually_async(lambda: recorder.pending == 0, 30.0, "settled")
         assert [a.kind for a in alerts.evaluate()] == []
         recorder.add(requests(2, 10, pod=POD_A, reserved_tokens=100))  # no decision: fail-open
-        await until(lambda: recorder.pending == 0, what="settled")
+        await eventually_async(lambda: recorder.pending == 0, 30.0, "settled")
         assert [a.kind for a in alerts.evaluate()] == ["ratelimit_fail_open"]
     finally:
         await recorder.close(1.0)
@@ -343,7 +344,9 @@ async def test_a_receiver_gets_each_alert_signed_exactly_once_when_the_first_del
     alerts = Alerts(Detectors(Rules()), None, w, backlog=dict)
     before = deliveries("pod_errors")
     sent = [alerts.emit("pod_errors", detail={"pod": POD_A, "n": i}) for i in range(3)]
-    await until(lambda: len(receiver.acted) == 3 and len(receiver.raw) == 5, what="delivered")
+    await eventually_async(
+        lambda: len(receiver.acted) == 3 and len(receiver.raw) == 5, 30.0, "delivered"
+    )
     await asyncio.sleep(0.5)  # nothing more comes
     assert [a["id"] for a in receiver.acted] == [a.id for a in sent]  # once each, in order
     assert receiver.acted[0] == {
@@ -375,9 +378,13 @@ async def test_retries_are_bounded_and_a_4xx_or_a_redirect_is_not_retried(
     before = {k: deliveries(k) for k in hooks}
     for kind in hooks:
         w.send(Alert(f"id-{kind}", kind, outcome(0).ts))
-    await until(lambda: since(before["fleet_5xx"], "fleet_5xx").get("failed") == 1)
-    await until(lambda: since(before["quota_refusals"], "quota_refusals").get("rejected") == 1)
-    await until(lambda: since(before["ledger_backlog"], "ledger_backlog").get("rejected") == 1)
+    await eventually_async(lambda: since(before["fleet_5xx"], "fleet_5xx").get("failed") == 1, 30.0)
+    await eventually_async(
+        lambda: since(before["quota_refusals"], "quota_refusals").get("rejected") == 1, 30.0
+    )
+    await eventually_async(
+        lambda: since(before["ledger_backlog"], "ledger_backlog").get("rejected") == 1, 30.0
+    )
     assert len(down.raw) == 3 and len(refusing.raw) == 1
     assert moved.raw == []  # the redirect's target, though on the same server, got nothing
     assert since(before["fleet_5xx"], "fleet_5xx") == {"retried": 2, "failed": 1}
@@ -394,7 +401,7 @@ async def test_what_is_left_at_shutdown_is_counted_dropped(
     before = deliveries("pod_errors")
     for i in range(3):
         w.send(Alert(f"s{i}", "pod_errors", outcome(0).ts))
-    await until(lambda: len(receiver.raw) == 1)  # the first waits for its retry
+    await eventually_async(lambda: len(receiver.raw) == 1, 30.0)  # the first waits for its retry
     await w.close(0.1)
     w.send(Alert("late", "pod_errors", outcome(0).ts))
     assert since(before, "pod_errors") == {"retried": 1, "dropped": 4}
@@ -410,7 +417,7 @@ async def test_a_full_queue_drops_the_oldest_and_counts_it(
     for i in range(3):
         w.send(Alert(f"a{i}", "ratelimit_fail_open", outcome(0).ts))
     w.start()
-    await until(lambda: len(receiver.acted) == 2)
+    await eventually_async(lambda: len(receiver.acted) == 2, 30.0)
     assert [a["id"] for a in receiver.acted] == ["a1", "a2"]
     assert since(before, "ratelimit_fail_open") == {"dropped": 1, "delivered": 2}
 
@@ -426,7 +433,7 @@ async def test_each_kind_goes_to_its_own_hooks_only(
     })  # fmt: skip
     for i, kind in enumerate(("platinum_breaker_open", "quota_refusals", "fleet_5xx")):
         w.send(Alert(f"k{i}", kind, outcome(0).ts))
-    await until(lambda: len(support.acted) == 2 and len(success.acted) == 1)
+    await eventually_async(lambda: len(support.acted) == 2 and len(success.acted) == 1, 30.0)
     await asyncio.sleep(0.3)
     assert [a["id"] for a in support.acted] == ["k0", "k1"]
     assert [a["id"] for a in success.acted] == ["k1"]  # verified with its own secret
@@ -462,7 +469,7 @@ async def test_a_failing_evaluation_does_not_stop_the_alert_loop() -> None:
     alerts = Alerts(Detectors(Rules()), None, None, backlog=backlog, interval_s=0.01)
     alerts.start()
     try:
-        await until(lambda: len(calls) >= 3, what="evaluations after the failed one")
+        await eventually_async(lambda: len(calls) >= 3, 30.0, "evaluations after the failed one")
     finally:
         await alerts.close()
 
@@ -515,7 +522,7 @@ async def test_python_m_ledger_sends_a_fleet_5xx_alert_to_its_webhook(
             als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([message]), timeout=5)
 
     await asyncio.to_thread(stream)
-    await until(lambda: len(receiver.acted) == 1, within_s=15, what="the alert")
+    await eventually_async(lambda: len(receiver.acted) == 1, 15, "the alert")
     await asyncio.sleep(0.5)  # one episode, one alert
     (alert,) = receiver.acted
     assert (alert["kind"], alert["detail"]["errors"]) == ("fleet_5xx", 8)

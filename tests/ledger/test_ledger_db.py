@@ -10,7 +10,8 @@ import pytest
 
 from ledger.db import COLUMNS, Ledger, Migration, MigrationError, migrate, migrations
 from llmgw.outcome import Outcome
-from tests.ledger.conftest import metric, outcome, rows, until
+from tests.eventually import eventually_async
+from tests.ledger.conftest import metric, outcome, rows
 from tools.postgres import Postgres
 
 MakeLedger = Callable[..., Ledger]
@@ -50,7 +51,9 @@ async def test_a_record_reads_back_as_written(db: str, make_ledger: MakeLedger) 
     await ledger.start()
     written = outcome(1, borrowed_requests=1, borrowed_tokens=120, charged_tokens=150)
     ledger.submit([written, outcome(2)])
-    await until(lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 2)
+    await eventually_async(
+        lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 2, 30.0
+    )
     found = await rows(db, f"SELECT {', '.join(COLUMNS)} FROM outcomes ORDER BY request_id")
     assert [Outcome(**dict(r)) for r in found] == [written, outcome(2)]
 
@@ -92,7 +95,7 @@ async def test_a_batch_submitted_twice_is_written_once(db: str, make_ledger: Mak
         seen = metric(ledger, "llmgw_ledger_written_total", table="outcomes")
         return seen + metric(ledger, "llmgw_ledger_duplicates_total") == done
 
-    await until(settled, what="every record written or counted as duplicate")
+    await eventually_async(settled, 30.0, "every record written or counted as duplicate")
     assert metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 500
     assert metric(ledger, "llmgw_ledger_duplicates_total") == 600
     found = await rows(db, "SELECT count(*) AS n, sum(completion_tokens) AS s FROM outcomes")
@@ -107,21 +110,25 @@ async def test_nothing_is_lost_while_the_database_is_down(
     await ledger.start()
     ledger.submit([outcome(i) for i in range(1000)])
     written = "llmgw_ledger_written_total"
-    await until(lambda: metric(ledger, written, table="outcomes") == 1000, what="first writes")
+    await eventually_async(
+        lambda: metric(ledger, written, table="outcomes") == 1000, 30.0, "first writes"
+    )
 
     pg.kill()  # SIGKILL the postmaster
     for start in range(1000, 3000, 250):  # traffic goes on while it is down
         ledger.submit([outcome(i) for i in range(start, start + 250)])
         await asyncio.sleep(0)
-    await until(
-        lambda: metric(ledger, "llmgw_ledger_failed_writes_total") >= 2, what="failed writes"
+    await eventually_async(
+        lambda: metric(ledger, "llmgw_ledger_failed_writes_total") >= 2, 30.0, "failed writes"
     )
     assert metric(ledger, "llmgw_ledger_backlog_records", table="outcomes") == 2000
     assert ledger.backlog == 2000
 
     own_pg.append(pg.fresh())  # the same data directory, port and password
     own_pg[-1].start(60)
-    await until(lambda: metric(ledger, written, table="outcomes") == 3000, what="backlog written")
+    await eventually_async(
+        lambda: metric(ledger, written, table="outcomes") == 3000, 30.0, "backlog written"
+    )
     assert metric(ledger, "llmgw_ledger_backlog_records", table="outcomes") == 0
     found = await rows(pg.url, "SELECT request_id FROM outcomes ORDER BY request_id")
     assert [r["request_id"] for r in found] == [outcome(i).request_id for i in range(3000)]
@@ -136,7 +143,9 @@ async def test_a_full_backlog_drops_the_oldest(db: str, make_ledger: MakeLedger)
     dropped = metric(ledger, "llmgw_ledger_dropped_total", table="outcomes", reason="overflow")
     assert dropped == 50
     await ledger.start()
-    await until(lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 100)
+    await eventually_async(
+        lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 100, 30.0
+    )
     found = await rows(db, "SELECT request_id FROM outcomes ORDER BY request_id")
     assert [r["request_id"] for r in found] == [outcome(i).request_id for i in range(50, 150)]
 
@@ -157,7 +166,9 @@ async def test_an_invalid_record_is_rejected_alone(db: str, make_ledger: MakeLed
     await ledger.start()
     bad = outcome(7, status=2**31)  # out of integer range: SQLSTATE 22003
     ledger.submit([*(outcome(i) for i in range(7)), bad, *(outcome(i) for i in range(8, 20))])
-    await until(lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 19)
+    await eventually_async(
+        lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 19, 30.0
+    )
     assert metric(ledger, "llmgw_ledger_dropped_total", table="outcomes", reason="rejected") == 1
 
 
@@ -166,7 +177,9 @@ async def test_events_are_written(db: str, make_ledger: MakeLedger) -> None:
     await ledger.start()
     ledger.submit_event("breaker_trip", "acme", {"score": 0.7, "tier": "free"})
     ledger.submit_event("breaker_recovery", "acme")
-    await until(lambda: metric(ledger, "llmgw_ledger_written_total", table="events") == 2)
+    await eventually_async(
+        lambda: metric(ledger, "llmgw_ledger_written_total", table="events") == 2, 30.0
+    )
     found = await rows(db, "SELECT kind, tenant, detail::text AS d FROM ledger_events ORDER BY id")
     assert [(r["kind"], r["tenant"]) for r in found] == [
         ("breaker_trip", "acme"),

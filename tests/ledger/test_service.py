@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from tests.eventually import eventually
 from tests.ledger.test_entry import USED, entry
 from tools import procs
 
@@ -51,10 +51,7 @@ def test_python_m_ledger_takes_access_logs_and_stops_on_sigterm(tmp_path: Path) 
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(once(), timeout=5)
-        deadline = time.monotonic() + 10
-        while "llmgw_ledger_unsettled 3.0" not in metrics(url):
-            assert time.monotonic() < deadline, metrics(url)
-            time.sleep(0.05)
+        eventually(lambda: "llmgw_ledger_unsettled 3.0" in metrics(url), 10, lambda: metrics(url))
         assert "llmgw_ledger_log_entries_total 3.0" in metrics(url)
         assert proc.popen is not None
         proc.popen.send_signal(signal.SIGTERM)

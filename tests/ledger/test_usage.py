@@ -14,7 +14,8 @@ import pytest
 
 from ledger.db import Ledger
 from llmgw.outcome import JSON_FIELDS, Outcome
-from tests.ledger.conftest import metric, until
+from tests.eventually import eventually_async
+from tests.ledger.conftest import metric
 from tools import cli, usage
 from tools.postgres import Postgres
 
@@ -51,7 +52,9 @@ async def ledger_db(db: str, make_ledger: Callable[..., Ledger]) -> str:
     ledger = make_ledger(db)
     await ledger.start()
     ledger.submit(DATASET)
-    await until(lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 6)
+    await eventually_async(
+        lambda: metric(ledger, "llmgw_ledger_written_total", table="outcomes") == 6, 30.0
+    )
     return db
 
 

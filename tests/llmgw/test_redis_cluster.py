@@ -22,6 +22,7 @@ from llmgw.wire import FLEET_LOAD_KEY, tenant_prefix
 from ratelimit.failover import Failover
 from ratelimit.redis_store import RedisStore
 from ratelimit.types import Check, Outcome, Window
+from tests.eventually import eventually_async
 from tools.procs import Process, StartError, bin_path, free_port, redis_ping
 
 PASSWORD = "cluster-secret"
@@ -352,10 +353,12 @@ async def test_lost_connections_are_made_again(
     addr = cluster.node_of(key_slot(key.encode()))
     assert addr is not None
     pending = cluster.call("BLPOP", key, 1)
-    deadline = time.monotonic() + 5
-    while b"cmd=blpop" not in redis_cluster.command(addr[1], "CLIENT", "LIST"):  # type: ignore[operator]
-        assert time.monotonic() < deadline, "BLPOP never reached the node"
-        await asyncio.sleep(0.01)
+    await eventually_async(
+        lambda: b"cmd=blpop" in redis_cluster.command(addr[1], "CLIENT", "LIST"),  # type: ignore[operator]
+        5,
+        "BLPOP never reached the node",
+        every_s=0.01,
+    )
     for port in redis_cluster.masters():
         redis_cluster.command(port, "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
     assert await pending is None  # the BLPOP ran again on a new connection and timed out

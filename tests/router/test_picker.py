@@ -7,7 +7,6 @@ import json
 import os
 import string
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from llmgw import wire
 from router.picker import HEALTH_SERVICES
+from tests.eventually import eventually
 from tests.http import call
 from tools.procs import Process, bin_path, free_port, grpc_serving, http_ok, stop_all
 
@@ -131,13 +131,12 @@ def full_duplex(
 
 def wait_scraped(picker: Picker) -> None:
     """The router scrapes the pods every 75 ms: wait (bounded) for its first view of both."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def both() -> bool:
         text = urllib.request.urlopen(picker.metrics, timeout=5).read().decode()
-        if sum(f'llmgw_router_pod_pickable{{pod="{p}"}} 1.0' in text for p in picker.pods) == 2:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the router never saw both pods")
+        return sum(f'llmgw_router_pod_pickable{{pod="{p}"}} 1.0' in text for p in picker.pods) == 2
+
+    eventually(both, 30, "the router never saw both pods")
 
 
 def test_the_picker_answers_the_protocols_health_services(picker: Picker) -> None:

@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import pytest
 import redis
 
 from llmgw import wire
+from tests.eventually import eventually
 from tests.http import call
 from tools.procs import Process
 from tools.supervisor import Backoff, State, Supervisor
@@ -47,15 +48,6 @@ def pid_alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split()[2] != "Z"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +104,7 @@ class Load:
         def enough() -> bool:
             return len([o for o in self.since(after) if o.start >= after and o.status == 200]) >= n
 
-        wait_for(enough, timeout, f"{n} successful requests")
+        eventually(enough, timeout, f"{n} successful requests")
         return min(o.end for o in self.since(after) if o.start >= after and o.status == 200)
 
 
@@ -144,7 +136,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Po
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: ready.exists() or proc.poll() is not None, READY_TIMEOUT, "ready file")
+        eventually(lambda: ready.exists() or proc.poll() is not None, READY_TIMEOUT, "ready file")
         assert proc.poll() is None, log.read_text()
         yield proc, ready
     finally:
@@ -168,7 +160,7 @@ def kill_under_load(load: Load, ready: Path, child: str) -> Kill:
         info = read_ready(ready)
         return info["restarts"].get(child, 0) > restarts and info["processes"][child] != pid
 
-    wait_for(restarted, RECOVERY_TIMEOUT, f"{child} to be restarted")
+    eventually(restarted, RECOVERY_TIMEOUT, f"{child} to be restarted")
     t_restarted = time.monotonic()
     t_serving = load.wait_successes(t_restarted, SETTLE_REQUESTS, RECOVERY_TIMEOUT)
     if child.startswith("pod-"):
@@ -176,7 +168,7 @@ def kill_under_load(load: Load, ready: Path, child: str) -> Kill:
         # Without this wait the next pod's kill is a double fault of the whole 2-pod fleet
         # (seen: 28 of 80 requests refused while the router still avoided the first pod).
         url = read_ready(ready)["pods"][int(child.removeprefix("pod-"))]["url"]
-        wait_for(lambda: served(url) > 0, RECOVERY_TIMEOUT, f"{child} to serve again")
+        eventually(lambda: served(url) > 0, RECOVERY_TIMEOUT, f"{child} to serve again")
     # Everything from the kill until SETTLE_REQUESTS succeeded on the new child: a failure
     # after the first success counts too.
     window = load.since(t_kill)
@@ -266,7 +258,7 @@ def test_a_redis_restart_keeps_the_counters(up: tuple[subprocess.Popen[bytes], P
     assert before, "ratelimit wrote no counters"
     restarts = info.get("restarts", {}).get("redis", 0)
     os.kill(info["processes"]["redis"], signal.SIGKILL)
-    wait_for(
+    eventually(
         lambda: read_ready(ready)["restarts"].get("redis", 0) > restarts,
         RECOVERY_TIMEOUT,
         "redis to be restarted",
@@ -301,7 +293,7 @@ def test_sigterm_stops_every_child_even_restarted_ones(
     children = list(read_ready(ready)["processes"].values())
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    wait_for(lambda: not [p for p in children if pid_alive(p)], 30, "children to exit")
+    eventually(lambda: not [p for p in children if pid_alive(p)], 30, "children to exit")
 
 
 # The supervisor's backoff, with a child that crashes at once and a clock of our own.
