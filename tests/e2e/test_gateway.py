@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.conftest import api_key
+from llmgw import wire
+from sim.types import DEFAULT_MODEL
+from tests.e2e.conftest import api_key, stack_settings
+from tests.e2e.test_auth import access_log
 from tests.http import Reply, call
 from tools.stack import Stack
 
@@ -120,14 +124,24 @@ def test_oversize_body_is_an_openai_413(
     assert raised.value.status_code == 413
 
 
-def test_destination_header_from_the_client_is_ignored(
-    stack: Stack, model: str, auth: dict[str, str]
-) -> None:
-    # A client must not pick the pod; a bogus destination would be a 503 if Envoy honoured it.
-    resp = call(
-        "POST",
-        f"{stack.base_url}/chat/completions",
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        headers={**auth, "x-gateway-destination-endpoint": "127.0.0.1:1"},
-    )
-    assert resp.status == 200, resp.body
+def test_destination_header_from_the_client_is_ignored(tmp_path: Path) -> None:
+    """A client cannot pick the pod by sending the router's own header (the endpoint picker
+    protocol's `x-gateway-destination-endpoint`) naming one. The pod it names here is real but
+    serves another model, so a request that went there would be that pod's 404; the router's
+    pick, the one pod serving the model, serves it. (A made-up address would prove nothing:
+    Envoy's override_host falls back to its own choice for a host not in the cluster.)"""
+    settings = stack_settings().model_copy(update={"pod_args": ((), ("--model", "other-model"))})
+    with Stack(settings, tmp_path / "stack") as stack:
+        serving, named = (f"{pod.host}:{pod.port}" for pod in stack.pods)
+        resp = call(
+            "POST",
+            f"{stack.base_url}/chat/completions",
+            {
+                "model": DEFAULT_MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+            headers={"authorization": f"Bearer {api_key(stack)}", wire.DESTINATION_ENDPOINT: named},
+        )
+        assert resp.status == 200, resp.body
+        assert access_log(stack, resp.headers["x-request-id"])["upstream"] == serving
