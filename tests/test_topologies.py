@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.stack import Stack
 from llmgw.topology import Topology
-from tests.conftest import api_key, stack_settings
+from tests.conftest import PATIENT_SCRAPES, api_key, stack_settings
 from tests.http import call
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -42,7 +42,11 @@ def picks(stack: Stack) -> float:
 
 
 @pytest.mark.parametrize("topology", list(Topology))
-def test_a_request_through_each_topology(topology: Topology, tmp_path: Path) -> None:
+def test_a_request_through_each_topology(
+    topology: Topology, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in PATIENT_SCRAPES.items():  # the one request is picked however busy
+        monkeypatch.setenv(name, value)
     settings = stack_settings().model_copy(update={"topology": topology})
     with Stack(settings, tmp_path / "stack") as stack:
         assert stack.services.topology is topology
