@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,7 +32,27 @@ class StartError(RuntimeError):
     """A child exited or never became ready; the message carries its log tail."""
 
 
+# Listening ports are chosen below the kernel's ephemeral range (Linux: 32768-60999). A port
+# the kernel hands out for bind(0) is free only until the child binds it, and in between any
+# process's outgoing connection may take it as its source port: with a second test suite
+# beside this one, children failed to bind. Below the range, only another listener can.
+_LISTEN_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` nobody listens on, not handed out before by this process."""
+    for _ in range(100):  # a bound, not a speed: nearly every try succeeds
+        port = random.choice(_LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

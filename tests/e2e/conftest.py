@@ -46,6 +46,15 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
         yield running
 
 
+# What these tests are about (affinity, picks) needs the router's view of the fleet, not the
+# machine's speed: a machine busy with a second test suite delayed scrapes past their 50 ms
+# timeout and 0.5 s staleness, and a pod whose view went stale lost a session's turn.
+PATIENT_SCRAPES = {
+    "LLMGW_ROUTER__FLEET__SCRAPE_TIMEOUT": "1.0",
+    "LLMGW_ROUTER__FLEET__STALE_AFTER": "10.0",
+}
+
+
 def api_key(stack: Stack, tier: str = "platinum") -> str:
     return next(t["api_key"] for t in stack.tenants if t["tier"] == tier)
 

@@ -19,22 +19,13 @@ import pytest
 
 from llmgw import wire
 from llmgw.topology import Topology
-from tests.e2e.conftest import api_key, stack_settings
+from tests.e2e.conftest import PATIENT_SCRAPES, api_key, stack_settings
 from tests.eventually import eventually_async
 from tests.http import call
 from tools.stack import Stack, StackSettings
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SYSTEM = "You are the support assistant of the Example Corporation. " * 40  # ~600 tokens
-
-
-# What these tests are about (affinity, picks) needs the router's view of the fleet, not the
-# machine's speed: a machine busy with a second test suite delayed scrapes past their 50 ms
-# timeout and 0.5 s staleness, and a pod whose view went stale lost a session's turn.
-PATIENT_SCRAPES = {
-    "LLMGW_ROUTER__FLEET__SCRAPE_TIMEOUT": "1.0",
-    "LLMGW_ROUTER__FLEET__STALE_AFTER": "10.0",
-}
 
 
 @pytest.fixture(scope="module")

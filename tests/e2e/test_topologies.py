@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.topology import Topology
-from tests.e2e.conftest import api_key, stack_settings
+from tests.e2e.conftest import PATIENT_SCRAPES, api_key, stack_settings
 from tests.http import call
 from tools.stack import Stack
 
@@ -42,7 +42,11 @@ def picks(stack: Stack) -> float:
 
 
 @pytest.mark.parametrize("topology", list(Topology))
-def test_a_request_through_each_topology(topology: Topology, tmp_path: Path) -> None:
+def test_a_request_through_each_topology(
+    topology: Topology, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in PATIENT_SCRAPES.items():  # the one request is picked however busy
+        monkeypatch.setenv(name, value)
     settings = stack_settings().model_copy(update={"topology": topology})
     with Stack(settings, tmp_path / "stack") as stack:
         assert stack.services.topology is topology

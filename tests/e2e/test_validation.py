@@ -3,9 +3,11 @@ that records what it receives (tests/recording_pod.py). Refused requests are nev
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,10 +111,29 @@ def test_a_strangers_large_body_is_refused_by_extauthz_at_its_head(
     drops the body Envoy sends after it; Envoy passes the 401 on, and checks go on."""
     stack, _ = recorded
     body = json.dumps({"model": MODEL, "messages": [], "x": "a" * (4 << 20)}).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer sk-llmgw-{'y' * 43}\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
     for _ in range(2):
-        reply = post(stack, body, authorization=f"Bearer sk-llmgw-{'y' * 43}")
-        refused(reply, 401, "invalid_api_key")
+        # Read while sending, as curl does: Envoy answers at the head and closes without
+        # reading the rest, so a client that sends all 4 MB first may see only the reset.
+        with socket.create_connection((stack.listen.host, stack.listen.port), timeout=30) as sock:
+            sock.sendall(head.encode())
+            sender = threading.Thread(target=send_ignoring_reset, args=(sock, body))
+            sender.start()
+            reply = b""
+            while b"invalid_api_key" not in reply and (chunk := sock.recv(65536)):
+                reply += chunk
+            sender.join()
+        assert reply.startswith(b"HTTP/1.1 401"), reply[:80]
+        assert b'"invalid_api_key"' in reply
     assert post(stack, json.dumps({"model": MODEL, "messages": []}).encode()).status == 200
+
+
+def send_ignoring_reset(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # the peer closed: it answered already
+        sock.sendall(data)
 
 
 @pytest.mark.parametrize(

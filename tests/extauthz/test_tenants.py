@@ -10,7 +10,6 @@ import yaml
 from extauthz import tenants
 from extauthz.store import tenants_store
 from extauthz.types import KEY_PREFIX
-from llmgw import wire
 from llmgw.config import ConfigError
 from llmgw.reload import RELOADS
 from llmgw.tiers import PerUnit, TenantSpec
@@ -45,11 +44,8 @@ def test_a_tenants_own_limits_in_the_tenants_file_are_read_with_a_warning(
     limits it (the request carries it to the limiter) and names the new place."""
     snap = tenants.load(tenants_file, TIERS)
     assert "deprecated setting tenants.*.limits" in caplog.text
-    assert snap.tenants["acme"].limits[wire.META_LIMIT_REQUESTS] == {
-        "requests_per_unit": 100.0,
-        "unit": "MINUTE",
-    }
-    assert wire.META_LIMIT_REQUESTS not in snap.tenants["globex"].limits
+    assert snap.tenants["acme"].limits.spec() == TenantSpec(requests=PerUnit(minute=100))
+    assert snap.tenants["globex"].limits.spec() is None
 
 
 def test_the_token_ceiling_merges_a_tenants_own_limits_by_the_tier_tables_rule(
