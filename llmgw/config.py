@@ -35,6 +35,11 @@ class ConfigError(Exception):
     """A settings file or override that does not fit its schema."""
 
 
+def deprecated(name: str, instead: str) -> None:
+    """The one warning for an old setting, flag or environment variable still read."""
+    log.warning("%s is deprecated: use %s", name, instead)
+
+
 def renamed(data: object, names: Mapping[str, str], where: str) -> object:
     """A model's input with each deprecated key (old → new, dotted for a nested one:
     "redis.timeout_s") read under its new name, and a warning; both names at once is an error
@@ -49,7 +54,7 @@ def renamed(data: object, names: Mapping[str, str], where: str) -> object:
             continue
         if not _put(out, new.split("."), value):
             raise ValueError(f"{old}: the deprecated name of {new}; set only {new}")
-        log.warning("deprecated setting %s%s: use %s", where, old, new)
+        deprecated(f"{where}{old}", new)
     return out
 
 

@@ -11,6 +11,8 @@ import logging
 from enum import StrEnum
 from typing import Any
 
+from llmgw.config import deprecated
+
 log = logging.getLogger(__name__)
 
 
@@ -55,10 +57,6 @@ class Topology(StrEnum):
             f"{'HTTP' if check_over_http else 'gRPC'}; the topologies: "
             + ", ".join(t.value for t in cls)
         )
-
-
-def deprecated(name: str, instead: str) -> None:
-    log.warning("%s is deprecated: use %s", name, instead)
 
 
 def pop_deprecated(

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from extauthz import cli as extauthz_cli
 from llmgw import config, logs
+from llmgw.config import deprecated
 from llmgw.tls import ENVOY_IDENTITY
-from llmgw.topology import Topology, deprecated
+from llmgw.topology import Topology
 from tools import certs, envoyconf, usage
 from tools.envoyconf import Address
 from tools.stack import Stack, StackSettings

@@ -116,12 +116,12 @@ def test_an_old_setting_name_is_read_as_the_new_one_with_a_warning(
     environment; both names at once name the conflict."""
     env = {"LLMGW_STACK__RATELIMIT_LIMITS": str(tmp_path)}
     assert config.load(StackSettings, None, "LLMGW_STACK", env).tiers_file == tmp_path
-    assert "stack ratelimit_limits: use tiers_file" in caplog.text
+    assert "stack ratelimit_limits is deprecated: use tiers_file" in caplog.text
     path = tmp_path / "ledger.yaml"
     path.write_text("redis: {host: r, timeout_s: 7}\n")
     ledger = config.load(LedgerSettings, path, "LLMGW_LEDGER", {})
     assert ledger.settle.timeout_s == 7 and ledger.redis.host == "r"
-    assert "ledger redis.timeout_s: use settle.timeout_s" in caplog.text
+    assert "ledger redis.timeout_s is deprecated: use settle.timeout_s" in caplog.text
     path.write_text("redis: {timeout_s: 7}\nsettle: {timeout_s: 3}\n")
     with pytest.raises(config.ConfigError, match=r"redis\.timeout_s: the deprecated name of"):
         config.load(LedgerSettings, path, "LLMGW_LEDGER", {})

@@ -115,8 +115,8 @@ def test_the_old_setting_names_are_read_with_a_warning(
     settings = Settings.model_validate(old)
     assert settings.tiers_file == tmp_path and settings.redis.port == 7000
     assert settings.failover.deadline_ms == 15
-    assert "limits_file: use tiers_file" in caplog.text
-    assert "redis.deadline_ms: use failover.deadline_ms" in caplog.text
+    assert "limits_file is deprecated: use tiers_file" in caplog.text
+    assert "redis.deadline_ms is deprecated: use failover.deadline_ms" in caplog.text
     assert old["redis"] == {"port": 7000, "deadline_ms": 15}  # the caller's input left whole
     with pytest.raises(ValueError, match="set only tiers_file"):
         Settings.model_validate({"limits_file": "a", "tiers_file": "b"})
