@@ -19,7 +19,7 @@ KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 
-class Limits(Strict):
+class PerMinuteLimits(Strict):
     """A tenant's own per-minute limits, the older form of the tier table's `tenants:` entry
     (llmgw/tiers.py TenantSpec), still read with a warning: they travel with each request (a
     limiter apart reads no tenants file) and are merged like that entry."""
@@ -59,7 +59,7 @@ class Tenant(Strict):
     tier: str  # a tier of the tier table (llmgw/tiers.py): checked when the snapshot is built
     priority: int = Field(ge=1, le=10)
     models: Literal["*"] | tuple[str, ...]
-    limits: Limits = Limits()
+    limits: PerMinuteLimits = PerMinuteLimits()
     keys: tuple[ApiKey, ...] = ()
     # Tenants naming the same cache group share prefix-cache blocks on the pods (e.g. one system
     # prompt for a customer's several tenants). Without one, a tenant shares with nobody: a
@@ -113,7 +113,7 @@ class TenantView:
     priority: int
     models: frozenset[str] | None  # None: every model
     headers: tuple[tuple[str, str], ...]  # tenant, tier, priority
-    limits: Limits  # the tenant's own, replacing its tier's
+    limits: PerMinuteLimits  # the tenant's own, replacing its tier's
     cache_group: str  # "tenant/<id>" unless the tenant joined a group: "group/<name>"
     max_output: int | None = None  # the tier's output cap (tier table); None: the default
     token_ceiling: int | None = None  # the tenant's smallest token limit (llmgw.tiers)

@@ -90,7 +90,7 @@ class Finding:
 K = TypeVar("K", bound=Hashable)
 
 
-class Window(Generic[K]):
+class RecentCounts(Generic[K]):
     """Counts by key over the last `span_s` seconds, in one-second buckets."""
 
     def __init__(self, span_s: float) -> None:
@@ -130,10 +130,14 @@ def _quota_refused(o: Outcome) -> bool:
 class Detectors:
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
-        self._quota = Window[tuple[str, bool]](rules.quota_refusals.window_s)  # tenant, refused
-        self._fleet = Window[str](rules.fleet_5xx.window_s)  # "requests", "5xx"
-        self._pods = Window[tuple[str, str]](rules.pod_errors.window_s)  # "seen"|"errors", pod
-        self._unchecked = Window[str](rules.ratelimit_fail_open.window_s)  # by tenant
+        self._quota = RecentCounts[tuple[str, bool]](
+            rules.quota_refusals.window_s
+        )  # tenant, refused
+        self._fleet = RecentCounts[str](rules.fleet_5xx.window_s)  # "requests", "5xx"
+        self._pods = RecentCounts[tuple[str, str]](
+            rules.pod_errors.window_s
+        )  # "seen"|"errors", pod
+        self._unchecked = RecentCounts[str](rules.ratelimit_fail_open.window_s)  # by tenant
         self._backlog: collections.deque[tuple[float, int]] = collections.deque()
         self._tiers: dict[str, str] = {}
         self._episodes: dict[DetectorKind, dict[str, _Episode]] = collections.defaultdict(dict)

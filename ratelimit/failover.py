@@ -55,7 +55,7 @@ from llmgw.resp import Arg, Reply, RespError
 from ratelimit import metrics
 from ratelimit.redis_store import RedisStore, admit_args, outcome
 from ratelimit.store import LocalStore
-from ratelimit.types import Check, Grant, Outcome, granted
+from ratelimit.types import Check, Grant, StoreResult, granted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -138,7 +138,7 @@ class Failover:
         ttl_ms: int = 0,
         grant: Grant | None = None,
         breaker: str = "",
-    ) -> Outcome:
+    ) -> StoreResult:
         redis = self.redis
         if redis is not None:
             try:
@@ -168,7 +168,9 @@ class Failover:
             grant=grant,
         )
 
-    async def _admit(self, redis: RedisStore, checks: Sequence[Check], args: list[Arg]) -> Outcome:
+    async def _admit(
+        self, redis: RedisStore, checks: Sequence[Check], args: list[Arg]
+    ) -> StoreResult:
         """The script's reply, else TimeoutError once Redis has been silent for the deadline
         (`_expire`). The reply's future itself fails: one timer per call and no task
         cancellation (asyncio.timeout's bookkeeping cost ~3 % of a decision)."""

@@ -25,9 +25,9 @@ from ratelimit.types import (
     Kind,
     KindState,
     Limit,
-    Outcome,
     Policy,
     Refusal,
+    StoreResult,
     Unit,
     Verdict,
     granted,
@@ -324,7 +324,7 @@ def _raised(s: CheckState) -> Check:
     return replace(s.check, limit=MAX_COUNT)
 
 
-def _states(checks: list[Check], outcome: Outcome, shadow: bool) -> list[CheckState]:
+def _states(checks: list[Check], outcome: StoreResult, shadow: bool) -> list[CheckState]:
     """Each check's standing after the store's decision, at the limit the store enforced (one
     replica's share when degraded) and the time it decided at."""
     added = outcome.admitted or shadow

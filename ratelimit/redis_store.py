@@ -20,7 +20,7 @@ from llmgw.breaker import with_prelude as with_breaker
 from llmgw.reservation import with_prelude as with_keys
 from llmgw.resp import Arg, Client, Reply, RespError
 from ratelimit.store import Made
-from ratelimit.types import Check, Grant, Outcome
+from ratelimit.types import Check, Grant, StoreResult
 
 
 def script(name: str, *preludes: Callable[[str], str]) -> tuple[str, str]:
@@ -63,7 +63,7 @@ class RedisStore:
         ttl_ms: int = 0,
         grant: Grant | None = None,
         breaker: str = "",
-    ) -> Outcome:
+    ) -> StoreResult:
         args = admit_args(prefix, checks, shadow, reservation, ttl_ms, grant, breaker)
         try:
             reply = await self.send_admit(args)
@@ -132,7 +132,7 @@ def admit_args(
     return args
 
 
-def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
+def outcome(reply: Reply, checks: Sequence[Check]) -> StoreResult:
     """admit.lua's reply folded: admitted, Redis's time, each check's buckets (newest first)
     and the cap it granted."""
     if not isinstance(reply, bytes):
@@ -142,7 +142,7 @@ def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
     except ValueError:
         raise RespError(f"admit.lua returned {reply!r}") from None
     if flat[:1] == [2] and len(flat) == 3:  # refused by the breaker: "2 now wait"
-        return Outcome(False, (), flat[1], circuit_ms=flat[2])
+        return StoreResult(False, (), flat[1], circuit_ms=flat[2])
     counts: list[tuple[int, ...]] = []
     at = 2
     for c in checks:
@@ -151,4 +151,4 @@ def outcome(reply: Reply, checks: Sequence[Check]) -> Outcome:
         at += n
     if at + 1 != len(flat):
         raise RespError(f"admit.lua returned {reply!r}")
-    return Outcome(flat[0] == 1, tuple(counts), flat[1], cap=flat[at])
+    return StoreResult(flat[0] == 1, tuple(counts), flat[1], cap=flat[at])

@@ -31,7 +31,7 @@ class FailoverSettings(Strict):
     probe_interval_s: float = Field(default=0.5, gt=0)  # reconnect attempts while degraded
 
 
-class FleetSettings(Strict):
+class FleetLoadSettings(Strict):
     cache_s: float = Field(default=0.5, ge=0)
     stale_after_s: float = Field(default=3.0, gt=0)
 
@@ -45,7 +45,7 @@ class Settings(Strict):
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     redis: RedisSettings = RedisSettings()
     failover: FailoverSettings = FailoverSettings()
-    fleet: FleetSettings = FleetSettings()
+    fleet: FleetLoadSettings = FleetLoadSettings()
     # The least number of replicas degraded mode assumes (limit / replicas each); the count
     # itself comes from the replicas' heartbeat in Redis (ratelimit/failover.py).
     replicas: int = Field(default=1, ge=1)

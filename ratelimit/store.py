@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ratelimit.types import Check, Grant, Outcome, Window, granted, share
+from ratelimit.types import Check, Grant, StoreResult, Window, granted, share
 from ratelimit.windows import used
 
 Key = tuple[str, str]  # (tenant prefix, check name)
@@ -32,14 +32,14 @@ class Store(Protocol):
         ttl_ms: int = 0,
         grant: Grant | None = None,
         breaker: str = "",
-    ) -> Outcome:
+    ) -> StoreResult:
         """Test every check; if all pass (or shadow), add each cost; record the token costs as
         reservation `reservation` for the ledger to settle (Redis only). With `grant`, a hard
         budget (Check.caps) that the cost does not fit lowers the request's output cap to what
-        it has left, when that is at least 1 (types.Grant; Outcome.cap). `now_ms` is the
+        it has left, when that is at least 1 (types.Grant; StoreResult.cap). `now_ms` is the
         caller's clock, for a store without one of its own: Redis decides at its TIME, and
-        either way Outcome.now_ms says which time was used. `breaker`: the tenant's breaker key,
-        consulted first (Redis only: Outcome.circuit_ms); "" for none."""
+        either way StoreResult.now_ms says which time was used. `breaker`: the tenant's breaker key,
+        consulted first (Redis only: StoreResult.circuit_ms); "" for none."""
         ...
 
 
@@ -53,7 +53,9 @@ class LocalStore:
         self._seen: dict[Key, tuple[int, tuple[int, ...], int]] = {}
         self._made: Made = {}
 
-    def remember(self, prefix: str, checks: Sequence[Check], outcome: Outcome, added: bool) -> None:
+    def remember(
+        self, prefix: str, checks: Sequence[Check], outcome: StoreResult, added: bool
+    ) -> None:
         """Keep a Redis answer to start from (cheap: it runs on every Redis decision)."""
         for check, counts in zip(checks, outcome.counts, strict=True):
             current = outcome.now_ms // check.window.bucket_ms
@@ -82,7 +84,7 @@ class LocalStore:
         ttl_ms: int = 0,
         grant: Grant | None = None,
         breaker: str = "",  # not seen without Redis: degraded decisions ignore the breaker
-    ) -> Outcome:
+    ) -> StoreResult:
         counts = tuple(self._buckets(prefix, check, now_ms) for check in checks)
         standing = [
             (used(check.window, seen, now_ms), share(check.limit, self.replicas))
@@ -106,7 +108,7 @@ class LocalStore:
                     current = now_ms // check.window.bucket_ms
                     made = self._made.setdefault((prefix, check.name), (check.window, {}))[1]
                     made[current] = made.get(current, 0) + check.cost
-        return Outcome(ok, counts, now_ms, self.replicas, local=True, cap=cap)
+        return StoreResult(ok, counts, now_ms, self.replicas, local=True, cap=cap)
 
     def _buckets(self, prefix: str, check: Check, now_ms: int) -> tuple[int, ...]:
         """The check's buckets, newest first: this replica's share of Redis's last answer plus

@@ -113,7 +113,7 @@ def granted(checks: Sequence[Check], grant: Grant | None, cap: int) -> list[Chec
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class StoreResult:
     """What a store saw: admitted or not, and each check's buckets before adding (newest first,
     `window.span` of them) at `now_ms`, the time it decided at (Redis's own clock)."""
 

@@ -34,7 +34,7 @@ _WANTED = {
 
 
 @dataclass(frozen=True, slots=True)
-class Parsed:
+class VllmMetrics:
     running: float
     waiting: float
     kv_usage: float
@@ -46,7 +46,7 @@ class Parsed:
     itl_count: float | None
 
 
-def parse_metrics(text: str) -> Parsed:
+def parse_metrics(text: str) -> VllmMetrics:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     labels: dict[str, str] = {}
@@ -83,7 +83,7 @@ def parse_metrics(text: str) -> Parsed:
     tokens = [
         sums[n] for n in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total") if n in sums
     ]
-    return Parsed(
+    return VllmMetrics(
         running=sums.get("vllm:num_requests_running", 0.0),
         waiting=sums.get("vllm:num_requests_waiting", 0.0),
         kv_usage=min(1.0, max(0.0, kv)),

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from extauthz.types import Limits
+from extauthz.types import PerMinuteLimits
 from llmgw.topology import Topology
 from tests.e2e.conftest import stack_settings
 from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, counter
@@ -116,7 +116,7 @@ def test_a_burst_admits_exactly_the_limit_and_never_fails_open(
     burst_stack: Stack, size: int
 ) -> None:
     tenant = f"burst-{size}"
-    key = add_tenant(burst_stack, tenant, "free", Limits(rpm=LIMIT, tpm=10_000_000))
+    key = add_tenant(burst_stack, tenant, "free", PerMinuteLimits(rpm=LIMIT, tpm=10_000_000))
     room = LIMIT - counter(burst_stack, tenant, "requests:minute")  # add_tenant's probe counts
     failures = rl_failures(burst_stack)
     statuses = asyncio.run(burst(burst_stack, key, size))
@@ -139,7 +139,7 @@ def test_apart_a_burst_admits_exactly_the_limit_too(apart_stack: Stack) -> None:
     override) and the service decides them as the limiter inside extauthz would."""
     assert not apart_stack.services.limiter_inside
     assert any(p.name == "ratelimit" for p in apart_stack.processes)
-    key = add_tenant(apart_stack, "apart-burst", "free", Limits(rpm=LIMIT, tpm=10_000_000))
+    key = add_tenant(apart_stack, "apart-burst", "free", PerMinuteLimits(rpm=LIMIT, tpm=10_000_000))
     room = LIMIT - counter(apart_stack, "apart-burst", "requests:minute")
     failures = rl_failures(apart_stack)
     statuses = asyncio.run(burst(apart_stack, key, 200))
@@ -153,7 +153,7 @@ def test_with_the_service_killed_fail_open_serves_and_is_counted(apart_stack: St
     """Apart and killed, Envoy admits unchecked. Inside extauthz the limiter cannot die alone;
     Redis down is its degraded mode. (Last in this module: it kills the service.)"""
     stack = apart_stack
-    key = add_tenant(stack, "down", "free", Limits(rpm=5))
+    key = add_tenant(stack, "down", "free", PerMinuteLimits(rpm=5))
     next(p for p in stack.processes if p.name == "ratelimit").kill()
     replies = [
         call(

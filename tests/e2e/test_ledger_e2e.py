@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from extauthz.types import Limits
+from extauthz.types import PerMinuteLimits
 from llmgw import facts, wire
 from llmgw.topology import Topology
 from tests.e2e.conftest import stack_settings
@@ -174,7 +174,7 @@ def test_every_request_of_a_mixed_run_is_recorded_once(ledger_stack: Stack) -> N
 
 
 def test_an_aborted_stream_is_charged_its_prompt_and_streamed_tokens(ledger_stack: Stack) -> None:
-    key = add_tenant(ledger_stack, "lg-abort", "standard", Limits(tpm=100_000))
+    key = add_tenant(ledger_stack, "lg-abort", "standard", PerMinuteLimits(tpm=100_000))
     rid, seen = aborted_stream(ledger_stack, key, events=12)
     row = recorded(ledger_stack, {rid})[rid]
     assert row["outcome"] == "aborted" and row["stream"] is True

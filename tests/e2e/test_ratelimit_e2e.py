@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from extauthz import tenants
-from extauthz.types import Limits, Tenant, TenantsFile
+from extauthz.types import PerMinuteLimits, Tenant, TenantsFile
 from tests.e2e.conftest import api_key, stack_settings
 from tests.eventually import eventually
 from tests.http import Reply, call
@@ -52,12 +52,14 @@ def rl_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-def add_tenant(stack: Stack, tenant_id: str, tier: str, limits: Limits | None = None) -> str:
+def add_tenant(
+    stack: Stack, tenant_id: str, tier: str, limits: PerMinuteLimits | None = None
+) -> str:
     """A tenant with one fresh key, once extauthz has reloaded the file (bounded wait)."""
     with tenants.editing(stack.tenants_file):
         data = tenants.read(stack.tenants_file)
         key, record = tenants.new_key(datetime.now(UTC).replace(microsecond=0))
-        limits = limits or Limits()
+        limits = limits or PerMinuteLimits()
         tenant = Tenant(
             id=tenant_id, name=tenant_id, tier=tier, priority=5, models="*", limits=limits,
             keys=(record,),
@@ -202,7 +204,7 @@ def test_sdk_gets_rate_limit_error_then_retries_after_retry_after(rl_stack: Stac
 def test_a_request_that_can_never_fit_is_too_large_and_the_sdk_does_not_retry(
     rl_stack: Stack,
 ) -> None:
-    key = add_tenant(rl_stack, "rl-large", "standard", Limits(tpm=1000))
+    key = add_tenant(rl_stack, "rl-large", "standard", PerMinuteLimits(tpm=1000))
     client = openai.OpenAI(base_url=rl_stack.base_url, api_key=key)  # the SDK's 2 retries
     long = [{"role": "user", "content": "word " * 1000}]  # ~1,250 tokens: above 1,000 a minute
     with client, pytest.raises(openai.RateLimitError) as refused:
@@ -237,7 +239,7 @@ def test_exhausted_budget_is_insufficient_quota_and_not_retried(rl_stack: Stack)
 
 def test_tenant_limits_from_the_tenants_file_reach_the_limiter(rl_stack: Stack) -> None:
     # add_tenant's readiness probe is the first of 4 requests a minute.
-    key = add_tenant(rl_stack, "rl-own", "standard", Limits(rpm=4, tpm=5000))
+    key = add_tenant(rl_stack, "rl-own", "standard", PerMinuteLimits(rpm=4, tpm=5000))
     replies = [chat(rl_stack, key) for _ in range(4)]
     assert [r.status for r in replies] == [200, 200, 200, 429]
     assert replies[0].headers["x-ratelimit-limit-requests"] == "4"
@@ -270,7 +272,9 @@ def test_the_tier_table_reloads_in_every_service_and_a_broken_one_is_refused(
 
 
 def test_every_response_carries_the_rate_limit_headers(rl_stack: Stack) -> None:
-    key = add_tenant(rl_stack, "rl-headers", "standard", Limits(rpm=3))  # the probe, then 2
+    key = add_tenant(
+        rl_stack, "rl-headers", "standard", PerMinuteLimits(rpm=3)
+    )  # the probe, then 2
     replies = [
         chat(rl_stack, key),
         chat(rl_stack, key, stream=True),

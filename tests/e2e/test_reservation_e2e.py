@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from extauthz.types import Limits
+from extauthz.types import PerMinuteLimits
 from tests.e2e.conftest import FAST_PODS, stack_settings
 from tests.e2e.test_ratelimit_e2e import add_tenant
 from tools.stack import Stack
@@ -96,7 +96,7 @@ async def test_concurrent_sdk_default_streams_stay_within_a_small_tpm(capped_sta
     """Before: each stream reserved its prompt + 256 and generated up to the context, so a
     tenant was served several times its per-minute tokens in one minute."""
     tpm, streams = 1500, 12
-    key = add_tenant(capped_stack, "cap-tpm", "free", Limits(tpm=tpm))
+    key = add_tenant(capped_stack, "cap-tpm", "free", PerMinuteLimits(tpm=tpm))
     async with client(capped_stack, key) as sdk:
 
         async def one(i: int) -> tuple[int, str | None] | None:

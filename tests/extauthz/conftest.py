@@ -21,7 +21,7 @@ from extauthz.director import Director
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.store import tenants_store
-from extauthz.types import Limits, Tenant, TenantsFile
+from extauthz.types import PerMinuteLimits, Tenant, TenantsFile
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 
 SECRET = b"9f2c41e8a7b3d6055f1e2a9c0b7d64e3"  # varied: settings refuse "ssss…"
@@ -56,7 +56,7 @@ def write_tenants(path: Path) -> Keys:
                 tier="standard",
                 priority=5,
                 models=("llama-3-8b", "mistral-7b"),
-                limits=Limits(rpm=100),
+                limits=PerMinuteLimits(rpm=100),
                 keys=(acme_rec, expired_rec, revoked_rec.model_copy(update={"revoked": True})),
             ),
             Tenant(

@@ -21,7 +21,7 @@ from llmgw.resp import AuthError, Client, Resp, RespError
 from llmgw.wire import FLEET_LOAD_KEY, tenant_prefix
 from ratelimit.failover import Failover
 from ratelimit.redis_store import RedisStore
-from ratelimit.types import Check, Outcome, Window
+from ratelimit.types import Check, StoreResult, Window
 from tests.eventually import eventually_async
 from tools.procs import Process, StartError, bin_path, free_port, redis_ping
 
@@ -213,7 +213,7 @@ def _checks(cost: int) -> list[Check]:
     ]
 
 
-def _seen(outcomes: list[Outcome]) -> list[tuple[bool, tuple[int, ...]]]:
+def _seen(outcomes: list[StoreResult]) -> list[tuple[bool, tuple[int, ...]]]:
     """What a decision saw, without its time (Redis's clock): admitted, each check's count."""
     return [(o.admitted, tuple(sum(c) for c in o.counts)) for o in outcomes]
 
@@ -265,7 +265,7 @@ async def test_admissions_across_three_masters_match_one_node(
     homes = {cluster.node_of(key_slot(tenant_prefix(t).encode())) for t in tenants}
     assert homes == set(cluster.masters) and len(homes) == 3
     rng = random.Random(4)
-    results: list[list[Outcome]] = [[], []]
+    results: list[list[StoreResult]] = [[], []]
     clients: tuple[Client, Client] = (cluster, single)
     for step in range(8):  # 8 decisions each; 5 requests/minute admit 5
         costs = [rng.randrange(1, 120) for _ in tenants]

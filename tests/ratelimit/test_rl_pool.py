@@ -21,7 +21,7 @@ from ratelimit.pool import Draw, Pool, size
 from ratelimit.redis_store import RedisStore
 from ratelimit.service import to_response
 from ratelimit.store import Store
-from ratelimit.types import Admission, Check, Grant, Outcome, Unit, Verdict
+from ratelimit.types import Admission, Check, Grant, StoreResult, Unit, Verdict
 from ratelimit.windows import SLIDING
 
 BASE = PerUnit(minute=10)
@@ -224,7 +224,7 @@ class Interleaved:
         ttl_ms: int = 0,
         grant: Grant | None = None,
         breaker: str = "",
-    ) -> Outcome:
+    ) -> StoreResult:
         self.calls += 1
         if self.calls == 2:
             direct = limiter(self.inner.client, IDLE_UNKNOWN)

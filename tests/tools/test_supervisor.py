@@ -51,7 +51,7 @@ def pid_alive(pid: int) -> bool:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Attempt:
     start: float
     end: float
     status: int | None  # None: no HTTP answer (connection refused or reset)
@@ -66,7 +66,7 @@ class Load:
         self.url = f"{base_url}/completions"
         self.headers = {"authorization": f"Bearer {key}"}
         self.body = {"model": model, "prompt": "supervised", "max_tokens": 4}
-        self.outcomes: list[Outcome] = []
+        self.outcomes: list[Attempt] = []
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(WORKERS)]
@@ -86,15 +86,15 @@ class Load:
             start = time.monotonic()
             try:
                 reply = call("POST", self.url, self.body, self.headers, timeout=20)
-                outcome = Outcome(start, time.monotonic(), reply.status, body=reply.body)
+                outcome = Attempt(start, time.monotonic(), reply.status, body=reply.body)
             except (OSError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)  # urllib wraps the socket's error
-                outcome = Outcome(start, time.monotonic(), None, type(reason).__name__)
+                outcome = Attempt(start, time.monotonic(), None, type(reason).__name__)
             with self.lock:
                 self.outcomes.append(outcome)
             self.done.wait(max(0.0, PACE_S - (time.monotonic() - start)))
 
-    def since(self, t: float) -> list[Outcome]:
+    def since(self, t: float) -> list[Attempt]:
         with self.lock:
             return [o for o in self.outcomes if o.end >= t]
 
@@ -111,7 +111,7 @@ class Load:
 @dataclass
 class Kill:
     child: str
-    failures: list[Outcome]
+    failures: list[Attempt]
     requests: int  # from the kill until SETTLE_REQUESTS succeeded after the restart
     restarted_s: float  # kill → the launcher reports the child ready again (ready file)
     serving_s: float  # kill → the first request that started after the restart succeeded
@@ -194,7 +194,7 @@ def served(pod_url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def is_openai_503(o: Outcome) -> bool:
+def is_openai_503(o: Attempt) -> bool:
     if o.status != 503:
         return False
     error = json.loads(o.body)["error"]
