@@ -25,7 +25,7 @@ from router.engine import Engine
 from router.fleet import Fleet
 from router.lifecycle import Lifecycle
 from router.registry import default_registry
-from router.settings import Settings, redis_address
+from router.settings import Settings
 
 
 class Router(Lifecycle):
@@ -39,16 +39,7 @@ class Router(Lifecycle):
     @classmethod
     def from_settings(cls, settings: Settings, tracer: trace.Tracer) -> Router:
         engine = Engine(default_registry().build(settings.plugins, settings.profile))
-        redis = None
-        if settings.redis_url is not None:
-            host, port, password = redis_address(settings.redis_url)
-            redis = RedisLink(
-                host,
-                port,
-                settings.redis_connect_timeout_s,
-                password,
-                cluster=settings.redis_cluster,
-            )
+        redis = None if settings.redis is None else RedisLink.of(settings.redis)
         return cls(Fleet(settings.fleet), engine, tracer, redis)
 
     async def start(self) -> None:

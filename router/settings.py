@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, model_validator
 
-from llmgw.config import ConfigError, Strict, load
+from llmgw.config import ConfigError, Strict, deprecated, load, renamed
+from llmgw.redisconf import RedisSettings
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import TracingSettings
 from router.fleet import FleetSettings
@@ -16,6 +18,11 @@ from router.plugins.base import PluginError
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, PluginSpec, ProfileSpec, Registry
 
 ENV_PREFIX = "LLMGW_ROUTER"
+# Old names still read (llmgw.config.renamed), and what they are now; `redis_url` too (below).
+DEPRECATED = {
+    "redis_cluster": "redis.cluster",
+    "redis_connect_timeout_s": "redis.connect_timeout_s",
+}
 
 
 class InferencePoolSettings(Strict):
@@ -33,23 +40,40 @@ class Settings(Strict):
     fleet: FleetSettings = FleetSettings()
     plugins: list[PluginSpec] = Field(default_factory=lambda: list(DEFAULT_PLUGINS))
     profile: ProfileSpec = DEFAULT_PROFILE
-    # Where the fleet load is published (redis://:PASSWORD@host:port/0); None: not published.
-    redis_url: SecretStr | None = None
-    # redis_url's host:port is one node of a Redis Cluster; the others are found from it
-    # (llmgw/cluster.py). Run the cluster with `cluster-require-full-coverage no`: else while
-    # one master is down (until its replica takes over; for good without one) every slot
-    # stalls, the fleet key's too.
-    redis_cluster: bool = False
-    redis_connect_timeout_s: float = Field(default=0.5, gt=0)  # as ratelimit's and the ledger's
+    # Where the fleet load is published (llmgw/redisconf.py, as the limiter's and the ledger's);
+    # None: not published. Any key under `redis` (LLMGW_ROUTER__REDIS__HOST=…) sets it.
+    redis: RedisSettings | None = None
     # The endpoint picker protocol of the Gateway API Inference Extension (router/picker.py).
     inference_pool: InferencePoolSettings = InferencePoolSettings()
 
-    @field_validator("redis_url")
+    @model_validator(mode="before")
     @classmethod
-    def _redis_url(cls, url: SecretStr | None) -> SecretStr | None:
+    def _deprecated(cls, data: object) -> object:
+        return renamed(_old_redis(data), DEPRECATED, "router ")
+
+
+def _old_redis(data: object) -> object:
+    """The router's Redis settings of old: `redis_url` read as `redis`'s host, port and
+    password; `redis_cluster` and `redis_connect_timeout_s` without a Redis (never read then)
+    dropped, so that they do not set one."""
+    if not isinstance(data, Mapping):
+        return data
+    out = dict(data)
+    if "redis_url" in out:
+        url = out.pop("redis_url")
+        if "redis" in out:
+            raise ValueError("redis_url: the deprecated form of redis; set only redis")
         if url is not None:
-            redis_address(url)
-        return url
+            secret = url if isinstance(url, SecretStr) else SecretStr(str(url))
+            host, port, password = redis_address(secret)
+            out["redis"] = {"host": host, "port": port, "password": password}
+        deprecated("router redis_url", "redis.host, redis.port and redis.password")
+    if "redis" not in out:
+        for old in DEPRECATED:
+            if old in out:
+                out.pop(old)
+                deprecated(f"router {old}", DEPRECATED[old])
+    return out
 
 
 class RedisAddress(NamedTuple):
@@ -59,9 +83,9 @@ class RedisAddress(NamedTuple):
 
 
 def redis_address(url: SecretStr) -> RedisAddress:
-    """host, port and password of a redis:// URL. Only what llmgw's client speaks: no TLS, no
-    ACL user (AUTH with a password is the default user), database 0 (the only one a cluster
-    has). Errors never quote the URL: it holds the password."""
+    """host, port and password of a redis:// URL (the deprecated `redis_url`). Only what
+    llmgw's client speaks: no TLS, no ACL user (AUTH with a password is the default user),
+    database 0 (the only one a cluster has). Errors never quote the URL: it holds the password."""
     parts = urlsplit(url.get_secret_value())
     if parts.scheme != "redis":
         raise ValueError(f"redis_url: scheme {parts.scheme!r}, only redis:// is supported")

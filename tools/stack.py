@@ -295,7 +295,9 @@ class Stack:
     def _router_settings(self) -> dict[str, str]:
         settings = {
             "FLEET__PODS": json.dumps([f"{p.host}:{p.port}" for p in self.pods]),
-            "REDIS_URL": self.redis_url,
+            "REDIS__HOST": "127.0.0.1",
+            "REDIS__PORT": str(self.redis_port),
+            "REDIS__PASSWORD": self.redis_password,
         }
         if self.pod_api_key is not None:  # for its /v1/models scrapes
             settings["FLEET__POD_API_KEY"] = self.pod_api_key
@@ -437,8 +439,7 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
-        """With the password: for the ready file (0600) and the router's environment only
-        (extauthz's when it holds the router)."""
+        """With the password: for the ready file (0600) only."""
         return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
 
     def redis_client(self) -> redis.Redis:

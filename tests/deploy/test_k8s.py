@@ -33,7 +33,6 @@ from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
 from llmgw import config, wire
 from llmgw.topology import Topology
-from router.settings import redis_address
 from tests.envoy_config import (
     check_admin_private,
     grpc_loggers,
@@ -306,15 +305,14 @@ def test_redis_asks_for_the_password_every_client_gets_from_one_secret() -> None
     args = redis["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"  # expanded by Kubernetes
     assert "grep -q PONG" in " ".join(redis["readinessProbe"]["exec"]["command"])  # not NOAUTH
-    for name in ("extauthz", "ledger"):  # the rate limiter in extauthz keeps the counters
-        var = next(v for v in container(name)["env"] if v["name"].endswith("__REDIS__PASSWORD"))
-        assert var["valueFrom"] == ref, name
-    extauthz = container("extauthz")["env"]  # the router in it publishes the fleet load
-    names = [v["name"] for v in extauthz]
-    assert extauthz[names.index("REDIS_PASSWORD")]["valueFrom"] == ref
-    assert names.index("REDIS_PASSWORD") < names.index("LLMGW_ROUTER__REDIS_URL")  # defined first
-    url = extauthz[names.index("LLMGW_ROUTER__REDIS_URL")]["value"]
-    assert url == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+    # The rate limiter in extauthz keeps the counters, the router in it publishes the fleet load.
+    clients = {
+        "ledger": ["LLMGW_LEDGER__REDIS__PASSWORD"],
+        "extauthz": ["LLMGW_RATELIMIT__REDIS__PASSWORD", "LLMGW_ROUTER__REDIS__PASSWORD"],
+    }
+    for name, wanted in clients.items():
+        env = {v["name"]: v.get("valueFrom") for v in container(name)["env"]}
+        assert [env.get(var) for var in wanted] == [ref] * len(wanted), name
     secrets = yaml.safe_load_all((K8S / "examples" / "secrets.yaml").read_text())
     assert (
         "password"
@@ -415,11 +413,10 @@ def test_extauthz_holds_the_router_and_there_is_no_router_service(
     assert vllm["spec"]["clusterIP"] == "None"  # every pod resolved
     assert router.fleet.dns is not None and router.fleet.dns.name == "vllm"
     assert router.fleet.dns.port in {p["port"] for p in vllm["spec"]["ports"]}
-    assert router.redis_url is not None
-    host, port, password = redis_address(router.redis_url)
-    assert host == "redis" and password
-    assert port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
-    assert router.redis_cluster is False
+    assert router.redis is not None
+    assert router.redis.host == "redis" and router.redis.password is not None
+    assert router.redis.port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
+    assert router.redis.cluster is False
 
 
 def test_the_inference_pool_example_points_at_the_router_in_picker_mode() -> None:
@@ -470,5 +467,5 @@ def test_extauthz_holds_the_rate_limiter_and_there_is_no_ratelimit_service(
     assert limiter.redis.host == "redis"
     assert limiter.redis.port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
     assert limiter.redis.password is not None
-    assert str(limiter.redis.cluster).lower() == env["LLMGW_ROUTER__REDIS_CLUSTER"]
+    assert str(limiter.redis.cluster).lower() == env["LLMGW_ROUTER__REDIS__CLUSTER"]
     assert limiter.replicas >= 2  # degraded mode assumes at least the HPA's minimum

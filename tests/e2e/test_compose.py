@@ -151,11 +151,11 @@ def test_compose_runs_the_whole_product() -> None:
     extauthz = services["extauthz"]["environment"]
     assert extauthz["LLMGW_EXTAUTHZ__TOPOLOGY"] == RENDER["--topology"]
     assert json.loads(extauthz["LLMGW_ROUTER__FLEET__PODS"]) == list(PODS)
-    assert extauthz["LLMGW_ROUTER__REDIS_URL"].startswith(f"redis://:{password}@redis:")
-    assert extauthz["LLMGW_RATELIMIT__REDIS__HOST"] == "redis"
-    assert extauthz["LLMGW_RATELIMIT__REDIS__PASSWORD"] == password
+    for client in ("LLMGW_ROUTER__REDIS", "LLMGW_RATELIMIT__REDIS"):
+        assert extauthz[f"{client}__HOST"] == "redis"
+        assert extauthz[f"{client}__PASSWORD"] == password
     cluster = services["ledger"]["environment"]["LLMGW_LEDGER__REDIS__CLUSTER"]
-    assert extauthz["LLMGW_ROUTER__REDIS_CLUSTER"] == cluster  # one switch for every client
+    assert extauthz["LLMGW_ROUTER__REDIS__CLUSTER"] == cluster  # one switch for every client
     assert extauthz["LLMGW_RATELIMIT__REDIS__CLUSTER"] == cluster
     assert services["extauthz"]["depends_on"]["redis"] == {"condition": "service_healthy"}
     # Only the router's fleet, plugins, profile and Redis settings apply inside extauthz; a

@@ -32,7 +32,7 @@ MINUTE = Window(60_000, 10_000)
 SWITCHES = (
     ("ledger", "LLMGW_LEDGER__REDIS__CLUSTER"),
     ("extauthz", "LLMGW_RATELIMIT__REDIS__CLUSTER"),
-    ("extauthz", "LLMGW_ROUTER__REDIS_CLUSTER"),
+    ("extauthz", "LLMGW_ROUTER__REDIS__CLUSTER"),
 )
 
 
@@ -112,7 +112,7 @@ async def test_the_ledger_settles_many_tenants_on_every_master_exactly(
 async def test_the_router_publishes_the_fleet_key_that_ratelimit_reads(
     cluster: Cluster, redis_cluster: RedisCluster
 ) -> None:
-    """The router's publisher with `redis_cluster: true`, seeded with a master that does not
+    """The router's publisher with `redis: {cluster: true}`, seeded with a master that does not
     hold the fleet key: ratelimit's Failover(cluster=True) reads what it wrote."""
     fleet = Fleet(FleetSettings(publish_interval=0.05, publish_ttl=5))
     fleet.set_pods(["10.0.0.1:8000", "10.0.0.2:8000"])

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from opentelemetry import trace
 
-from llmgw.config import ConfigError, load
+from llmgw.config import ConfigError, load, reveal
+from llmgw.redisconf import RedisSettings
 from router.plugins.base import PluginError
 from router.registry import PluginSpec, ProfileSpec, WeightedRef, default_registry
 from router.runtime import Router
-from router.settings import ENV_PREFIX, RedisAddress, Settings, check, redis_address
+from router.settings import ENV_PREFIX, Settings, check
 
 PICK = PluginSpec(name="pick", type="best-with-exploration")
 
@@ -107,21 +108,79 @@ def test_check_config_cli(tmp_path: Path) -> None:
     assert str(bad) in fail.stderr and "healthy" in fail.stderr
 
 
-def redis_of(url: str, cluster: str = "false") -> tuple[RedisAddress, bool]:
-    env = {"LLMGW_ROUTER__REDIS_URL": url, "LLMGW_ROUTER__REDIS_CLUSTER": cluster}
-    settings = load(Settings, None, ENV_PREFIX, env)
-    assert settings.redis_url is not None
-    return redis_address(settings.redis_url), settings.redis_cluster
+PASSWORD = "p@ss:w0rd-9f3c1a7e"  # strong enough for llmgw.secret; %-encoded in a URL: below
 
 
-def test_the_redis_url_gives_the_cluster_client_host_port_and_password() -> None:
-    """REDIS_URL stays the setting (stack, compose, k8s set it); its password URL-decoded."""
-    assert redis_of("redis://:p%40ss%3Aw@redis:6380/0", "true") == (
-        RedisAddress("redis", 6380, "p@ss:w"),
-        True,
+def redis_of(env: dict[str, str]) -> RedisSettings | None:
+    return load(Settings, None, ENV_PREFIX, env).redis
+
+
+def test_the_routers_redis_is_the_model_every_service_reads() -> None:
+    """llmgw/redisconf.py, as the rate limiter's and the ledger's; none set: not published."""
+    assert redis_of({}) is None
+    redis = redis_of(
+        {
+            "LLMGW_ROUTER__REDIS__HOST": "redis",
+            "LLMGW_ROUTER__REDIS__PORT": "6380",
+            "LLMGW_ROUTER__REDIS__PASSWORD": PASSWORD,
+            "LLMGW_ROUTER__REDIS__CLUSTER": "true",
+        }
     )
-    assert redis_of("redis://default:pw@10.0.0.7") == (RedisAddress("10.0.0.7", 6379, "pw"), False)
-    assert redis_of("redis://[::1]:7000/") == (RedisAddress("::1", 7000, None), False)
+    assert redis is not None and (redis.host, redis.port, redis.cluster) == ("redis", 6380, True)
+    assert reveal(redis.password) == PASSWORD
+
+
+def test_the_old_redis_url_and_switches_still_load_and_warn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """redis_url, redis_cluster and redis_connect_timeout_s (before the one Redis model) read
+    as `redis`'s host, port, password, cluster and connect timeout, each with a warning; the
+    URL's password URL-decoded."""
+    encoded = "p%40ss%3Aw0rd-9f3c1a7e"
+    redis = redis_of(
+        {
+            "LLMGW_ROUTER__REDIS_URL": f"redis://:{encoded}@redis:6380/0",
+            "LLMGW_ROUTER__REDIS_CLUSTER": "true",
+            "LLMGW_ROUTER__REDIS_CONNECT_TIMEOUT_S": "0.25",
+        }
+    )
+    assert redis is not None
+    assert (redis.host, redis.port, redis.cluster, redis.connect_timeout_s) == (
+        "redis",
+        6380,
+        True,
+        0.25,
+    )
+    assert reveal(redis.password) == PASSWORD
+    for old, new in (
+        ("redis_url", "redis.host, redis.port and redis.password"),
+        ("redis_cluster", "redis.cluster"),
+        ("redis_connect_timeout_s", "redis.connect_timeout_s"),
+    ):
+        assert f"router {old} is deprecated: use {new}" in caplog.text
+    assert PASSWORD not in caplog.text and encoded not in caplog.text
+    redis = redis_of({"LLMGW_ROUTER__REDIS_URL": "redis://default@10.0.0.7"})
+    assert redis is not None and (redis.host, redis.port, redis.password) == (
+        "10.0.0.7",
+        6379,
+        None,
+    )
+    assert redis_of({"LLMGW_ROUTER__REDIS_URL": "redis://[::1]:7000/"}) is not None
+
+
+def test_the_old_switches_without_a_redis_publish_nowhere_as_before() -> None:
+    """Without redis_url they were never read: they do not make a Redis of the defaults."""
+    assert redis_of({"LLMGW_ROUTER__REDIS_CLUSTER": "false"}) is None
+
+
+def test_the_old_and_the_new_redis_names_at_once_are_refused() -> None:
+    both = {"LLMGW_ROUTER__REDIS_URL": "redis://redis", "LLMGW_ROUTER__REDIS__HOST": "redis"}
+    with pytest.raises(ConfigError, match="redis_url: the deprecated form of redis"):
+        redis_of(both)
+    both = {"LLMGW_ROUTER__REDIS__HOST": "r", "LLMGW_ROUTER__REDIS_CLUSTER": "true"}
+    both["LLMGW_ROUTER__REDIS__CLUSTER"] = "false"
+    with pytest.raises(ConfigError, match=r"redis_cluster: the deprecated name of redis\.cluster"):
+        redis_of(both)
 
 
 @pytest.mark.parametrize(
@@ -134,17 +193,17 @@ def test_the_redis_url_gives_the_cluster_client_host_port_and_password() -> None
         ("redis://:secret@:6379/0", "no host"),
     ],
 )
-def test_a_redis_url_the_client_cannot_speak_is_refused_at_load(url: str, reason: str) -> None:
+def test_an_old_redis_url_the_client_cannot_speak_is_refused_at_load(url: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=f"redis_url: .*{reason}") as raised:
-        redis_of(url)
+        redis_of({"LLMGW_ROUTER__REDIS_URL": url})
     assert "secret" not in str(raised.value)
 
 
 def test_the_publisher_connects_to_redis_within_the_connect_timeout() -> None:
     """Not within the publish interval, which it was once given instead."""
     env = {
-        "LLMGW_ROUTER__REDIS_URL": "redis://redis:6379",
-        "LLMGW_ROUTER__REDIS_CONNECT_TIMEOUT_S": "0.25",
+        "LLMGW_ROUTER__REDIS__HOST": "redis",
+        "LLMGW_ROUTER__REDIS__CONNECT_TIMEOUT_S": "0.25",
         "LLMGW_ROUTER__FLEET__PUBLISH_INTERVAL": "3",
     }
     router = Router.from_settings(load(Settings, None, ENV_PREFIX, env), trace.get_tracer("t"))
