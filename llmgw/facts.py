@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from llmgw import wire
 
@@ -258,7 +259,13 @@ def block_hashes(text: str, max_blocks: int, cache_group: str = "") -> tuple[int
 
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_INT_TEXT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*")
+# A number in a string is read by pydantic itself, as the pod (vLLM, pydantic's lax mode) reads
+# it: its corners ("0__2" is 2, "0-3" is -3) are not worth copying. Past Python's 4,300 digits a
+# string reads as more than any clamp (the reservation errs high, never low), and no caller's
+# megabyte of digits reaches a parser whose cost grows with their square.
+_PYDANTIC_INT: TypeAdapter[int] = TypeAdapter(int)
+_INT_TEXT_CHARS = 4300
+_BEYOND_EVERY_CLAMP = 10**15
 
 
 def _lax_bool(value: object) -> bool:
@@ -277,10 +284,12 @@ def _lax_int(value: object) -> int | None:
         return int(value)
     if isinstance(value, float):
         return int(value) if value.is_integer() else None
-    if isinstance(value, str) and (found := _INT_TEXT.fullmatch(value)):
+    if isinstance(value, str):
+        if len(value) > _INT_TEXT_CHARS:
+            return _BEYOND_EVERY_CLAMP
         try:
-            return int(found[1])
-        except ValueError:  # more than Python's 4,300 digits: beyond every clamp anyway
+            return _PYDANTIC_INT.validate_python(value)
+        except ValidationError:
             return None
     return None
 

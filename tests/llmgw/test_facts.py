@@ -92,6 +92,10 @@ def test_hostile_numbers_reach_redis_clamped() -> None:
     assert huge.to_metadata()["token_estimate"] == str(10**15)
     assert parse({"messages": [], "n": "nan", "best_of": float("inf")}).n == 1
     assert parse({"messages": [], "n": []}) == parse({"messages": []})
+    # Past 4,300 characters a number in a string reads as more than any clamp: the pod would
+    # read these zeros away, and the reservation must not come out lower than its count.
+    padded = parse({"messages": [], "n": "0" * 5000 + "2", "max_tokens": "0" * 5000 + "9"})
+    assert (padded.n, padded.max_output) == (facts.MAX_CHOICES, 256)
 
 
 pydantic_int = TypeAdapter(int)
