@@ -23,6 +23,7 @@ from llmgw.config import Strict, renamed, reveal
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology, pop_deprecated
 from tools import certs, envoyconf
+from tools.engine import VllmSettings, ensure_model, pod_argv, pod_env
 from tools.envoyconf import Address, EnvoySettings, Services, UpstreamTls
 from tools.postgres import Postgres
 from tools.procs import (
@@ -49,7 +50,10 @@ class StackSettings(Strict):
     # The pods' vLLM --api-key: the upstreams' if they ask for one; None with simulated pods:
     # one is generated, so that only the gateway and the router reach their /v1.
     pod_api_key: SecretStr | None = None
-    sim_args: tuple[str, ...] = ()  # extra flags for each pod: `python -m sim --help`
+    # What serves the pods this stack starts: the simulator, or real vLLM (its CPU build).
+    engine: Literal["sim", "vllm"] = "sim"
+    vllm: VllmSettings = VllmSettings()
+    sim_args: tuple[str, ...] = ()  # extra flags for each simulated pod: `python -m sim --help`
     pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
     # without extauthz they count nothing.
@@ -181,11 +185,17 @@ class Stack:
             raise ValueError("need --pods >= 1 or at least one --upstream")
         self.pod_api_key = self.pod_api_key or secrets.token_hex(32)
         self.pods = [Address(port=free_port()) for _ in range(self.settings.pods)]
-        self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
+        if self.settings.engine == "vllm":
+            model = ensure_model(self.settings.vllm)
+            self.pod_processes = [self._vllm_process(i, model) for i in range(len(self.pods))]
+            timeout = self.settings.vllm.start_timeout
+        else:
+            self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
+            timeout = self.settings.start_timeout
         for proc in self.pod_processes:
             proc.spawn()
         for proc in self.pod_processes:
-            proc.wait_ready(self.settings.start_timeout)
+            proc.wait_ready(timeout)
 
     def _pod_process(self, index: int) -> Process:
         pod = self.pods[index]
@@ -199,6 +209,13 @@ class Stack:
             argv += self.settings.pod_args[index]
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
         return self._process(f"pod-{index}", argv, ready, self._pod_key_env())
+
+    def _vllm_process(self, index: int, model: Path) -> Process:
+        pod = self.pods[index]
+        argv = pod_argv(self.settings.vllm, model, pod.host, pod.port)
+        env = pod_env(self.settings.vllm, index, self._pod_key_env() or os.environ)
+        ready = http_ok(f"http://{pod.host}:{pod.port}/health")
+        return self._process(f"pod-{index}", argv, ready, env)
 
     def _pod_key_env(self) -> dict[str, str] | None:
         """The environment with the pods' key (not in argv: `ps` shows that), or None."""
@@ -446,6 +463,17 @@ class Stack:
         """A client of the stack's Redis, authenticated (for scripts and tests)."""
         return redis.Redis(port=self.redis_port, password=self.redis_password)
 
+    @property
+    def engine(self) -> Literal["sim", "vllm", "external"]:
+        return "external" if self.settings.upstreams else self.settings.engine
+
+    @property
+    def served_model(self) -> str | None:
+        """The model the stack's own pods serve (None: whatever the upstreams serve)."""
+        if self.engine == "vllm":
+            return self.settings.vllm.served_model_name
+        return None
+
     def pod_url(self, index: int) -> str:
         pod = self.pods[index]
         return f"http://{pod.host}:{pod.port}"
@@ -457,7 +485,12 @@ class Stack:
             "pods": [
                 {
                     "url": self.pod_url(i),
-                    "simulated": bool(self.pod_processes),
+                    "simulated": self.engine == "sim",
+                    "engine": self.engine,
+                    "model": self.served_model,
+                    "max_model_len": self.settings.vllm.max_model_len
+                    if self.engine == "vllm"
+                    else None,
                     "pid": self.pod_processes[i].pid if self.pod_processes else None,
                 }
                 for i in range(len(self.pods))
