@@ -1,20 +1,25 @@
-"""Response bodies byte for byte as vLLM 0.33 serialises them.
+"""Response bodies byte for byte as vLLM 0.32 serialises them.
 
 Streams: chunks are `model_dump_json(exclude_unset=True)`, so a field appears when vLLM's
 code sets it, null or not: `prompt_token_ids`/`prompt_text` on the chat role chunk,
-`token_ids` on every choice, `stop_reason`/`weight_versions` on a finishing choice,
-`kv_transfer_params` on token chunks. The usage-only chunk drops nulls. Whole replies are
-`model_dump()`: every field, nulls included (an empty `tool_calls` is removed).
+`token_ids` on every choice, `stop_reason` on a finishing choice, `system_fingerprint` on the
+last chunk (the usage-only one when usage is included, else each finishing chunk). The
+usage-only chunk drops nulls. Whole replies are `model_dump()`: every field, nulls included
+(an empty `tool_calls` is removed). IDs are vLLM's: the request's ID (X-Request-Id, else the
+body's `request_id`, else 16 random hex digits) after `chatcmpl-` or `cmpl-`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any
 
 from sim.protocol import Request, dumps
-from sim.types import FinishReason
+from sim.types import FinishReason, SimSettings
+
+VLLM_VERSION = "0.32.0"  # the release whose wire this simulator copies
 
 DONE = b"data: [DONE]\n\n"
 # A GenerationError after the 200 (json.dumps with its default separators, as vLLM does).
@@ -22,6 +27,18 @@ STREAM_ERROR = (
     b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
     b'"param": null, "code": 500}}\n\n'
 )
+
+
+def random_id() -> str:
+    """vLLM's random_uuid(): 64 random bits in 16 hex digits."""
+    return os.urandom(8).hex()
+
+
+def fingerprint(settings: SimSettings) -> str:
+    """vLLM's default `system_fingerprint`: its version and 8 hex digits of a hash of its
+    configuration (here the pod's settings)."""
+    digest = hashlib.sha256(settings.model_dump_json(exclude={"api_key"}).encode()).hexdigest()
+    return f"vllm-{VLLM_VERSION}-{digest[:8]}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -35,12 +52,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class Reply:
     """The bodies of one response: a whole JSON reply, or its SSE chunks."""
 
-    def __init__(self, request: Request, model: str) -> None:
+    def __init__(
+        self, request: Request, model: str, fingerprint: str, request_id: str | None = None
+    ) -> None:
         self.request = request
         self.chat = chat = request.kind == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(16).hex()
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or random_id())
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": self.id, "object": obj, "created": self.created, "model": model}
         self._head = "data: " + dumps(head)[:-1] + ',"choices":['
@@ -75,27 +95,22 @@ class Reply:
             body = f'{{"index":{choice},"text":{dumps(text)},"logprobs":null,'
         if finish is None and self.chat:
             body += '"finish_reason":null,"token_ids":null}]'
-        elif finish is None:
-            body += (
-                '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
-                '"token_ids":null,"weight_versions":null}]'
-            )
         elif self.chat:
-            body += (
-                f'"finish_reason":{dumps(finish)},"stop_reason":null,"token_ids":null,'
-                '"weight_versions":null}]'
-            )
+            body += f'"finish_reason":{dumps(finish)},"stop_reason":null,"token_ids":null}}]'
         else:
             body += (
                 f'"finish_reason":{dumps(finish)},"stop_reason":null,"prompt_token_ids":null,'
-                '"token_ids":null,"weight_versions":null}]'
+                '"token_ids":null}]'
             )
-        tail = self._usage(choice, sent, self.chat) + ',"kv_transfer_params":null}\n\n'
-        return (self._head + body + tail).encode()
+        tail = self._usage(choice, sent, self.chat)
+        if finish is not None and not self.request.include_usage:
+            tail += ',"system_fingerprint":' + dumps(self.fingerprint)
+        return (self._head + body + tail + "}\n\n").encode()
 
     def usage_chunk(self, completion_tokens: int) -> bytes:
-        total = usage(self.request.prompt_tokens, completion_tokens)
-        return (self._head + '],"usage":' + dumps(total) + "}\n\n").encode()
+        total = dumps(usage(self.request.prompt_tokens, completion_tokens))
+        tail = f',"system_fingerprint":{dumps(self.fingerprint)}}}\n\n'
+        return (self._head + '],"usage":' + total + tail).encode()
 
     def whole(self, outputs: list[list[str]], finishes: list[FinishReason]) -> dict[str, Any]:
         choices = []
@@ -113,12 +128,11 @@ class Reply:
                     "reasoning": None,
                 }
                 choice |= {"logprobs": None, "finish_reason": finish, "stop_reason": None}
-                choice |= {"token_ids": None, "routed_experts": None, "weight_versions": None}
+                choice |= {"token_ids": None, "routed_experts": None}
             else:
                 choice |= {"text": text, "logprobs": None, "finish_reason": finish}
                 choice |= {"stop_reason": None, "token_ids": None, "prompt_logprobs": None}
                 choice |= {"prompt_token_ids": None, "routed_experts": None}
-                choice["weight_versions"] = None
             choices.append(choice)
         total = usage(self.request.prompt_tokens, sum(len(t) for t in outputs))
         reply: dict[str, Any] = {
@@ -128,7 +142,7 @@ class Reply:
             "model": self.model,
             "choices": choices,
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "usage": total | {"prompt_tokens_details": None, "completion_tokens_details": None},
         }
         if self.chat:

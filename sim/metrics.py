@@ -157,7 +157,7 @@ class Collector:
             yield family
 
     def _cache_config(self) -> Metric:
-        # vLLM labels the info gauge with every CacheConfig field (str() of its value, in
+        # vLLM 0.32 labels the info gauge with every CacheConfig field (str() of its value, in
         # declaration order, config/cache.py) plus `engine`, and no `model_name`.
         st = self.settings
         tokens = st.num_gpu_blocks * st.block_size
@@ -187,11 +187,11 @@ class Collector:
             "use_kda_recoverssm": False,
             "num_gpu_blocks": st.num_gpu_blocks,
             "num_cpu_blocks": None,
-            "simple_cpu_offload_num_blocks": None,
             "effective_attention_block_size": st.block_size,
             "kv_cache_size_tokens": tokens,
             "kv_cache_max_concurrency": round(tokens / st.max_model_len, 2),
-            "hash_block_size": st.block_size,
+            # Set in the engine's process; the API server's copy, which vLLM exports, keeps None.
+            "hash_block_size": None,
             "cache_hit_alignment_tokens": None,
             "kv_sharing_fast_prefill": False,
             "swa_bounded_replay": True,

@@ -1,10 +1,12 @@
-"""Request validation as vLLM 0.33 does it, into the jobs the engine runs.
+"""Request validation as vLLM 0.32 does it, into the jobs the engine runs.
 
-The order is vLLM's: the request model (pydantic, so types coerce and fail the way FastAPI
-makes them: `"priority": "3"` is 3, `"priority": "high"` a 400 naming `body.priority`), then
-the model name (404), then the prompt against the context, then SamplingParams. A prompt
-longer than the context is a 400; a `max_tokens` that does not fit beside the prompt is
-clamped to what does (`serve/utils/api_utils.py::get_max_tokens`).
+The order is vLLM's: the request model's `mode="before"` validators (stream_options without
+`stream`, an empty completion prompt, a bad `cache_salt`: 400 BadRequestError naming the
+parameter), its fields (pydantic, so types coerce and fail the way FastAPI makes them:
+`"priority": "3"` is 3, `"priority": "high"` a "Bad Request" naming `body.priority`), then the
+model name (404), the output cap against the context, the rendered prompt against the context,
+then SamplingParams. A `max_tokens` that does not fit beside the prompt is clamped to what does
+(`serve/utils/api_utils.py::get_max_tokens`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from sim.types import INT64_MAX, INT64_MIN, FinishReason, Job, SimSettings
 
 Kind = Literal["chat", "completion"]
 PRIORITY_HEADER = "X-Vllm-Priority"  # overrides the body's priority (generate/base/serving.py)
+REQUEST_ID_HEADER = "X-Request-Id"  # names the reply before the body's request_id does
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+_SALT_MAX = 128
 
 
 def dumps(obj: Any) -> str:
@@ -48,8 +53,11 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
-    # vLLM: requests share prefix-cache blocks only with the same salt.
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM: requests share prefix-cache blocks only with the same salt (checked before the
+    # fields: _before_fields).
+    cache_salt: str | None = None
+    # The engine's request ID, named in the reply's `id` unless an X-Request-Id header names one.
+    request_id: str | None = None
 
 
 class _Message(BaseModel):
@@ -88,6 +96,7 @@ class Request:
     stream: bool
     include_usage: bool  # a usage-only chunk ends the stream
     continuous_usage: bool  # usage on every chunk
+    request_id: str | None = None  # the body's; an X-Request-Id header wins
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,37 +109,79 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(str(part.get("text", "")) for part in content)
 
 
-def _prompts(body: ChatBody | CompletionBody) -> list[Prompt]:
+def _prompts(body: ChatBody | CompletionBody, limit: int) -> list[Prompt]:
+    """The rendered prompts. A text prompt is tokenized with truncation at `limit + 1` tokens
+    (vLLM's get_encode_kwargs), so a longer one counts `limit + 1`; token IDs count in full."""
     if isinstance(body, ChatBody):
+        if not body.messages:
+            raise invalid(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
         text = render_chat([(m.role, _text(m.content)) for m in body.messages])
-        return [Prompt(text, count_tokens(text))]
+        return [_text_prompt(text, limit)]
     raw = body.prompt
-    if raw is None or raw == []:
-        raise invalid("Either prompt or prompt_embeds must be provided and non-empty.")
+    if raw == []:
+        raise invalid("You must pass at least one prompt")
     if isinstance(raw, str):
-        return [Prompt(raw, count_tokens(raw))]
+        return [_text_prompt(raw, limit)]
     prompts: list[Prompt] = []
     ids: list[int] = []  # one prompt of token IDs
-    for x in raw:
+    for x in raw or ():
         if isinstance(x, int):
             ids.append(x)
         elif isinstance(x, str):
-            prompts.append(Prompt(x, count_tokens(x)))
+            prompts.append(_text_prompt(x, limit))
         else:
             prompts.append(_ids(x))
-    return prompts or [_ids(ids)]
+    prompts = prompts or [_ids(ids)]
+    if any(p.tokens == 0 for p in prompts):
+        raise invalid("The decoder prompt cannot be empty")
+    return prompts
+
+
+def _text_prompt(text: str, limit: int) -> Prompt:
+    return Prompt(text, min(count_tokens(text), limit + 1) if text else 0)
 
 
 def _ids(ids: list[int]) -> Prompt:
     return Prompt(" ".join(map(str, ids)).ljust(4 * len(ids)), len(ids))
 
 
+def _before_fields(kind: Kind, body: dict[str, Any]) -> None:
+    """vLLM's model_validator(mode="before") checks, in the order pydantic runs them (the last
+    defined first). They raise VLLMValidationError, which pydantic does not wrap: 400
+    BadRequestError naming the parameter, not a "Bad Request" validation error."""
+    prompt = body.get("prompt")
+    if kind == "completion" and (prompt is None or prompt == "") and not body.get("prompt_embeds"):
+        raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    if body.get("stream_options") and not body.get("stream"):
+        raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
+    salt = body.get("cache_salt")
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise invalid(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+        )
+    if len(salt) > _SALT_MAX or any(c in _SALT_FORBIDDEN for c in salt):
+        raise invalid(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
 def _validated(kind: Kind, body: Any) -> ChatBody | CompletionBody:
-    if isinstance(body, dict) and body.get("stream_options") and not body.get("stream"):
-        # A model_validator(mode="before") in vLLM: it runs before any field is checked.
-        msg = "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
-        err = {"type": "value_error", "loc": ("body",), "msg": f"Value error, {msg}", "input": body}
-        raise request_invalid([err], param="stream_options")
+    if not isinstance(body, dict):
+        # FastAPI's own check of the body, before the model's.
+        err = {
+            "type": "model_attributes_type",
+            "loc": ("body",),
+            "msg": "Input should be a valid dictionary or object to extract fields from",
+            "input": body,
+        }
+        raise request_invalid([err])
+    _before_fields(kind, body)
     try:
         if kind == "chat":
             return ChatBody.model_validate(body)
@@ -172,13 +223,15 @@ def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | No
             cap_param,
             cap,
         )
-    prompts = _prompts(body)
+    prompts = _prompts(body, limit)
     for prompt in prompts:
         if prompt.tokens > limit:
+            # limit + 1 may be a truncated count (renderers/params.py::_token_len_check).
+            qualifier = "at least " if prompt.tokens == limit + 1 else ""
             raise invalid(
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"contains {prompt.tokens} input tokens, which exceeds this limit even without "
-                "any output tokens. Please reduce the length of the input prompt.",
+                f"contains {qualifier}{prompt.tokens} input tokens, which exceeds this limit "
+                "even without any output tokens. Please reduce the length of the input prompt.",
                 "input_tokens",
                 prompt.tokens,
             )
@@ -208,6 +261,7 @@ def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | No
         stream=body.stream is True,
         include_usage=include,
         continuous_usage=continuous,
+        request_id=body.request_id,
     )
 
 

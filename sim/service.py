@@ -12,11 +12,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from sim.chunks import DONE, STREAM_ERROR, Reply
+from sim.chunks import DONE, STREAM_ERROR, Reply, fingerprint, random_id
 from sim.engine import Engine, Sequence
 from sim.errors import ApiError, not_found_route, request_invalid
 from sim.faults import CLOSE_AFTER_CHUNKS, FaultState
-from sim.protocol import PRIORITY_HEADER, Kind, Request, dumps, parse
+from sim.protocol import PRIORITY_HEADER, REQUEST_ID_HEADER, Kind, Request, dumps, parse
 from sim.types import SimSettings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -53,6 +53,7 @@ class Service:
         self.die = die
         self.closing = asyncio.Event()  # set at shutdown: releases hung requests
         self.started = int(time.time())
+        self.fingerprint = fingerprint(settings)
 
     def app(self) -> web.Application:
         # vLLM (uvicorn) sets no body size limit; aiohttp's default 1 MiB would answer a plain
@@ -115,7 +116,7 @@ class Service:
     async def models(self, request: web.Request) -> web.Response:
         model = self.settings.model
         permission = {
-            "id": "modelperm-" + "0" * 32,
+            "id": "modelperm-" + random_id(),
             "object": "model_permission",
             "created": self.started,
             "allow_create_engine": False,
@@ -164,7 +165,8 @@ class Service:
         return handle
 
     async def _complete(self, request: web.Request, parsed: Request) -> web.StreamResponse:
-        reply = Reply(parsed, self.settings.model)
+        request_id = request.headers.get(REQUEST_ID_HEADER) or parsed.request_id
+        reply = Reply(parsed, self.settings.model, self.fingerprint, request_id)
         fail = self.faults.fail_mid_stream()
         seqs = await self.engine.submit(parsed.jobs)
         try:

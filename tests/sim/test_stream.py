@@ -1,4 +1,4 @@
-"""Streams as vLLM 0.33 sends them: chunk fields, the usage behaviours, n > 1, list prompts."""
+"""Streams as vLLM 0.32 sends them: chunk fields, the usage behaviours, n > 1, list prompts."""
 
 from __future__ import annotations
 
@@ -34,13 +34,16 @@ async def test_chat_chunks_carry_the_fields_vllm_sets(
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
          "finish_reason": None}
     ]  # fmt: skip
-    assert all(list(t) == [*head, "kv_transfer_params"] for t in tokens)
-    assert list(tokens[0]["choices"][0]) == [
+    *middle, last = tokens
+    assert all(list(t) == head for t in middle)
+    assert list(middle[0]["choices"][0]) == [
         "index", "delta", "logprobs", "finish_reason", "token_ids"]  # fmt: skip
-    final = tokens[-1]["choices"][0]
+    # No usage chunk follows: the finishing chunk carries the fingerprint.
+    assert list(last) == [*head, "system_fingerprint"]
+    assert last["system_fingerprint"].startswith("vllm-0.32.0-")
+    final = last["choices"][0]
     assert list(final) == [
-        "index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids",
-        "weight_versions"]  # fmt: skip
+        "index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"]  # fmt: skip
     assert final["finish_reason"] == "length" and final["stop_reason"] is None
 
 
@@ -51,7 +54,7 @@ async def test_completion_chunks_carry_the_fields_vllm_sets(
     assert len(chunks) == 2
     assert list(chunks[0]["choices"][0]) == [
         "index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids",
-        "token_ids", "weight_versions"]  # fmt: skip
+        "token_ids"]  # fmt: skip
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
@@ -86,7 +89,9 @@ async def test_include_usage_adds_one_usage_only_chunk(
     *chunks, last = await events(http, pod, "/v1/chat/completions", body)
     assert usages(chunks) == [None] * 4
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
-    assert list(last) == ["id", "object", "created", "model", "choices", "usage"]
+    head = ["id", "object", "created", "model", "choices"]
+    assert list(last) == [*head, "usage", "system_fingerprint"]
+    assert "system_fingerprint" not in chunks[-1]  # the usage chunk is the last one
 
 
 async def test_continuous_usage_stats_put_usage_on_every_chunk(

@@ -33,6 +33,24 @@ async def test_chat_non_stream_parses_with_the_sdk(pod: SimPod) -> None:
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 7
 
 
+async def test_reply_ids_name_the_request_as_vllm_does(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    """X-Request-Id, else the body's request_id (the gateway sends both), else 16 hex digits."""
+    ids = []
+    for headers, fields in (
+        ({"X-Request-Id": "hdr"}, {"request_id": "body"}),
+        ({}, {"request_id": "body"}),
+        ({}, {}),
+    ):
+        body = chat("hi", max_tokens=1, **fields)
+        async with http.post(pod.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            ids.append((await resp.json())["id"])
+    assert ids[:2] == ["chatcmpl-hdr", "chatcmpl-body"]
+    assert ids[2].startswith("chatcmpl-") and len(ids[2]) == len("chatcmpl-") + 16
+    int(ids[2].removeprefix("chatcmpl-"), 16)
+
+
 async def test_chat_stream_sends_role_then_one_token_per_chunk(pod: SimPod) -> None:
     async with client(pod) as sdk:
         stream = await sdk.chat.completions.create(
@@ -142,10 +160,22 @@ ERRORS: list[tuple[str, Any, int, str, str | None]] = [
     ("/v1/completions", {"prompt": "x", "priority": 1.5}, 400, "Bad Request", "body.priority"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "Bad Request",
      "body.max_tokens"),
+    ("/v1/chat/completions", [1, 2], 400, "Bad Request", "body"),
+    # The models' mode="before" validators raise VLLMValidationError, which pydantic does not
+    # wrap: "BadRequestError" and the parameter, as the serving code's checks.
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
-     "Bad Request", "stream_options"),
+     "BadRequestError", "stream_options"),
+    ("/v1/completions", {"model": MODEL}, 400, "BadRequestError", "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "BadRequestError", "prompt"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "BadRequestError", "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": 5}, 400, "BadRequestError", "cache_salt"),
+    ("/v1/chat/completions", chat("x", cache_salt="a/b"), 400, "BadRequestError", "cache_salt"),
+    ("/v1/chat/completions", chat("x", cache_salt="a" * 129), 400, "BadRequestError",
+     "cache_salt"),
     # Checks in the serving code and SamplingParams: "BadRequestError" and the parameter.
-    ("/v1/completions", {"model": MODEL}, 400, "BadRequestError", None),
+    ("/v1/completions", {"prompt": []}, 400, "BadRequestError", None),
+    ("/v1/completions", {"prompt": [""]}, 400, "BadRequestError", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "BadRequestError", None),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "NotFoundError", "model"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "BadRequestError", None),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "BadRequestError", "max_tokens"),
