@@ -1,0 +1,408 @@
+"""The simulator held to real vLLM: the same requests go straight to a real vLLM 0.32 pod (the
+CPU build, the tiny model) and to a simulated pod started alike (same served model name, context,
+KV block size and count, priority scheduling, forced usage), and what the gateway depends on must
+agree: the `/v1/models` document, SSE framing and chunk fields, usage and where it goes, whole
+replies, error bodies and statuses, the Prometheus names and labels the router reads.
+
+Structure is compared (keys in order, JSON types, statuses, error bodies), not generated text or
+token counts (the sim has no tokenizer). Where the two differ on purpose, the difference is a row
+of sim/README.md's "Differences from vLLM 0.32" table, keyed by the name this test gives it: a
+difference not in the table fails, and so does a row whose difference is gone.
+
+Marked e2e (the real-vLLM tier): one real pod per module, ~1-8 minutes to start on 2 cores.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.config import load
+from router.collectors.scrape import _WANTED as ROUTER_READS
+from router.collectors.scrape import parse_metrics
+from tools.engine import STAMP, VllmSettings, ensure_model, pod_argv, pod_env
+from tools.procs import Process, free_port, http_ok
+from tools.stack import StackSettings
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+README = Path(__file__).resolve().parents[2] / "sim" / "README.md"
+TABLE = "## Differences from vLLM 0.32"
+# A real pod took up to 8 minutes to start on a busy 2-core machine (imports dominate).
+START_DEADLINE = 900.0
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    content_type: str
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class Pod:
+    host: str
+    port: int
+
+    def send(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> Reply:
+        raw = body if isinstance(body, bytes) else None if body is None else json.dumps(body)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        try:
+            conn.request(method, path, raw, {"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            return Reply(resp.status, resp.getheader("content-type") or "", resp.read())
+        finally:
+            conn.close()
+
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
+        return self.send("POST", path, body, headers)
+
+
+@dataclass(frozen=True)
+class Pair:
+    real: Pod
+    sim: Pod
+    model: str
+
+    def both(self, method: str, path: str, body: Any = None, **headers: str) -> tuple[Reply, Reply]:
+        return self.real.send(method, path, body, headers), self.sim.send(
+            method, path, body, headers
+        )
+
+
+def vllm_settings() -> VllmSettings:
+    """The stack's vLLM settings: LLMGW_STACK__VLLM__VENV and friends choose the environment."""
+    return load(StackSettings, None, "LLMGW_STACK").vllm
+
+
+def cache_config(text: str) -> dict[str, str]:
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            return dict(family.samples[0].labels)
+    raise AssertionError("no vllm:cache_config_info")
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    settings = vllm_settings()
+    if not (settings.venv / STAMP).exists():
+        pytest.skip(f"no vLLM environment: {settings.venv / STAMP} is missing")
+    logs = tmp_path_factory.mktemp("fidelity")
+    real = Pod("127.0.0.1", free_port())
+    argv = pod_argv(settings, ensure_model(settings), real.host, real.port)
+    vllm = Process(
+        "vllm",
+        argv,
+        http_ok(f"http://{real.host}:{real.port}/health"),
+        logs / "vllm.log",
+        pod_env(settings, 0, os.environ),
+    )
+    sim_process: Process | None = None
+    try:
+        vllm.start(max(settings.start_timeout, START_DEADLINE))
+        # The sim gets the real pod's KV geometry (128-token blocks on CPU), not an H100's.
+        config = cache_config(real.send("GET", "/metrics").body.decode())
+        sim = Pod("127.0.0.1", free_port())
+        sim_argv = [sys.executable, "-m", "sim", "--host", sim.host, "--port", str(sim.port)]
+        sim_argv += ["--model", settings.served_model_name]
+        sim_argv += ["--max-model-len", str(settings.max_model_len)]
+        sim_argv += ["--block-size", config["block_size"]]
+        sim_argv += ["--num-gpu-blocks", config["num_gpu_blocks"]]
+        # As pod_argv starts vLLM: priority scheduling, usage forced into every stream.
+        sim_argv += ["--scheduling-policy", "priority", "--force-include-usage"]
+        sim_argv += ["--time-scale", "0.05"]
+        sim_process = Process(
+            "sim", sim_argv, http_ok(f"http://{sim.host}:{sim.port}/health"), logs / "sim.log"
+        )
+        sim_process.start(60)
+        yield Pair(real, sim, settings.served_model_name)
+    finally:
+        if sim_process is not None:
+            sim_process.stop()
+        vllm.stop(30)
+
+
+# The README's table: the differences this test is allowed to find.
+
+
+def listed() -> dict[str, str]:
+    """Key -> the row's text, for each row of the README table whose first cell is a `key`."""
+    text = README.read_text()
+    assert TABLE in text, f"{README} has no {TABLE!r} table"
+    rows: dict[str, str] = {}
+    for line in text.split(TABLE, 1)[1].split("\n## ", 1)[0].splitlines():
+        match = re.match(r"\|\s*`([a-z_.]+)`\s*\|", line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def allowed(area: str) -> set[str]:
+    return {key for key in listed() if key.startswith(area + ".")}
+
+
+# Structure.
+
+
+def shape(value: Any) -> Any:
+    """Keys in order and JSON types, not values."""
+    if isinstance(value, dict):
+        return [(k, shape(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [shape(v) for v in value]
+    return type(value).__name__
+
+
+def events(reply: Reply) -> list[Any]:
+    """An SSE body's JSON events, its framing checked: `data: ` events, blank-line separated,
+    `data: [DONE]` last."""
+    assert reply.status == 200 and reply.content_type == "text/event-stream; charset=utf-8"
+    text = reply.body.decode()
+    assert text.endswith("\n\ndata: [DONE]\n\n"), text[-200:]
+    frames = text.split("\n\n")[:-2]
+    assert all(f.startswith("data: ") and "\n" not in f for f in frames)
+    return [json.loads(f.removeprefix("data: ")) for f in frames]
+
+
+def skeleton(event: dict[str, Any]) -> Any:
+    """An event's shape, with what tells one kind of chunk from another: the role, the finish."""
+    marks = [(c.get("delta", {}).get("role"), c.get("finish_reason")) for c in event["choices"]]
+    return shape(event), marks
+
+
+def squeezed(items: list[Any]) -> list[Any]:
+    """Runs of equal items as one: real vLLM sometimes sends two tokens in one chunk (its
+    detokenizer holds back an incomplete character), so token chunks are counted as a run."""
+    return [x for i, x in enumerate(items) if i == 0 or items[i - 1] != x]
+
+
+def check_usage(chunks: list[Any], whole_stream_tokens: int) -> None:
+    """Usage as the ledger reads it: every chunk carries it (forced), the usage-only chunk is
+    last (`choices: []`) and repeats the last per-chunk count, which is the tokens asked for."""
+    *body, last = chunks
+    assert last["choices"] == [] and "system_fingerprint" in last
+    assert all("usage" in c for c in chunks)
+    usage = last["usage"]
+    assert {k: body[-1]["usage"][k] for k in usage} == usage  # nulls dropped: no details
+    assert usage["completion_tokens"] == whole_stream_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def body(pair: Pair, path: str, **fields: Any) -> dict[str, Any]:
+    if path == CHAT:
+        base: dict[str, Any] = {"messages": [{"role": "user", "content": "Hello, how are you?"}]}
+    else:
+        base = {"prompt": "Hello, how are you?"}
+    return {"model": pair.model, **base, "max_tokens": 5, "ignore_eos": True, **fields}
+
+
+# The tests.
+
+
+def test_models_document(pods: Pair) -> None:
+    real, sim = pods.both("GET", "/v1/models")
+    assert real.status == sim.status == 200
+    assert real.content_type == sim.content_type == "application/json"
+    normal = [_models(r.json()) for r in (real, sim)]
+    assert shape(normal[0]) == shape(normal[1])
+    cards = [n["data"][0] for n in normal]
+    assert {f"models.{k}" for k, v in cards[0].items() if cards[1][k] != v} == allowed("models")
+    assert cards[0]["id"] == cards[1]["id"] == pods.model
+    assert cards[0]["max_model_len"] == cards[1]["max_model_len"]
+
+
+def _models(doc: dict[str, Any]) -> dict[str, Any]:
+    """IDs and timestamps as patterns: `modelperm-` and 16 hex digits, a creation time."""
+    card = doc["data"][0]
+    assert isinstance(card["created"], int) and card["permission"][0]["created"] == card["created"]
+    permission = dict(card["permission"][0])
+    assert re.fullmatch(r"modelperm-[0-9a-f]{16}", permission.pop("id"))
+    del permission["created"]
+    return {**doc, "data": [{**card, "created": 0, "permission": [permission]}]}
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    "options",
+    [None, {"include_usage": True}, {"include_usage": False},
+     {"include_usage": True, "continuous_usage_stats": True}],
+)  # fmt: skip
+def test_streams(pods: Pair, path: str, options: dict[str, bool] | None) -> None:
+    fields: dict[str, Any] = {"stream": True}
+    if options is not None:
+        fields["stream_options"] = options
+    real, sim = pods.both("POST", path, body(pods, path, **fields))
+    chunks = [events(real), events(sim)]
+    assert squeezed([skeleton(c) for c in chunks[0]]) == squeezed([skeleton(c) for c in chunks[1]])
+    for stream in chunks:
+        check_usage(stream, 5)
+        assert len({c["id"] for c in stream}) == 1
+        prefix = "chatcmpl-" if path == CHAT else "cmpl-"
+        assert re.fullmatch(prefix + "[0-9a-f]{16}", stream[0]["id"])
+        assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", stream[-1]["system_fingerprint"])
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_whole_replies(pods: Pair, path: str) -> None:
+    real, sim = pods.both("POST", path, body(pods, path))
+    assert real.status == sim.status == 200
+    assert real.content_type == sim.content_type == "application/json"
+    assert shape(real.json()) == shape(sim.json())
+    for reply in (real.json(), sim.json()):
+        assert reply["usage"]["completion_tokens"] == 5
+        assert reply["choices"][0]["finish_reason"] == "length"
+        assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", reply["system_fingerprint"])
+
+
+LONG = "hello world " * 2000  # over 1,024 tokens in both: the real tokenizer stops at 1,025
+
+# name -> (path, body fields over the good request, or raw bytes; headers)
+BAD: dict[str, tuple[str, dict[str, Any] | bytes, dict[str, str]]] = {
+    "bad temperature": (CHAT, {"temperature": -1}, {}),
+    "temperature over 2": (COMPLETIONS, {"temperature": 3}, {}),
+    "bad top_p": (CHAT, {"top_p": 0}, {}),
+    "n 0": (CHAT, {"n": 0}, {}),
+    "unknown model": (CHAT, {"model": "nope"}, {}),
+    "prompt too long": (CHAT, {"messages": [{"role": "user", "content": LONG}]}, {}),
+    "completion prompt too long": (COMPLETIONS, {"prompt": LONG}, {}),
+    "max_tokens over max_model_len": (COMPLETIONS, {"max_tokens": 4096}, {}),
+    "max_completion_tokens over max_model_len": (CHAT, {"max_completion_tokens": 4096}, {}),
+    "no room for output": (COMPLETIONS, {"prompt": list(range(3, 1027))}, {}),
+    "max_tokens 0": (CHAT, {"max_tokens": 0}, {}),
+    "stream not a boolean": (CHAT, {"stream": 2}, {}),
+    "stream a list": (CHAT, {"stream": [1]}, {}),
+    "stream_options without stream": (CHAT, {"stream_options": {"include_usage": True}}, {}),
+    "include_usage not a boolean": (
+        CHAT, {"stream": True, "stream_options": {"include_usage": "maybe"}}, {}),
+    "bad JSON": (CHAT, b'{"model": ', {}),
+    "not an object": (CHAT, b"[1, 2]", {}),
+    "not JSON": (CHAT, {}, {"Content-Type": "text/plain"}),
+    "missing messages": (CHAT, {"messages": None}, {}),
+    "messages not a list": (CHAT, {"messages": "hi"}, {}),
+    "empty conversation": (CHAT, {"messages": []}, {}),
+    "missing prompt": (COMPLETIONS, {"prompt": None}, {}),
+    "empty prompt": (COMPLETIONS, {"prompt": ""}, {}),
+    "empty prompt list": (COMPLETIONS, {"prompt": []}, {}),
+    "priority not an integer": (CHAT, {"priority": "high"}, {}),
+    "fractional priority": (CHAT, {"priority": 1.5}, {}),
+    "empty cache_salt": (CHAT, {"cache_salt": ""}, {}),
+    "cache_salt not a string": (COMPLETIONS, {"cache_salt": 5}, {}),
+    "cache_salt with a slash": (CHAT, {"cache_salt": "tenant/a"}, {}),
+    "cache_salt too long": (CHAT, {"cache_salt": "a" * 129}, {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_errors(pods: Pair, name: str) -> None:
+    path, fields, headers = BAD[name]
+    if isinstance(fields, bytes):
+        sent: Any = fields
+    else:
+        sent = {k: v for k, v in (body(pods, path) | fields).items() if v is not None}
+    real = pods.real.post(path, sent, headers)
+    sim = pods.sim.post(path, sent, headers)
+    assert real.status == sim.status and real.status in (400, 404), real.body
+    assert real.content_type == sim.content_type == "application/json"
+    assert sim.json() == real.json()  # message, type, param and code: all deterministic here
+
+
+def test_unknown_route(pods: Pair) -> None:
+    real, sim = pods.both("GET", "/v1/nope")
+    assert real.status == sim.status == 404 and real.json() == sim.json() == {"detail": "Not Found"}
+
+
+def test_what_the_gateway_adds_is_accepted(pods: Pair) -> None:
+    """The engine priority header and the members Envoy appends (cache_salt, request_id, the
+    output cap in both names), with X-Request-Id naming the reply, as the gateway sends them."""
+    fields: dict[str, Any] = {"cache_salt": "0123456789abcdef" * 2, "request_id": "from-body"}
+    fields |= {"max_tokens": 3, "max_completion_tokens": 3}
+    for headers, expected in (
+        ({"X-Vllm-Priority": "5", "X-Request-Id": "from-envoy"}, "chatcmpl-from-envoy"),
+        ({"X-Vllm-Priority": "not a number"}, "chatcmpl-from-body"),
+    ):
+        real, sim = pods.both("POST", CHAT, body(pods, CHAT, **fields), **headers)
+        assert real.status == sim.status == 200, real.body
+        assert shape(real.json()) == shape(sim.json())
+        assert real.json()["id"] == sim.json()["id"] == expected
+        assert real.json()["usage"]["completion_tokens"] == sim.json()["usage"]["completion_tokens"]
+
+
+@dataclass(frozen=True)
+class Family:
+    samples: frozenset[str]  # names: `_total`, `_bucket`, `_sum`, `_count`, ...
+    labels: frozenset[tuple[str, ...]]  # the label names of each sample
+
+
+@dataclass(frozen=True)
+class Exported:
+    families: dict[str, Family]
+    created: frozenset[str]  # prometheus_client's `*_created` families
+    samples: frozenset[str]
+    content_type: str
+    text: str
+
+
+def exported(pod: Pod) -> Exported:
+    reply = pod.send("GET", "/metrics")
+    assert reply.status == 200
+    text = reply.body.decode()
+    families: dict[str, Family] = {}
+    created: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:"):
+            continue
+        if family.name.endswith("_created"):
+            created.add(family.name)
+            continue
+        families[family.name] = Family(
+            frozenset(s.name for s in family.samples),
+            frozenset(tuple(sorted(s.labels)) for s in family.samples),
+        )
+    samples = frozenset(n for f in families.values() for n in f.samples)
+    return Exported(families, frozenset(created), samples, reply.content_type, text)
+
+
+def test_metrics(pods: Pair) -> None:
+    pods.both("POST", COMPLETIONS, body(pods, COMPLETIONS))  # every counter has counted
+    real, sim = exported(pods.real), exported(pods.sim)
+    assert real.content_type == sim.content_type
+    # Families vLLM exports and the simulator does not: exactly the ones the table names.
+    missing = set(real.families) - set(sim.families)
+    named = set(re.findall(r"`(vllm:[a-z_:]+)`", listed().get("metrics.families", "")))
+    assert missing == named
+    assert set(sim.families) <= set(real.families)
+    found = {"metrics.families"} if missing else set()
+    if real.created - sim.created:
+        found.add("metrics.created")
+    # The same samples and labels in every shared family; the names the router reads in both.
+    for name in set(real.families) & set(sim.families):
+        assert real.families[name] == sim.families[name], name
+    for name in ROUTER_READS:
+        assert (name in real.samples) == (name in sim.samples), name
+    # vllm:cache_config_info: the same labels (every CacheConfig field) and values.
+    real_config, sim_config = cache_config(real.text), cache_config(sim.text)
+    assert set(real_config) == set(sim_config)
+    found |= {f"cache_config_info.{k}" for k in real_config if real_config[k] != sim_config[k]}
+    assert found == allowed("metrics") | allowed("cache_config_info")
+    # As the router reads them: the same KV geometry, served counters and ITL in both.
+    read = [parse_metrics(real.text), parse_metrics(sim.text)]
+    assert read[0].block_size == read[1].block_size == int(real_config["block_size"])
+    assert read[0].num_gpu_blocks == read[1].num_gpu_blocks
+    for parsed in read:
+        assert parsed.tokens_served and parsed.requests_served and parsed.itl_count
