@@ -1,4 +1,4 @@
-"""Error replies in vLLM 0.33's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Error replies in vLLM 0.32's shape: `{"error": {"message", "type", "param", "code"}}`.
 
 Three families, as vLLM's exception handlers make them (entrypoints/serve/exception_handling):
 - request-model validation (pydantic, before the handler runs): type "Bad Request", `param`

@@ -274,7 +274,7 @@ def _job(
     priority: int,
     cache_salt: str = "",
 ) -> Job:
-    # Room left beside the prompt: a larger max_tokens is clamped to it (v0.33), and a
+    # Room left beside the prompt: a larger max_tokens is clamped to it (0.32, 0.33), and a
     # request with no room at all fails SamplingParams' max_tokens >= 1.
     room = settings.max_model_len - prompt.tokens
     wanted = room if cap is None else min(cap, room)

@@ -38,7 +38,7 @@ class SimSettings(Strict):
     block_size: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=131072, ge=2)
     force_include_usage: bool = False
-    usage_mode: UsageMode = "per-chunk"  # what force_include_usage does (vLLM 0.33 by default)
+    usage_mode: UsageMode = "per-chunk"  # what force_include_usage does (as vLLM 0.32 and 0.33)
     scheduling_policy: SchedulingPolicy = "fcfs"
     # vLLM's --api-key (or VLLM_API_KEY): /v1/* needs `Authorization: Bearer KEY`. None: open.
     api_key: SecretStr | None = None

@@ -258,6 +258,27 @@ def test_streams(pods: Pair, path: str, options: dict[str, bool] | None) -> None
         assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", stream[-1]["system_fingerprint"])
 
 
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [(CHAT, {"n": 2}), (COMPLETIONS, {"n": 2}), (COMPLETIONS, {"prompt": ["Hello", "Hi there"]})],
+)
+def test_streams_of_several_choices(pods: Pair, path: str, fields: dict[str, Any]) -> None:
+    """Each choice's chunks in the same shapes (vLLM interleaves choices as its engine steps
+    them, so they are compared per choice); the usage-only chunk sums them all."""
+    real, sim = pods.both("POST", path, body(pods, path, stream=True, **fields))
+    streams = [events(real), events(sim)]
+    per_choice = [
+        {i: squeezed([skeleton(c) for c in s if c["choices"] and c["choices"][0]["index"] == i])
+         for i in range(2)}
+        for s in streams
+    ]  # fmt: skip
+    assert per_choice[0] == per_choice[1]
+    for stream in streams:
+        *chunks, last = stream
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * 5
+        assert all(len(c["choices"]) == 1 for c in chunks)
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_whole_replies(pods: Pair, path: str) -> None:
     real, sim = pods.both("POST", path, body(pods, path))
