@@ -54,6 +54,9 @@ class Service:
         self.closing = asyncio.Event()  # set at shutdown: releases hung requests
         self.started = int(time.time())
         self.fingerprint = fingerprint(settings)
+        # vLLM makes a new one (and a new `created`) for every /v1/models call; fixed per pod
+        # here, so that two reads of the card agree.
+        self.permission_id = "modelperm-" + random_id()
 
     def app(self) -> web.Application:
         # vLLM (uvicorn) sets no body size limit; aiohttp's default 1 MiB would answer a plain
@@ -116,7 +119,7 @@ class Service:
     async def models(self, request: web.Request) -> web.Response:
         model = self.settings.model
         permission = {
-            "id": "modelperm-" + random_id(),
+            "id": self.permission_id,
             "object": "model_permission",
             "created": self.started,
             "allow_create_engine": False,
