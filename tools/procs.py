@@ -142,12 +142,15 @@ class Process:
         ready: Callable[[], bool],
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        start_timeout: float = 30.0,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.ready = ready
         self.log_path = log_path
         self.env = dict(os.environ if env is None else env)
+        # How long it may take to become ready, each time it starts (a real vLLM pod: minutes).
+        self.start_timeout = start_timeout
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -169,8 +172,10 @@ class Process:
             return ""
 
     def fresh(self) -> Process:
-        """A new, unstarted Process for the same child: argv, env, probe and log file."""
-        return Process(self.name, self.argv, self.ready, self.log_path, self.env)
+        """A new, unstarted Process for the same child: argv, env, probe, log file, timeout."""
+        return Process(
+            self.name, self.argv, self.ready, self.log_path, self.env, self.start_timeout
+        )
 
     def spawn(self) -> Process:
         """Start the child without waiting for it (see `wait_ready`)."""
@@ -185,7 +190,9 @@ class Process:
             )
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> Process:
+    def wait_ready(self, timeout: float | None = None) -> Process:
+        """Until the probe answers, at most `timeout` (default: the child's `start_timeout`)."""
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         delay = 0.02
         while time.monotonic() < deadline:
@@ -200,7 +207,7 @@ class Process:
         self.stop()
         raise StartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def start(self, timeout: float = 30.0) -> Process:
+    def start(self, timeout: float | None = None) -> Process:
         return self.spawn().wait_ready(timeout)
 
     def stop(self, timeout: float = 10.0) -> int | None:

@@ -159,9 +159,15 @@ class Stack:
         self.stop()
 
     def _process(
-        self, name: str, argv: list[str], ready: Any, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        ready: Any,
+        env: dict[str, str] | None = None,
+        start_timeout: float | None = None,
     ) -> Process:
-        proc = Process(name, argv, ready, self.state_dir / f"{name}.log", env)
+        timeout = self.settings.start_timeout if start_timeout is None else start_timeout
+        proc = Process(name, argv, ready, self.state_dir / f"{name}.log", env, timeout)
         self.processes.append(proc)
         return proc
 
@@ -188,14 +194,12 @@ class Stack:
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
             self.pod_processes = [self._vllm_process(i, model) for i in range(len(self.pods))]
-            timeout = self.settings.vllm.start_timeout
         else:
             self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
-            timeout = self.settings.start_timeout
         for proc in self.pod_processes:
             proc.spawn()
         for proc in self.pod_processes:
-            proc.wait_ready(timeout)
+            proc.wait_ready()
 
     def _pod_process(self, index: int) -> Process:
         pod = self.pods[index]
@@ -215,7 +219,7 @@ class Stack:
         argv = pod_argv(self.settings.vllm, model, pod.host, pod.port)
         env = pod_env(self.settings.vllm, index, self._pod_key_env() or os.environ)
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
-        return self._process(f"pod-{index}", argv, ready, env)
+        return self._process(f"pod-{index}", argv, ready, env, self.settings.vllm.start_timeout)
 
     def _pod_key_env(self) -> dict[str, str] | None:
         """The environment with the pods' key (not in argv: `ps` shows that), or None."""
@@ -326,9 +330,11 @@ class Stack:
             self.database_url = self.settings.database_url
             return self.database_url
         home = self.settings.postgres_dir or self.state_dir / "postgres"
-        server = Postgres(home, self.state_dir / "postgres.log")
+        server = Postgres(
+            home, self.state_dir / "postgres.log", start_timeout=self.settings.start_timeout
+        )
         self.processes.append(server)
-        server.start(self.settings.start_timeout)
+        server.start()
         self.database_url = server.url
         return self.database_url
 
@@ -351,9 +357,7 @@ class Stack:
         overrides = {f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}
         env = {**os.environ, **env, **overrides}
         ready = grpc_serving(f"127.0.0.1:{health_port}")
-        self._process(name, [sys.executable, "-m", name], ready, env).start(
-            self.settings.start_timeout
-        )
+        self._process(name, [sys.executable, "-m", name], ready, env).start()
         self.metrics[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         return Address(port=port)
 
@@ -377,9 +381,9 @@ class Stack:
         argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart"]
         argv += ["--base-id", str(self.admin.port), "--concurrency", str(settings.concurrency)]
         argv += ["--file-flush-interval-msec", "200", "--log-level", "warn"]
-        self._process("envoy", argv, http_ok(f"{self.admin_url}/ready"), self._pod_key_env()).start(
-            self.settings.start_timeout
-        )
+        self._process(
+            "envoy", argv, http_ok(f"{self.admin_url}/ready"), self._pod_key_env()
+        ).start()
 
     @property
     def envoy_tls(self) -> UpstreamTls | None:
@@ -404,7 +408,7 @@ class Stack:
 
     def restart(self, name: str) -> Process:
         """Start child `name` again and wait until it is ready, e.g. after a fault test."""
-        return self.renew(name).start(self.settings.start_timeout)
+        return self.renew(name).start()
 
     def restart_pod(self, index: int) -> Process:
         """Start pod `index` again on its port, e.g. after a fault test killed it."""
