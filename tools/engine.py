@@ -32,6 +32,7 @@ TINY_MODEL = Path(__file__).with_name("tinymodel.py")
 STAMP = ".installed-" + PACKAGE
 # The stack's settings' prefix for these (tools.stack.StackSettings.vllm): one way to configure.
 ENV_PREFIX = "LLMGW_STACK__VLLM"
+VENV_ENV = ENV_PREFIX + "__VENV"  # set by `make up`, `make test` and `make vllm`
 # Block hashes seeded the same in every pod and the router (vLLM seeds them at random without it).
 HASH_SEED = "0"
 HASH_ALGO = "sha256"
