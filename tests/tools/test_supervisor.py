@@ -29,7 +29,10 @@ import redis
 from llmgw import wire
 from tests.eventually import eventually
 from tests.http import call
-from tools.procs import Process
+from tools.engine import VllmSettings
+from tools.envoyconf import Address
+from tools.procs import Process, free_port
+from tools.stack import Stack, StackSettings
 from tools.supervisor import Backoff, State, Supervisor
 
 READY_TIMEOUT = 120
@@ -371,3 +374,14 @@ def test_each_child_restarts_within_its_own_start_timeout(tmp_path: Path) -> Non
     finally:
         for proc in stack.processes:
             proc.kill()
+
+
+def test_the_stack_gives_a_vllm_pod_the_vllm_start_timeout_again_when_renewed(
+    tmp_path: Path,
+) -> None:
+    settings = StackSettings(engine="vllm", pods=1, vllm=VllmSettings(start_timeout=300.0))
+    stack = Stack(settings, tmp_path)
+    stack.pods = [Address(port=free_port())]
+    stack.processes = stack.pod_processes = [stack._vllm_process(0, tmp_path / "model")]
+    assert stack.renew("pod-0").start_timeout == 300.0
+    assert settings.start_timeout == 60.0  # the services'
