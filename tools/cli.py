@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from llmgw.config import deprecated
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology
 from tools import certs, envoyconf, usage
+from tools.engine import InstallError
 from tools.envoyconf import Address
 from tools.stack import Stack, StackSettings
 
@@ -36,6 +38,11 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
         update["upstreams"] = args.upstream
     if args.sim_arg:
         update["sim_args"] = [a for arg in args.sim_arg for a in arg.split()]
+    if args.engine:
+        update["engine"] = args.engine
+    if args.vllm_arg:
+        vllm_args = [a for arg in args.vllm_arg for a in shlex.split(arg)]
+        update["vllm"] = {**settings.vllm.model_dump(), "args": vllm_args}
     if args.database_url:
         update["database_url"] = args.database_url
     if settings.postgres_dir is None:  # the local ledger outlives one run of the stack
@@ -140,12 +147,24 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run Envoy, Redis, the services and pods on this machine")
     up.add_argument("--config", type=Path, help="stack settings YAML (tools.stack.StackSettings)")
     up.add_argument("--listen", help="HOST:PORT for the OpenAI endpoint (default 127.0.0.1:8080)")
-    up.add_argument("--pods", type=int, help="number of simulated vLLM pods (default 2)")
+    up.add_argument("--pods", type=int, help="number of pods (default 2)")
+    up.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        help="what serves the pods: sim (default; the simulator) or vllm (real vLLM, its CPU "
+        "build, in the environment `make vllm` installs, serving a tiny model made on first use)",
+    )
+    up.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="extra flags for every vLLM pod, split as a shell would (repeatable)",
+    )
     up.add_argument(
         "--upstream",
         action="append",
         default=[],
-        help="a real vLLM server, host:port or http://host:port (repeatable); no pods simulated",
+        help="a real vLLM server, host:port or http://host:port (repeatable); no pods started",
     )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flags for every pod")
     up.add_argument("--ready-file", type=Path, help="write base URL, keys and pods here as JSON")
@@ -220,13 +239,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    if args.func is cmd_up and args.engine == "vllm" and args.upstream:
+        top.error(
+            "up: --engine vllm starts pods of its own; --upstream names pods someone else runs: "
+            "give one or the other"
+        )
     logs.setup(args.log_level)
     try:
         return int(args.func(args))
     except (config.ConfigError, ValueError) as exc:
         print(f"llmgw: {exc}", file=sys.stderr)
         return 2
+    except InstallError as exc:
+        print(f"llmgw: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -94,9 +94,7 @@ def supervise(stack: Stack, ready_file: Path | None, backoff: Backoff | None = N
 
     try:
         stack.start()
-        supervisor = Supervisor(
-            stack, backoff or Backoff(), stack.settings.start_timeout, report, metrics=metrics
-        )
+        supervisor = Supervisor(stack, backoff or Backoff(), report, metrics=metrics)
         supervisor.step()  # every child known before the first report
         print(banner(stack.ready_info()), flush=True)
         report()

@@ -81,7 +81,13 @@ def running_url(home: Path) -> str | None:
 class Postgres(Process):
     """The server on cluster `home/data`, as a child process (see the module's doc)."""
 
-    def __init__(self, home: Path, log_path: Path | None = None, port: int = 0) -> None:
+    def __init__(
+        self,
+        home: Path,
+        log_path: Path | None = None,
+        port: int = 0,
+        start_timeout: float = 30.0,
+    ) -> None:
         self.home = home.absolute()
         self.data_dir = self.home / "data"
         self.port = port or free_port(HOST)
@@ -104,6 +110,7 @@ class Postgres(Process):
             _as_server_user(argv),
             lambda: startup_answered(HOST, self.port),
             log_path or self.home / "postgres.log",
+            start_timeout=start_timeout,
         )
 
     @property
@@ -111,7 +118,7 @@ class Postgres(Process):
         return f"postgresql://{USER}:{self.password}@{HOST}:{self.port}/{DATABASE}"
 
     def fresh(self) -> Postgres:
-        return Postgres(self.home, self.log_path, self.port)
+        return Postgres(self.home, self.log_path, self.port, self.start_timeout)
 
     def spawn(self) -> Postgres:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ Shared by the launcher (`llmgw up`) and the test fixtures. Every child runs unde
 `setpriv --pdeathsig TERM` (util-linux), so even a launcher killed with SIGKILL leaves no orphan
 behind. Not a `preexec_fn`: that forces a plain fork() of a process that may hold gRPC threads,
 whose fork handlers then deadlock the parent (seen here); without it Python spawns by vfork.
+Every child leads a process group of its own, and is stopped as a group: what it spawned (vLLM's
+EngineCore, 1.2 GB) goes with it, even when the child itself was killed first.
 """
 
 from __future__ import annotations
@@ -140,12 +142,15 @@ class Process:
         ready: Callable[[], bool],
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        start_timeout: float = 30.0,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.ready = ready
         self.log_path = log_path
         self.env = dict(os.environ if env is None else env)
+        # How long it may take to become ready, each time it starts (a real vLLM pod: minutes).
+        self.start_timeout = start_timeout
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -167,8 +172,10 @@ class Process:
             return ""
 
     def fresh(self) -> Process:
-        """A new, unstarted Process for the same child: argv, env, probe and log file."""
-        return Process(self.name, self.argv, self.ready, self.log_path, self.env)
+        """A new, unstarted Process for the same child: argv, env, probe, log file, timeout."""
+        return Process(
+            self.name, self.argv, self.ready, self.log_path, self.env, self.start_timeout
+        )
 
     def spawn(self) -> Process:
         """Start the child without waiting for it (see `wait_ready`)."""
@@ -179,10 +186,13 @@ class Process:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
+                start_new_session=True,  # its process group is its pid: see `_signal_group`
             )
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> Process:
+    def wait_ready(self, timeout: float | None = None) -> Process:
+        """Until the probe answers, at most `timeout` (default: the child's `start_timeout`)."""
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         delay = 0.02
         while time.monotonic() < deadline:
@@ -197,26 +207,43 @@ class Process:
         self.stop()
         raise StartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def start(self, timeout: float = 30.0) -> Process:
+    def start(self, timeout: float | None = None) -> Process:
         return self.spawn().wait_ready(timeout)
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        """SIGTERM to the child's process group, then SIGKILL to whatever of it is left after
+        `timeout`; returns the child's exit code."""
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        deadline = time.monotonic() + timeout
+        self._signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill()
         return self.popen.returncode
 
     def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
+        """SIGKILL to the child's process group."""
+        if self.popen is not None:
+            self._signal_group(signal.SIGKILL)
             self.popen.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        """`sig` to every process left in the child's group, the child or not (a child that
+        died first leaves its children there)."""
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError):  # the group is empty
+            os.killpg(self.popen.pid, sig)
+
+    def _group_alive(self) -> bool:
+        assert self.popen is not None
+        try:
+            os.killpg(self.popen.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def stop_all(processes: Sequence[Process], timeout: float = 10.0) -> None:

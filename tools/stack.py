@@ -36,6 +36,7 @@ from tools.procs import (
     redis_ping,
     stop_all,
 )
+from tools.serving import Serving
 
 SIM_MODULE = "sim"
 POD_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable for --api-key; Envoy's too (pod_key_env)
@@ -112,6 +113,7 @@ class Stack:
         self.processes: list[Process] = []
         self.pod_processes: list[Process] = []
         self.pods: list[Address] = []
+        self.serving: list[Serving] = []  # what pods[i] serves
         self.listen = settings.listen
         self.admin = settings.envoy.admin
         self.redis_port = 0
@@ -159,9 +161,15 @@ class Stack:
         self.stop()
 
     def _process(
-        self, name: str, argv: list[str], ready: Any, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        ready: Any,
+        env: dict[str, str] | None = None,
+        start_timeout: float | None = None,
     ) -> Process:
-        proc = Process(name, argv, ready, self.state_dir / f"{name}.log", env)
+        timeout = self.settings.start_timeout if start_timeout is None else start_timeout
+        proc = Process(name, argv, ready, self.state_dir / f"{name}.log", env, timeout)
         self.processes.append(proc)
         return proc
 
@@ -180,6 +188,9 @@ class Stack:
     def _start_pods(self) -> None:
         if self.settings.upstreams:
             self.pods = [envoyconf.parse_endpoint(u) for u in self.settings.upstreams]
+            self.serving = [
+                Serving.upstream(self.pod_url(i), self.pod_api_key) for i in range(len(self.pods))
+            ]
             return
         if self.settings.pods < 1:
             raise ValueError("need --pods >= 1 or at least one --upstream")
@@ -188,34 +199,39 @@ class Stack:
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
             self.pod_processes = [self._vllm_process(i, model) for i in range(len(self.pods))]
-            timeout = self.settings.vllm.start_timeout
+            self.serving = [Serving.vllm(self.settings.vllm)] * len(self.pods)
         else:
             self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
-            timeout = self.settings.start_timeout
+            self.serving = [Serving.simulated(self._sim_flags(i)) for i in range(len(self.pods))]
         for proc in self.pod_processes:
             proc.spawn()
         for proc in self.pod_processes:
-            proc.wait_ready(timeout)
+            proc.wait_ready()
 
     def _pod_process(self, index: int) -> Process:
         pod = self.pods[index]
-        argv = [sys.executable, "-m", SIM_MODULE, "--host", pod.host, "--port", str(pod.port)]
-        # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
-        argv += ["--usage-mode", "final"]  # usage.lua strips only usage-only chunks, for now
-        # vLLM's priority scheduler, as compose and k8s run it (sim_args may say fcfs instead).
-        argv += ["--scheduling-policy", "priority"]
-        argv += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
-        if index < len(self.settings.pod_args):
-            argv += self.settings.pod_args[index]
+        argv = [sys.executable, "-m", SIM_MODULE, *self._sim_flags(index)]
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
         return self._process(f"pod-{index}", argv, ready, self._pod_key_env())
+
+    def _sim_flags(self, index: int) -> list[str]:
+        pod = self.pods[index]
+        flags = ["--host", pod.host, "--port", str(pod.port)]
+        # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
+        flags += ["--usage-mode", "final"]  # usage.lua strips only usage-only chunks, for now
+        # vLLM's priority scheduler, as compose and k8s run it (sim_args may say fcfs instead).
+        flags += ["--scheduling-policy", "priority"]
+        flags += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
+        if index < len(self.settings.pod_args):
+            flags += self.settings.pod_args[index]
+        return flags
 
     def _vllm_process(self, index: int, model: Path) -> Process:
         pod = self.pods[index]
         argv = pod_argv(self.settings.vllm, model, pod.host, pod.port)
         env = pod_env(self.settings.vllm, index, self._pod_key_env() or os.environ)
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
-        return self._process(f"pod-{index}", argv, ready, env)
+        return self._process(f"pod-{index}", argv, ready, env, self.settings.vllm.start_timeout)
 
     def _pod_key_env(self) -> dict[str, str] | None:
         """The environment with the pods' key (not in argv: `ps` shows that), or None."""
@@ -326,9 +342,11 @@ class Stack:
             self.database_url = self.settings.database_url
             return self.database_url
         home = self.settings.postgres_dir or self.state_dir / "postgres"
-        server = Postgres(home, self.state_dir / "postgres.log")
+        server = Postgres(
+            home, self.state_dir / "postgres.log", start_timeout=self.settings.start_timeout
+        )
         self.processes.append(server)
-        server.start(self.settings.start_timeout)
+        server.start()
         self.database_url = server.url
         return self.database_url
 
@@ -351,9 +369,7 @@ class Stack:
         overrides = {f"LLMGW_{name.upper()}__{k}": v for k, v in settings.items()}
         env = {**os.environ, **env, **overrides}
         ready = grpc_serving(f"127.0.0.1:{health_port}")
-        self._process(name, [sys.executable, "-m", name], ready, env).start(
-            self.settings.start_timeout
-        )
+        self._process(name, [sys.executable, "-m", name], ready, env).start()
         self.metrics[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         return Address(port=port)
 
@@ -377,9 +393,9 @@ class Stack:
         argv = [bin_path("envoy"), "-c", str(config), "--disable-hot-restart"]
         argv += ["--base-id", str(self.admin.port), "--concurrency", str(settings.concurrency)]
         argv += ["--file-flush-interval-msec", "200", "--log-level", "warn"]
-        self._process("envoy", argv, http_ok(f"{self.admin_url}/ready"), self._pod_key_env()).start(
-            self.settings.start_timeout
-        )
+        self._process(
+            "envoy", argv, http_ok(f"{self.admin_url}/ready"), self._pod_key_env()
+        ).start()
 
     @property
     def envoy_tls(self) -> UpstreamTls | None:
@@ -404,7 +420,7 @@ class Stack:
 
     def restart(self, name: str) -> Process:
         """Start child `name` again and wait until it is ready, e.g. after a fault test."""
-        return self.renew(name).start(self.settings.start_timeout)
+        return self.renew(name).start()
 
     def restart_pod(self, index: int) -> Process:
         """Start pod `index` again on its port, e.g. after a fault test killed it."""
@@ -467,13 +483,6 @@ class Stack:
     def engine(self) -> Literal["sim", "vllm", "external"]:
         return "external" if self.settings.upstreams else self.settings.engine
 
-    @property
-    def served_model(self) -> str | None:
-        """The model the stack's own pods serve (None: whatever the upstreams serve)."""
-        if self.engine == "vllm":
-            return self.settings.vllm.served_model_name
-        return None
-
     def pod_url(self, index: int) -> str:
         pod = self.pods[index]
         return f"http://{pod.host}:{pod.port}"
@@ -487,10 +496,8 @@ class Stack:
                     "url": self.pod_url(i),
                     "simulated": self.engine == "sim",
                     "engine": self.engine,
-                    "model": self.served_model,
-                    "max_model_len": self.settings.vllm.max_model_len
-                    if self.engine == "vllm"
-                    else None,
+                    "model": self.serving[i].model,
+                    "max_model_len": self.serving[i].max_model_len,
                     "pid": self.pod_processes[i].pid if self.pod_processes else None,
                 }
                 for i in range(len(self.pods))

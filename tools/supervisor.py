@@ -6,8 +6,9 @@ argv, environment, readiness probe, port and log file. Nothing here blocks longe
 readiness probe, so one child restarting never delays noticing another one's death.
 
 Per child: RUNNING → (exits) → WAITING (backoff) → STARTING (spawned, probed until ready or
-`start_timeout`) → RUNNING. A start that fails or times out goes back to WAITING with a longer
-delay; a child that stayed up `reset_after_s` starts again from the shortest delay.
+the child's own `start_timeout`: a minute for a service, minutes for a real vLLM pod) → RUNNING.
+A start that fails or times out goes back to WAITING with a longer delay; a child that stayed up
+`reset_after_s` starts again from the shortest delay.
 """
 
 from __future__ import annotations
@@ -98,14 +99,12 @@ class Supervisor:
         self,
         stack: Supervised,
         backoff: Backoff = Backoff(),
-        start_timeout: float = 60.0,
         on_restart: Callable[[Process], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: SupervisorMetrics | None = None,
     ) -> None:
         self.stack = stack
         self.backoff = backoff
-        self.start_timeout = start_timeout
         self.on_restart = on_restart
         self.clock = clock
         self.metrics = metrics or SupervisorMetrics()
@@ -157,14 +156,14 @@ class Supervisor:
 
     def _spawn(self, child: Child, now: float) -> None:
         try:
-            self.stack.renew(child.name).spawn()
+            proc = self.stack.renew(child.name).spawn()
         except OSError as exc:
             log.error("child spawn failed", extra={"child": child.name, "error": str(exc)})
             self.metrics.failed_starts.labels(child.name).inc()
             self._wait(child, now)
             return
         child.state = State.STARTING
-        child.due = now + self.start_timeout
+        child.due = now + proc.start_timeout
 
     def _check_starting(self, child: Child, proc: Process, now: float) -> None:
         if proc.alive and proc.ready():

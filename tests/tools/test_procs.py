@@ -1,10 +1,16 @@
-"""The executor's free ports (tools/procs.py)."""
+"""The executor (tools/procs.py): free ports, and children stopped with what they spawned."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+from pathlib import Path
 
-from tools.procs import free_port
+import pytest
+
+from tests.eventually import eventually
+from tools.procs import Process, free_port
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice() -> None:
@@ -17,3 +23,35 @@ def test_free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice() -
     assert all(p < ephemeral_low for p in ports)
     with socket.socket() as s:  # each is bindable
         s.bind(("127.0.0.1", ports[-1]))
+
+
+# A child that forks a grandchild deaf to SIGTERM (as vLLM's API server spawns its EngineCore),
+# writes the grandchild's pid, then waits.
+FORKS = 'sh -c \'trap "" TERM; exec sleep 600\' & echo $! > "$0.tmp"; mv "$0.tmp" "$0"; wait'
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["stop", "kill", "child killed, then stop"])
+def test_a_child_goes_with_what_it_spawned(tmp_path: Path, how: str) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    proc = Process("forks", ["sh", "-c", FORKS, str(pid_file)], pid_file.exists, tmp_path / "log")
+    proc.start(30)
+    grandchild = int(pid_file.read_text())
+    assert pid_alive(grandchild)
+    if how == "stop":
+        proc.stop(timeout=0.5)
+    elif how == "kill":
+        proc.kill()
+    else:  # the supervisor's case: the child died first, and is renewed (stopped) after
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        eventually(lambda: not proc.alive, 10, "the child to die")
+        proc.stop(timeout=0.5)
+    eventually(lambda: not pid_alive(grandchild), 10, "the grandchild to die")

@@ -29,7 +29,10 @@ import redis
 from llmgw import wire
 from tests.eventually import eventually
 from tests.http import call
-from tools.procs import Process
+from tools.engine import VllmSettings
+from tools.envoyconf import Address
+from tools.procs import Process, free_port
+from tools.stack import Stack, StackSettings
 from tools.supervisor import Backoff, State, Supervisor
 
 READY_TIMEOUT = 120
@@ -304,23 +307,25 @@ def test_sigterm_stops_every_child_even_restarted_ones(
 # The supervisor's backoff, with a child that crashes at once and a clock of our own.
 
 
-class OneChild:
-    """A stack of one child, as the supervisor sees a stack (tools.supervisor.Supervised)."""
+class Children:
+    """A stack of these children, as the supervisor sees a stack (tools.supervisor.Supervised)."""
 
-    def __init__(self, proc: Process) -> None:
-        self.processes = [proc]
+    def __init__(self, *procs: Process) -> None:
+        self.processes = list(procs)
 
     def renew(self, name: str) -> Process:
-        self.processes[0] = self.processes[0].fresh()
-        return self.processes[0]
+        index = next(i for i, p in enumerate(self.processes) if p.name == name)
+        self.processes[index].stop()
+        self.processes[index] = self.processes[index].fresh()
+        return self.processes[index]
 
 
 def test_a_crash_looping_child_is_retried_with_growing_delays(tmp_path: Path) -> None:
     now = [0.0]
-    crashing = Process("crasher", ["sh", "-c", "exit 3"], lambda: True, tmp_path / "c.log")
-    stack = OneChild(crashing.spawn())
+    crashing = Process("crasher", ["sh", "-c", "exit 3"], lambda: True, tmp_path / "c.log", None, 5)
+    stack = Children(crashing.spawn())
     backoff = Backoff(initial_s=0.1, factor=2.0, max_s=0.5, reset_after_s=100.0)
-    supervisor = Supervisor(stack, backoff, start_timeout=5.0, clock=lambda: now[0])
+    supervisor = Supervisor(stack, backoff, clock=lambda: now[0])
     supervisor.step()
     delays = []
     for _ in range(5):
@@ -336,3 +341,47 @@ def test_a_crash_looping_child_is_retried_with_growing_delays(tmp_path: Path) ->
     stack.processes[0].stop()
     assert delays == [0.1, 0.2, 0.4, 0.5, 0.5]
     assert supervisor.restarts() == {"crasher": 0}
+
+
+def test_each_child_restarts_within_its_own_start_timeout(tmp_path: Path) -> None:
+    """A real vLLM pod takes minutes to start, a service seconds: restarted together, neither
+    readiness deadline is the other's."""
+    now = [0.0]
+
+    def never_ready(name: str, start_timeout: float) -> Process:
+        log = tmp_path / f"{name}.log"
+        return Process(name, ["sleep", "600"], lambda: False, log, None, start_timeout).spawn()
+
+    stack = Children(never_ready("extauthz", 60.0), never_ready("pod-0", 300.0))
+    supervisor = Supervisor(stack, Backoff(initial_s=1.0), clock=lambda: now[0])
+    supervisor.step()
+    try:
+        for proc in stack.processes:
+            proc.kill()
+        supervisor.step()  # both exits seen
+        now[0] += 1.0
+        supervisor.step()  # both spawned again, neither ever ready
+        children = supervisor.children
+        assert children["extauthz"].state is children["pod-0"].state is State.STARTING
+        now[0] += 61.0
+        supervisor.step()
+        assert children["extauthz"].state is State.WAITING  # its minute is up
+        assert children["pod-0"].state is State.STARTING  # minutes to go
+        assert stack.processes[1].alive
+        now[0] += 240.0
+        supervisor.step()
+        assert children["pod-0"].state is State.WAITING
+    finally:
+        for proc in stack.processes:
+            proc.kill()
+
+
+def test_the_stack_gives_a_vllm_pod_the_vllm_start_timeout_again_when_renewed(
+    tmp_path: Path,
+) -> None:
+    settings = StackSettings(engine="vllm", pods=1, vllm=VllmSettings(start_timeout=300.0))
+    stack = Stack(settings, tmp_path)
+    stack.pods = [Address(port=free_port())]
+    stack.processes = stack.pod_processes = [stack._vllm_process(0, tmp_path / "model")]
+    assert stack.renew("pod-0").start_timeout == 300.0
+    assert settings.start_timeout == 60.0  # the services'

@@ -1,0 +1,59 @@
+"""`llmgw up --engine` and `--vllm-arg` (tools/cli.py): the flags as stack settings, and the
+combinations refused before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools import cli
+from tools.stack import StackSettings
+
+
+def settings(*argv: str) -> StackSettings:
+    return cli._stack_settings(cli.parser().parse_args(["up", *argv]))
+
+
+def test_the_engine_is_the_simulator_unless_asked() -> None:
+    assert settings().engine == "sim"
+    assert settings("--engine", "sim").engine == "sim"
+    assert settings("--engine", "vllm", "--pods", "1").engine == "vllm"
+
+
+def test_vllm_args_are_split_as_a_shell_would_and_kept_in_order() -> None:
+    up = settings(
+        "--engine",
+        "vllm",
+        "--vllm-arg",
+        "--max-num-seqs 4",
+        "--vllm-arg",
+        """--kv-events-config '{"enable_kv_cache_events": true}'""",
+    )
+    assert up.vllm.args == (
+        "--max-num-seqs",
+        "4",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true}',
+    )
+    assert up.vllm.served_model_name == "llmgw/tiny-llama"  # the rest of vllm stays as it was
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--engine", "vllm", "--upstream", "vllm:8000"], "--engine vllm starts pods of its own"),
+        (["--engine", "tgi"], "invalid choice: 'tgi'"),
+    ],
+)
+def test_refused_combinations_are_argument_errors(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up", *argv])
+    assert exited.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_upstreams_alone_still_mean_pods_someone_else_runs() -> None:
+    up = settings("--upstream", "vllm:8000")
+    assert up.upstreams == ("vllm:8000",)
+    assert up.engine == "sim"  # not used: the ready file says "external"
