@@ -2,7 +2,8 @@
 
 Pure and picklable both ways, so that a large body can be read in another process (the service's
 body pool) while the event loop keeps deciding other tenants' requests: `json.loads` holds the GIL
-for its whole run (about 20 ms a MiB), so a thread would not help.
+for its whole run (about 20 ms a MiB), and so does tokenizing the prompt (about 0.6 s a MiB), so a
+thread would not help.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
         max_output=facts.MAX_OUTPUT_TOKENS,
         max_blocks=0,
         model=model,
+        counted=settings.prompt_count(request, model),
     )
     return Body(
         "object",
