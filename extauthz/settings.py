@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from extauthz.types import TenantView
 from llmgw import facts, tokenizer
@@ -86,14 +86,15 @@ class DecisionSettings(Strict):
             )
         return self
 
-    @model_validator(mode="after")
-    def _tokenizers_load(self) -> DecisionSettings:
-        for model, path in self.tokenizer.items():
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizers_load(cls, paths: dict[str, Path]) -> dict[str, Path]:
+        for model, path in paths.items():
             try:
                 tokenizer.counter(path)
             except tokenizer.TokenizerError as exc:
-                raise ValueError(f"tokenizer.{model}: {exc}") from exc
-        return self
+                raise ValueError(f"{model}: {exc}") from exc
+        return paths
 
     @property
     def pool_from_bytes(self) -> int:

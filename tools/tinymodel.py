@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 SEED = 20261203
 VOCAB = 1024
@@ -27,16 +28,11 @@ TEXT = [
 ]
 
 
-def make(out: Path) -> None:
-    import torch
+def byte_level_bpe() -> Any:
+    """The model's tokenizer (a `tokenizers.Tokenizer`): byte-level BPE trained on TEXT, the same
+    each run. Only `tokenizers` needed: the services' environment makes it too (tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
 
-    torch.manual_seed(SEED)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -47,8 +43,20 @@ def make(out: Path) -> None:
         show_progress=False,
     )
     bpe.train_from_iterator(TEXT * 4, trainer=trainer)
+    return bpe
+
+
+def make(out: Path) -> None:
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    torch.manual_seed(SEED)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        tokenizer_object=byte_level_bpe(), bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
