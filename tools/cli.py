@@ -36,6 +36,8 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
         update["upstreams"] = args.upstream
     if args.sim_arg:
         update["sim_args"] = [a for arg in args.sim_arg for a in arg.split()]
+    if args.tokenizer:
+        update["tokenizer"] = args.tokenizer
     if args.database_url:
         update["database_url"] = args.database_url
     if settings.postgres_dir is None:  # the local ledger outlives one run of the stack
@@ -148,6 +150,11 @@ def parser() -> argparse.ArgumentParser:
         help="a real vLLM server, host:port or http://host:port (repeatable); no pods simulated",
     )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flags for every pod")
+    up.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="the served model's tokenizer.json: the pods and the gateway count prompts with it",
+    )
     up.add_argument("--ready-file", type=Path, help="write base URL, keys and pods here as JSON")
     up.add_argument(
         "--database-url", help="PostgreSQL for the usage ledger (default: a local server of ours)"

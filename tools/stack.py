@@ -22,6 +22,7 @@ from extauthz.demo import seed_demo
 from llmgw.config import Strict, renamed, reveal
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology, pop_deprecated
+from sim.types import DEFAULT_MODEL
 from tools import certs, envoyconf
 from tools.engine import VllmSettings, ensure_model, pod_argv, pod_env
 from tools.envoyconf import Address, EnvoySettings, Services, UpstreamTls
@@ -54,6 +55,10 @@ class StackSettings(Strict):
     engine: Literal["sim", "vllm"] = "sim"
     vllm: VllmSettings = VllmSettings()
     sim_args: tuple[str, ...] = ()  # extra flags for each simulated pod: `python -m sim --help`
+    # The served model's tokenizer.json: the simulated pods count prompts with it (`--tokenizer`)
+    # and extauthz reserves them by it (decision.tokenizer). Real vLLM pods: their model's own,
+    # always.
+    tokenizer: Path | None = None
     pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
     # without extauthz they count nothing.
@@ -127,6 +132,7 @@ class Stack:
         # The operator's own file, not a copy: its edits reload in every service.
         self.tiers_file = settings.tiers_file.resolve() if settings.tiers_file else None
         self.tenants: list[dict[str, str]] = []
+        self.tokenizer = settings.tokenizer.resolve() if settings.tokenizer else None
         self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (tools/certs.py)
         # The run's CA, in memory only: tests issue certificates of it (`ca.write`).
         self.ca = certs.Authority()
@@ -187,6 +193,7 @@ class Stack:
         self.pods = [Address(port=free_port()) for _ in range(self.settings.pods)]
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
+            self.tokenizer = model.resolve() / "tokenizer.json"
             self.pod_processes = [self._vllm_process(i, model) for i in range(len(self.pods))]
             timeout = self.settings.vllm.start_timeout
         else:
@@ -205,6 +212,8 @@ class Stack:
         # vLLM's priority scheduler, as compose and k8s run it (sim_args may say fcfs instead).
         argv += ["--scheduling-policy", "priority"]
         argv += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
+        if self.tokenizer is not None:
+            argv += ["--tokenizer", str(self.tokenizer)]
         if index < len(self.settings.pod_args):
             argv += self.settings.pod_args[index]
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
@@ -245,6 +254,9 @@ class Stack:
                 "REDIS__PASSWORD": self.redis_password,
             },
         }
+        if self.tokenizer is not None:  # JSON: a YAML mapping, as the override is read
+            tokenizers = {self.pods_model: str(self.tokenizer)}
+            settings["extauthz"]["DECISION__TOKENIZER"] = json.dumps(tokenizers)
         if "ledger" in self.settings.services:
             settings["ledger"]["DATABASE_URL"] = self._database()
         if "extauthz" in self.settings.services:
@@ -466,6 +478,14 @@ class Stack:
     @property
     def engine(self) -> Literal["sim", "vllm", "external"]:
         return "external" if self.settings.upstreams else self.settings.engine
+
+    @property
+    def pods_model(self) -> str:
+        """The model name the stack's own pods serve."""
+        if self.engine == "vllm":
+            return self.settings.vllm.served_model_name
+        args = self.settings.sim_args
+        return next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--model"), DEFAULT_MODEL)
 
     @property
     def served_model(self) -> str | None:
