@@ -125,11 +125,11 @@ def from_body(
     max_blocks: int,
     model: str | None,
     cache_group: str = "",
-    counted: int | None = None,
+    prompt: PromptSize | None = None,
 ) -> RequestFacts:
     """Facts of a parsed JSON object body; `model` is the validated model name, if any;
-    `max_output` the most output per sequence the gateway allows (`output_cap`); `counted` the
-    prompt's tokens under the model's tokenizer, if it has one.
+    `max_output` the most output per sequence the gateway allows (`output_cap`); `prompt` the
+    prompt's size if the caller has it (counted by the model's tokenizer), else estimated here.
 
     Values are read the way the pod reads them (vLLM validates with pydantic in lax mode:
     `"stream": "true"` streams, `"n": "3.0"` is 3), or a client could make the gateway believe
@@ -139,15 +139,15 @@ def from_body(
     options = request.get("stream_options")
     include_usage = stream and isinstance(options, dict) and _lax_bool(options.get("include_usage"))
     choices = max(_count(request.get("n")), _count(request.get("best_of")))
-    size = prompt_size(request, chars_per_token, image_tokens)
+    size = prompt or prompt_size(request, chars_per_token, image_tokens)
     return RequestFacts(
         model=model,
         stream=stream,
         include_usage=include_usage,
         n=choices * _prompts(request.get("prompt")),
         max_output=output_cap(request, max_output),
-        prompt_tokens=size.estimate if counted is None else counted,
-        prompt_bound=size.bound if counted is None else counted,
+        prompt_tokens=size.tokens,
+        prompt_bound=size.ceiling,
         prefix_blocks=block_hashes(render(request), max_blocks, cache_group) if max_blocks else (),
         first_turn=is_first_turn(request),
     )
@@ -178,6 +178,17 @@ def output_cap(request: Mapping[str, Any], maximum: int) -> int:
 class PromptSize:
     estimate: int  # characters / chars_per_token
     bound: int  # UTF-8 bytes: no byte-level tokenizer makes more tokens than bytes
+    counted: int | None = None  # by the model's tokenizer, where it has one
+
+    @property
+    def tokens(self) -> int:
+        """The count, else the estimate: what is reserved."""
+        return self.estimate if self.counted is None else self.counted
+
+    @property
+    def ceiling(self) -> int:
+        """The count, else the bound: the most the prompt can be."""
+        return self.bound if self.counted is None else self.counted
 
 
 def prompt_size(

@@ -1,24 +1,14 @@
-"""The tiny model's tokenizer as its directory holds it (tools/tinymodel.py), made without vLLM:
-tokenizer.json, the chat template beside it, the special tokens in tokenizer_config.json."""
+"""The tiny model's tokenizer as its directory holds it (tools/tinymodel.py), made without vLLM."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from tools.tinymodel import CHAT_TEMPLATE, byte_level_bpe
+from tools.tinymodel import write_tokenizer as write
 
-
-def write(directory: Path) -> Path:
-    """The tokenizer.json's path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    byte_level_bpe().save(str(directory / "tokenizer.json"))
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(special))
-    return directory / "tokenizer.json"
+__all__ = ["tokens", "write"]
 
 
 def tokens(path: Path, text: str) -> int:

@@ -8,6 +8,7 @@ Head size 64: the CPU attention kernels refuse smaller heads at the first reques
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,18 @@ def byte_level_bpe() -> Any:
     )
     bpe.train_from_iterator(TEXT * 4, trainer=trainer)
     return bpe
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """The tokenizer as the model's directory holds it (tokenizer.json, the chat template beside
+    it, the special tokens in tokenizer_config.json), without transformers: its tokenizer.json's
+    path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    byte_level_bpe().save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(special))
+    return directory / "tokenizer.json"
 
 
 def make(out: Path) -> None:

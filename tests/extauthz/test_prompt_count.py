@@ -61,6 +61,15 @@ def test_another_model_is_estimated(path: Path) -> None:
     assert facts.prompt_tokens < len(CJK) // 2 < facts.prompt_bound
 
 
+def test_a_prompt_over_tokenize_max_bytes_is_estimated_and_bounded(path: Path) -> None:
+    """No body holds the pool's worker for long: past the cap, as without a tokenizer."""
+    size = len(CJK.encode()) + 4 + 2 * MESSAGE_TOKENS
+    counted = read(chat(CJK), DecisionSettings(tokenizer={MODEL: path}, tokenize_max_bytes=size))
+    assert counted.facts.prompt_tokens == counted.facts.prompt_bound > size // 2
+    capped = DecisionSettings(tokenizer={MODEL: path}, tokenize_max_bytes=size - 1)
+    assert read(chat(CJK), capped).facts == read(chat(CJK), DecisionSettings()).facts
+
+
 def test_a_tokenizer_that_does_not_load_is_refused_naming_it(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "tokenizer.json"
     with pytest.raises(ConfigError, match=r"decision: tokenizer: .*tiny: .*nope.*not a tokenizer"):
