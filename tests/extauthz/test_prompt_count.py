@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from extauthz.body import read
+from extauthz.bodypool import BodyPool
 from extauthz.settings import DecisionSettings
 from llmgw.config import ConfigError, validate
 from llmgw.facts import MESSAGE_TOKENS
 from tests import tiny_tokenizer
+from tests.extauthz.conftest import make_decider
 from tests.tiny_tokenizer import tokens
 
 MODEL = "tiny"
@@ -80,3 +82,17 @@ def test_with_a_tokenizer_bodies_are_tokenized_in_the_pool_from_8_kib(path: Path
     """Tokenizing holds the GIL for ~0.6 ms a KiB: the event loop keeps to small bodies."""
     assert DecisionSettings().pool_from_bytes == 256 * 1024
     assert DecisionSettings(tokenizer={MODEL: path}).pool_from_bytes == 8 * 1024
+
+
+async def test_the_pool_worker_counts_a_large_prompt_exactly(path: Path) -> None:
+    """Counted off the event loop, in the body pool's worker, with the tokenizer it loaded."""
+    decider = make_decider(tokenizer={MODEL: path})
+    pool = BodyPool(decider, decider.settings.pool_from_bytes)
+    try:
+        await pool.start()
+        pooled = await pool.read(chat(CJK))
+        assert pooled is not None  # 12 KiB: over the 8 KiB from which bodies go to the pool
+        exact = tokens(path, f"<s>user: {CJK}</s>\n<s>assistant: ")
+        assert pooled.facts.prompt_tokens == pooled.facts.prompt_bound == exact
+    finally:
+        await pool.close()
