@@ -46,6 +46,8 @@ MAX_CHOICES = 16384
 # as text) ~13; more here, so that neither the estimate nor the bound falls short for many short
 # messages.
 MESSAGE_TOKENS = 16
+# What a tokenizer adds to a completion's text prompt (a BOS, at most an EOS too): in its bound.
+PROMPT_SPECIAL_TOKENS = 2
 # The reservation: above every limit (a request this large is refused, never admitted), exact as
 # a double (metadata numbers are doubles) and far from overflowing Redis's 64-bit counters.
 MAX_RESERVATION = 10**15
@@ -195,12 +197,14 @@ def prompt_size(
     request: Mapping[str, Any], chars_per_token: float, image_tokens: int
 ) -> PromptSize:
     """The prompt's tokens without its tokenizer: text (characters / chars_per_token for the
-    estimate, UTF-8 bytes for the bound), plus MESSAGE_TOKENS a chat message (and once for the
+    estimate, UTF-8 bytes for the bound, and PROMPT_SPECIAL_TOKENS a text prompt of a completion
+    in it), plus MESSAGE_TOKENS a chat message (and once for the
     assistant's header); tool definitions and tool calls by the size of their JSON (the chat
     template renders them into the prompt); each content part without text (an image, audio, a
     file) as `image_tokens`; token-ID prompts by their length."""
     texts: list[str] = []
     tokens = 0
+    specials = 0  # in the bound only: the estimate stays as it was
     messages = request.get("messages")
     if isinstance(messages, list):
         tokens += MESSAGE_TOKENS * (len(messages) + 1)
@@ -226,10 +230,12 @@ def prompt_size(
         value = request.get(name)
         if isinstance(value, str):
             texts.append(value)
+            specials += PROMPT_SPECIAL_TOKENS
         elif isinstance(value, list):
             for item in value:
                 if isinstance(item, str):
                     texts.append(item)
+                    specials += PROMPT_SPECIAL_TOKENS
                 elif isinstance(item, int):
                     tokens += 1
                 elif isinstance(item, list):  # a batch of token-ID prompts
@@ -237,7 +243,7 @@ def prompt_size(
     chars = sum(map(len, texts))
     # ASCII (most prompts) is one byte a character: no encoding needed to know.
     utf8 = sum(len(t) if t.isascii() else len(t.encode(errors="surrogatepass")) for t in texts)
-    return PromptSize(math.ceil(chars / chars_per_token) + tokens, utf8 + tokens)
+    return PromptSize(math.ceil(chars / chars_per_token) + tokens, utf8 + tokens + specials)
 
 
 def _json(value: object) -> str:

@@ -13,7 +13,7 @@ from extauthz.body import read
 from extauthz.bodypool import BodyPool
 from extauthz.settings import DecisionSettings
 from llmgw.config import ConfigError, validate
-from llmgw.facts import MESSAGE_TOKENS
+from llmgw.facts import MESSAGE_TOKENS, PROMPT_SPECIAL_TOKENS
 from tests import tiny_tokenizer
 from tests.extauthz.conftest import make_decider
 from tests.tiny_tokenizer import tokens
@@ -55,6 +55,14 @@ def test_without_it_the_estimate_stays_and_the_bound_is_the_utf8_bytes(
     assert facts.prompt_bound == len(text.encode()) + 4 + 2 * MESSAGE_TOKENS
     # … at least the count under a byte-level tokenizer, the template's markers included.
     assert facts.prompt_ceiling >= tokens(path, f"<s>user: {text}</s>\n<s>assistant: ")
+
+
+def test_a_completions_bound_holds_what_the_tokenizer_adds_to_each_prompt(path: Path) -> None:
+    """A completion's prompt is tokenized with the special tokens its tokenizer adds (a BOS)."""
+    prompts = {"model": MODEL, "prompt": [CJK[:10], "ab"], "max_tokens": 1}
+    facts = read(json.dumps(prompts).encode(), DecisionSettings()).facts
+    assert facts.prompt_bound == 30 + 2 + 2 * PROMPT_SPECIAL_TOKENS
+    assert facts.prompt_tokens == -(-12 // 4)
 
 
 def test_another_model_is_estimated(path: Path) -> None:
