@@ -77,14 +77,18 @@ class PromptCounter:
 
     def request(self, request: Mapping[str, Any], image_tokens: int) -> int | None:
         """The prompt tokens of an OpenAI body (chat `messages`, else `prompt` or `input`: a
-        string, strings, or token IDs, which count themselves); None where the template refuses
-        the messages."""
+        string, strings, or token IDs, which count themselves); None where the pod would refuse
+        the prompt before counting it (a template that refuses the messages, a lone surrogate,
+        which is no UTF-8)."""
+        try:
+            return self._request(request, image_tokens)
+        except (jinja2.TemplateError, TypeError, ValueError):  # UnicodeEncodeError is one
+            return None
+
+    def _request(self, request: Mapping[str, Any], image_tokens: int) -> int:
         messages = request.get("messages")
         if isinstance(messages, list):
-            try:
-                return self.chat(messages, request.get("tools"), image_tokens)
-            except (jinja2.TemplateError, TypeError, ValueError):
-                return None
+            return self.chat(messages, request.get("tools"), image_tokens)
         total = 0
         for name in ("prompt", "input"):
             value = request.get(name)

@@ -52,7 +52,12 @@ def test_without_a_template_a_message_counts_its_text_and_the_overhead(path: Pat
     assert counted >= tokens(path, "<s>user: " + "🌍" * 10 + "</s>\n<s>assistant: ")
 
 
-def test_a_template_that_refuses_the_messages_is_no_count(path: Path) -> None:
+def test_a_prompt_the_pod_refuses_before_counting_is_no_count(path: Path) -> None:
+    """A lone surrogate (JSON allows "\ud800"; UTF-8 does not), a template's refusal: the
+    caller estimates instead."""
+    assert tokenizer.counter(path).request({"prompt": "a\ud800"}, 0) is None
+    surrogate = {"messages": [{"role": "user", "content": "\ud800"}]}
+    assert tokenizer.counter(path).request(surrogate, 0) is None
     (path.parent / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     assert tokenizer.counter(path).request({"messages": [{"role": "user"}]}, 0) is None
 
