@@ -30,7 +30,7 @@ TEXTS = {
     "cjk": "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(64)),
     "emoji": "".join(chr(0x1F300 + i % 300) for i in range(64)),
 }
-SIZES = (256, 8 * 1024, 64 * 1024, 1024 * 1024)
+SIZES = (256, 8 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
 
 
 def body(text: str, size: int) -> bytes:
@@ -60,7 +60,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.tokenizer or write_tokenizer(Path(tmp))
         plain = DecisionSettings()
-        counted = DecisionSettings(tokenizer={MODEL: path})
+        # Past tokenize_max_bytes (256 KiB) extauthz estimates instead: counted here to measure.
+        counted = DecisionSettings(tokenizer={MODEL: path}, tokenize_max_bytes=4 * 2**20)
         print(f"tokenizer: {path if args.tokenizer else 'the tiny model (tools/tinymodel.py)'}")
         print(f"{'text':<8} {'body':>9} {'tokens':>8} {'parse µs':>10} {'+count µs':>10} "
               f"{'count ms/MiB':>13}")  # fmt: skip

@@ -91,8 +91,13 @@ def pods_active(stack: Stack) -> int:
     return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.strip())
 
 
-def tenant_rows(stack: Stack, tenant: str) -> list[dict[str, Any]]:
-    return [r for r in records(stack) if r["tenant"] == tenant]
+def tenant_chats(stack: Stack, tenant: str) -> list[dict[str, Any]]:
+    """The tenant's chat requests in the ledger (add_tenant's probes list the models)."""
+    return [
+        r
+        for r in records(stack)
+        if r["tenant"] == tenant and r["endpoint"].endswith("/chat/completions")
+    ]
 
 
 def test_without_it_a_stream_left_before_its_first_token_is_charged_its_utf8_bytes(
