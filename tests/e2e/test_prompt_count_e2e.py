@@ -100,6 +100,15 @@ def tenant_chats(stack: Stack, tenant: str) -> list[dict[str, Any]]:
     ]
 
 
+def tenant_chats(stack: Stack, tenant: str) -> list[dict[str, Any]]:
+    """The tenant's chat requests in the ledger (add_tenant's probes list the models)."""
+    return [
+        r
+        for r in records(stack)
+        if r["tenant"] == tenant and r["endpoint"].endswith("/chat/completions")
+    ]
+
+
 def test_without_it_a_stream_left_before_its_first_token_is_charged_its_utf8_bytes(
     estimating_stack: Stack, tokenizer: Path
 ) -> None:
@@ -116,10 +125,10 @@ def test_without_it_a_stream_left_before_its_first_token_is_charged_its_utf8_byt
     eventually(lambda: pods_active(stack) > 0, 20.0, "the request at the pod")
     conn.sock.close()  # type: ignore[union-attr]
     conn.close()
-    eventually(
-        lambda: [r for r in records(stack) if r["tenant"] == "pc-estimated"], 30.0, "recorded"
-    )
-    (row,) = [r for r in records(stack) if r["tenant"] == "pc-estimated"]
+    eventually(lambda: tenant_chats(stack, "pc-estimated"), 30.0, "the outcome recorded")
+    rows = tenant_chats(stack, "pc-estimated")
+    assert len(rows) == 1, rows
+    (row,) = rows
     assert (row["outcome"], row["stream"], row["completion_tokens"]) == ("aborted", True, 0)
     utf8 = len(CJK.encode()) + len("user") + 2 * MESSAGE_TOKENS
     assert row["prompt_tokens"] == utf8
