@@ -100,15 +100,6 @@ def tenant_chats(stack: Stack, tenant: str) -> list[dict[str, Any]]:
     ]
 
 
-def tenant_chats(stack: Stack, tenant: str) -> list[dict[str, Any]]:
-    """The tenant's chat requests in the ledger (add_tenant's probes list the models)."""
-    return [
-        r
-        for r in records(stack)
-        if r["tenant"] == tenant and r["endpoint"].endswith("/chat/completions")
-    ]
-
-
 def test_without_it_a_stream_left_before_its_first_token_is_charged_its_utf8_bytes(
     estimating_stack: Stack, tokenizer: Path
 ) -> None:
