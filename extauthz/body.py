@@ -2,7 +2,7 @@
 
 Pure and picklable both ways, so that a large body can be read in another process (the service's
 body pool) while the event loop keeps deciding other tenants' requests: `json.loads` holds the GIL
-for its whole run (about 20 ms a MiB), and so does tokenizing the prompt (up to 1.4 s a MiB), so a
+for its whole run (about 20 ms a MiB), and so does tokenizing the prompt (0.2-0.5 s a MiB), so a
 thread would not help.
 """
 

@@ -50,7 +50,8 @@ class DecisionSettings(Strict):
     tokenizer: dict[str, Path] = Field(default_factory=dict)
     # … up to this size of prompt (UTF-8 bytes, template markers included: ~64k tokens of
     # English); a larger one is estimated and bounded as without a tokenizer, so that no body
-    # holds the body pool's worker for more than ~0.35 s (tokenizing costs up to 1.4 s a MiB).
+    # holds the body pool's worker for more than ~0.1 s (0.3 s beside a test suite: tokenizing
+    # costs 0.2-0.5 s a MiB on an idle core, bench/tokenize.py).
     tokenize_max_bytes: int = Field(default=256 * 1024, ge=0)
     # Without a tokenizer, the prompt estimate: characters / chars_per_token.
     chars_per_token: float = Field(default=4.0, gt=0)
@@ -60,8 +61,9 @@ class DecisionSettings(Strict):
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
     # Bodies from this size on are read in a worker process (extauthz/bodypool.py).
     pool_body_bytes: int = Field(default=256 * 1024, ge=1)
-    # … and from this size on when a model has a tokenizer: tokenizing costs 0.2-1.4 ms a KiB
-    # (bench/tokenize.py), 50× the parse, so 8 KiB hold the loop about as long as 256 KiB of JSON.
+    # … and from this size on when a model has a tokenizer: tokenizing costs 0.2-0.5 ms a KiB
+    # (bench/tokenize.py), 20-100× the parse, so 8 KiB (~2 ms) hold the loop about as long as
+    # 256 KiB of JSON.
     pool_tokenized_body_bytes: int = Field(default=8 * 1024, ge=1)
     # Body bytes this replica holds at once (received, in the body pool, being decided; by
     # declared length, extauthz/budget.py), in total and per tenant: past a tenant's share its
