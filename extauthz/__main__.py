@@ -53,7 +53,7 @@ async def main(settings: Settings) -> None:
     telemetry.TENANTS.limit = settings.metrics.tenant_labels
     store = tenants_store(settings.tenants_file, settings.tiers_file)
     decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
-    bodies = BodyPool(decider, settings.decision.pool_body_bytes)
+    bodies = BodyPool(decider, settings.decision.pool_from_bytes)
     await bodies.start()
     limiter = None
     if settings.holds_limiter:

@@ -2,7 +2,8 @@
 
 Pure and picklable both ways, so that a large body can be read in another process (the service's
 body pool) while the event loop keeps deciding other tenants' requests: `json.loads` holds the GIL
-for its whole run (about 20 ms a MiB), so a thread would not help.
+for its whole run (about 20 ms a MiB), and so does tokenizing the prompt (0.2-0.5 s a MiB), so a
+thread would not help.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def read(raw: bytes, settings: DecisionSettings) -> Body:
 def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
     name = request.get("model")
     model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
+    size = facts.prompt_size(request, settings.chars_per_token, settings.image_tokens)
+    if size.bound <= settings.tokenize_max_bytes:
+        size = dataclasses.replace(size, counted=settings.prompt_count(request, model))
     parsed = facts.from_body(
         request,
         chars_per_token=settings.chars_per_token,
@@ -66,6 +70,7 @@ def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
         max_output=facts.MAX_OUTPUT_TOKENS,
         max_blocks=0,
         model=model,
+        prompt=size,
     )
     return Body(
         "object",

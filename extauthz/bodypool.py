@@ -5,6 +5,7 @@ thread would not help). Small ones are read inline: the hop costs more than they
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -12,23 +13,29 @@ import os
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 from extauthz import metrics
 from extauthz.body import Body
 from extauthz.body import read as read_body
 from extauthz.decision import Decider
+from llmgw import tokenizer
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with(parent: int) -> None:
+def _start_worker(parent: int, tokenizers: tuple[Path, ...]) -> None:
     """A pool worker's first act: SIGTERM when the process that started it dies, however it
-    dies (SIGKILL included), so no worker outlives extauthz; and gone now if it already has."""
+    dies (SIGKILL included), so no worker outlives extauthz; and gone now if it already has.
+    Then the models' tokenizers loaded (a large one takes a second), not on a check's time."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:
         os._exit(0)
+    for path in tokenizers:
+        with contextlib.suppress(tokenizer.TokenizerError):  # a check then counts without it
+            tokenizer.counter(path)
 
 
 class PoolDown(Exception):
@@ -49,8 +56,12 @@ class BodyPool:
     def _new_executor(self) -> ProcessPoolExecutor:
         # spawn, not fork: this process runs gRPC's threads.
         context = multiprocessing.get_context("spawn")
+        tokenizers = tuple(self.decider.settings.tokenizer.values())
         return ProcessPoolExecutor(
-            self.workers, mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
+            self.workers,
+            mp_context=context,
+            initializer=_start_worker,
+            initargs=(os.getpid(), tokenizers),
         )
 
     @property

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from extauthz.types import TenantView
-from llmgw import facts
+from llmgw import facts, tokenizer
 from llmgw.config import Strict
 from llmgw.facts import RequestFacts
 from llmgw.secret import Secret
@@ -43,6 +43,17 @@ class DecisionSettings(Strict):
     # model not named here the context is unknown and the cap unbounded by it: keep the caps
     # within the smallest context served.
     max_model_len: dict[str, Tokens] = Field(default_factory=dict)
+    # Each served model's tokenizer (its tokenizer.json, with the chat template beside it, as
+    # the model's directory has them): that model's prompts are counted as its pods count them
+    # (llmgw/tokenizer.py), not estimated. Loaded at start-up (one that does not load is an
+    # error); a file changed on disk is loaded again, and the last good one kept if it fails.
+    tokenizer: dict[str, Path] = Field(default_factory=dict)
+    # … up to this size of prompt (UTF-8 bytes, template markers included: ~64k tokens of
+    # English); a larger one is estimated and bounded as without a tokenizer, so that no body
+    # holds the body pool's worker for more than ~0.1 s (0.3 s beside a test suite: tokenizing
+    # costs 0.2-0.5 s a MiB on an idle core, bench/tokenize.py).
+    tokenize_max_bytes: int = Field(default=256 * 1024, ge=0)
+    # Without a tokenizer, the prompt estimate: characters / chars_per_token.
     chars_per_token: float = Field(default=4.0, gt=0)
     # A content part that is not text (an image; audio and video count alike): LLaVA-1.5 uses
     # 576 tokens an image, GPT-4o 765 for 1024×1024, Qwen2-VL ~1,300; set it for the models served.
@@ -50,6 +61,10 @@ class DecisionSettings(Strict):
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
     # Bodies from this size on are read in a worker process (extauthz/bodypool.py).
     pool_body_bytes: int = Field(default=256 * 1024, ge=1)
+    # … and from this size on when a model has a tokenizer: tokenizing costs 0.2-0.5 ms a KiB
+    # (bench/tokenize.py), 20-100× the parse, so 8 KiB (~2 ms) hold the loop about as long as
+    # 256 KiB of JSON.
+    pool_tokenized_body_bytes: int = Field(default=8 * 1024, ge=1)
     # Body bytes this replica holds at once (received, in the body pool, being decided; by
     # declared length, extauthz/budget.py), in total and per tenant: past a tenant's share its
     # next check is a 429, past the total any check with a body is a 503, both at once. Sized
@@ -76,6 +91,34 @@ class DecisionSettings(Strict):
                 "size is never received) and body_bytes_in_flight"
             )
         return self
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizers_load(cls, paths: dict[str, Path]) -> dict[str, Path]:
+        for model, path in paths.items():
+            try:
+                tokenizer.counter(path)
+            except tokenizer.TokenizerError as exc:
+                raise ValueError(f"{model}: {exc}") from exc
+        return paths
+
+    @property
+    def pool_from_bytes(self) -> int:
+        """The size from which a body is read in the body pool."""
+        if self.tokenizer:
+            return min(self.pool_body_bytes, self.pool_tokenized_body_bytes)
+        return self.pool_body_bytes
+
+    def prompt_count(self, request: dict[str, Any], model: str | None) -> int | None:
+        """The prompt's tokens under the model's tokenizer; None without one (or where it does
+        not count: a template that refuses the messages, a file gone before it ever loaded)."""
+        path = self.tokenizer.get(model) if model is not None else None
+        if path is None:
+            return None
+        try:
+            return tokenizer.counter(path).request(request, self.image_tokens)
+        except tokenizer.TokenizerError:
+            return None
 
     def output_cap(self, tenant: TenantView, request: RequestFacts) -> int:
         """The most output per sequence a request of this tenant gets: the tier's cap, within

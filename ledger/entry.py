@@ -17,9 +17,10 @@ Outcome kinds, from what the client finally got (after Envoy's retries):
 
 Tokens charged (the settlement's "actual"), never less than what the pod may have generated:
 - the pod's usage (prompt + completion) when it arrived;
-- a stream cut short: the prompt (the larger of the pod's running usage and the estimate) plus
-  the tokens that reached the client (the pod's running usage when it sends it on every chunk,
-  else one token per content event);
+- a stream cut short: the prompt (the larger of the pod's running usage and the count; before
+  the pod reported any, the prompt's bound: its count under the model's tokenizer, else its
+  UTF-8 bytes, llmgw/facts.py) plus the tokens that reached the client (the pod's running usage
+  when it sends it on every chunk, else one token per content event);
 - a non-stream answer cut short, which shows nothing until it is done: the whole reservation
   (prompt estimate plus the output cap), once for each attempt that timed out;
 - an error or refusal before any output, or a request that never reached a pod: nothing;
@@ -199,7 +200,8 @@ def charge(
     timed_out = bool(_TIMED_OUT.intersection(codes))
     if outcome == "aborted" or (outcome == "upstream_error" and (status < 400 or timed_out)):
         if facts.stream:
-            return max(prompt or 0, facts.prompt_tokens), max(completion or 0, streamed)
+            asked = facts.prompt_ceiling if prompt is None else max(prompt, facts.prompt_tokens)
+            return asked, max(completion or 0, streamed)
         spent = reserved * (max(attempts, 1) if timed_out else 1)
         return facts.prompt_tokens, max(spent - facts.prompt_tokens, 0)
     if outcome != "ok":

@@ -77,6 +77,7 @@ NUMBERS = frozenset(
     {
         wire.META_PRIORITY,
         wire.META_PROMPT_ESTIMATE,
+        wire.META_PROMPT_BOUND,
         wire.META_CHOICES,
         wire.META_MAX_OUTPUT,
         wire.META_BORROWED_REQUESTS,

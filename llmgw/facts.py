@@ -4,9 +4,13 @@ extauthz publishes them as dynamic metadata in its namespace; Envoy's rate-limit
 router (ext_proc `forwarding_namespaces`) and the access log (hence the ledger) read them from
 there, so no other process parses the body and no two parse it differently.
 
-The reservation is an upper bound the pod respects: the prompt estimate plus the output cap of
-every sequence, and that cap is the one the pod receives (extauthz appends it to the body), so a
-client that names none is not reserved a guess.
+The reservation is the prompt plus the output cap of every sequence, and that cap is the one the
+pod receives (extauthz appends it to the body), so a client that names none is not reserved a
+guess. The prompt is counted exactly where the operator names the model's tokenizer
+(llmgw/tokenizer.py), else estimated (characters / 4). Beside it travels a bound the prompt
+cannot exceed (`prompt_bound`), what a stream cut short before the pod reported usage is
+charged: the exact count, or without a tokenizer the prompt's UTF-8 bytes (no byte-level
+tokenizer makes more tokens than bytes; template markers and images as the estimate counts them).
 
 Prefix blocks: the prompt rendered the way a chat template lays it out (role markers around each
 message), cut into blocks of 16 "tokens" of ~4 characters; each block's hash covers every block
@@ -38,9 +42,12 @@ MAX_OUTPUT_TOKENS = 1 << 24
 # less than a served request generates.
 MAX_CHOICES = 16384
 # What a chat template adds around each message and once for the assistant's header, in tokens:
-# Llama 3's markers are ~5, the simulator's (rendered as text) ~13; more here, so the estimate
-# does not fall short for many short messages (an abort before any usage is charged this).
+# Llama 3's markers are ~5, the tiny test model's 5 (12 for the header), the simulator's (rendered
+# as text) ~13; more here, so that neither the estimate nor the bound falls short for many short
+# messages.
 MESSAGE_TOKENS = 16
+# What a tokenizer adds to a completion's text prompt (a BOS, at most an EOS too): in its bound.
+PROMPT_SPECIAL_TOKENS = 2
 # The reservation: above every limit (a request this large is refused, never admitted), exact as
 # a double (metadata numbers are doubles) and far from overflowing Redis's 64-bit counters.
 MAX_RESERVATION = 10**15
@@ -58,9 +65,15 @@ class RequestFacts:
     include_usage: bool = False  # the client asked for the usage chunk (stream_options)
     n: int = 1  # sequences generated: max(n, best_of) for each prompt of the request
     max_output: int = 0  # output cap per sequence: the one the pod receives
-    prompt_tokens: int = 0  # estimate
+    prompt_tokens: int = 0  # the tokenizer's count, else the estimate
+    prompt_bound: int = 0  # the most tokens the prompt can be (0: unknown, the estimate's)
     prefix_blocks: tuple[int, ...] = ()
     first_turn: bool = False  # a known body with no assistant message: no pod has its KV yet
+
+    @property
+    def prompt_ceiling(self) -> int:
+        """What a prompt the pod never reported is charged: at least every tokenizer's count."""
+        return max(self.prompt_bound, self.prompt_tokens)
 
     @property
     def token_estimate(self) -> int:
@@ -74,6 +87,7 @@ class RequestFacts:
             wire.META_TOKEN_PROMPT: str(self.prompt_tokens),
             wire.META_TOKEN_CHOICES: str(self.n),
             wire.META_PROMPT_ESTIMATE: float(self.prompt_tokens),
+            wire.META_PROMPT_BOUND: float(self.prompt_bound),
             wire.META_STREAM: self.stream,
             wire.META_INCLUDE_USAGE: self.include_usage,
             wire.META_CHOICES: float(self.n),
@@ -98,6 +112,7 @@ class RequestFacts:
             n=_whole(meta.get(wire.META_CHOICES), 1),
             max_output=_whole(meta.get(wire.META_MAX_OUTPUT), 0),
             prompt_tokens=_whole(meta.get(wire.META_PROMPT_ESTIMATE), 0),
+            prompt_bound=_whole(meta.get(wire.META_PROMPT_BOUND), 0),
             prefix_blocks=_blocks(blocks) if isinstance(blocks, str) else (),
             first_turn=meta.get(wire.META_FIRST_TURN) is True,
         )
@@ -112,9 +127,11 @@ def from_body(
     max_blocks: int,
     model: str | None,
     cache_group: str = "",
+    prompt: PromptSize | None = None,
 ) -> RequestFacts:
     """Facts of a parsed JSON object body; `model` is the validated model name, if any;
-    `max_output` the most output per sequence the gateway allows (`output_cap`).
+    `max_output` the most output per sequence the gateway allows (`output_cap`); `prompt` the
+    prompt's size if the caller has it (counted by the model's tokenizer), else estimated here.
 
     Values are read the way the pod reads them (vLLM validates with pydantic in lax mode:
     `"stream": "true"` streams, `"n": "3.0"` is 3), or a client could make the gateway believe
@@ -124,13 +141,15 @@ def from_body(
     options = request.get("stream_options")
     include_usage = stream and isinstance(options, dict) and _lax_bool(options.get("include_usage"))
     choices = max(_count(request.get("n")), _count(request.get("best_of")))
+    size = prompt or prompt_size(request, chars_per_token, image_tokens)
     return RequestFacts(
         model=model,
         stream=stream,
         include_usage=include_usage,
         n=choices * _prompts(request.get("prompt")),
         max_output=output_cap(request, max_output),
-        prompt_tokens=prompt_tokens(request, chars_per_token, image_tokens),
+        prompt_tokens=size.tokens,
+        prompt_bound=size.ceiling,
         prefix_blocks=block_hashes(render(request), max_blocks, cache_group) if max_blocks else (),
         first_turn=is_first_turn(request),
     )
@@ -157,13 +176,35 @@ def output_cap(request: Mapping[str, Any], maximum: int) -> int:
     return maximum if asked is None or asked < 0 else min(asked, maximum)
 
 
-def prompt_tokens(request: Mapping[str, Any], chars_per_token: float, image_tokens: int) -> int:
-    """Estimated prompt tokens: characters of text / chars_per_token, plus MESSAGE_TOKENS a chat
-    message (and once for the assistant's header); tool definitions and tool calls by the size of
-    their JSON (the chat template renders them into the prompt); each content part without text
-    (an image, audio, a file) as `image_tokens`; token-ID prompts by their length."""
-    chars = 0
+@dataclass(frozen=True, slots=True)
+class PromptSize:
+    estimate: int  # characters / chars_per_token
+    bound: int  # UTF-8 bytes: no byte-level tokenizer makes more tokens than bytes
+    counted: int | None = None  # by the model's tokenizer, where it has one
+
+    @property
+    def tokens(self) -> int:
+        """The count, else the estimate: what is reserved."""
+        return self.estimate if self.counted is None else self.counted
+
+    @property
+    def ceiling(self) -> int:
+        """The count, else the bound: the most the prompt can be."""
+        return self.bound if self.counted is None else self.counted
+
+
+def prompt_size(
+    request: Mapping[str, Any], chars_per_token: float, image_tokens: int
+) -> PromptSize:
+    """The prompt's tokens without its tokenizer: text (characters / chars_per_token for the
+    estimate, UTF-8 bytes for the bound, and PROMPT_SPECIAL_TOKENS a text prompt of a completion
+    in it), plus MESSAGE_TOKENS a chat message (and once for the
+    assistant's header); tool definitions and tool calls by the size of their JSON (the chat
+    template renders them into the prompt); each content part without text (an image, audio, a
+    file) as `image_tokens`; token-ID prompts by their length."""
+    texts: list[str] = []
     tokens = 0
+    specials = 0  # in the bound only: the estimate stays as it was
     messages = request.get("messages")
     if isinstance(messages, list):
         tokens += MESSAGE_TOKENS * (len(messages) + 1)
@@ -171,39 +212,42 @@ def prompt_tokens(request: Mapping[str, Any], chars_per_token: float, image_toke
             if not isinstance(message, dict):
                 continue
             # The role, a name, a tool_call_id: rendered into the prompt like the content.
-            chars += sum(
-                len(v) for k, v in message.items() if k != "content" and isinstance(v, str)
-            )
+            texts += [v for k, v in message.items() if k != "content" and isinstance(v, str)]
             content = message.get("content")
             if isinstance(content, str):
-                chars += len(content)
+                texts.append(content)
             elif isinstance(content, list):
                 for part in content:
                     text = part.get("text") if isinstance(part, dict) else None
                     if isinstance(text, str):
-                        chars += len(text)
+                        texts.append(text)
                     else:
                         tokens += image_tokens
-            chars += _json_chars(message.get("tool_calls"))
+            texts.append(_json(message.get("tool_calls")))
     for name in ("tools", "functions"):
-        chars += _json_chars(request.get(name))
+        texts.append(_json(request.get(name)))
     for name in ("prompt", "input"):
         value = request.get(name)
         if isinstance(value, str):
-            chars += len(value)
+            texts.append(value)
+            specials += PROMPT_SPECIAL_TOKENS
         elif isinstance(value, list):
             for item in value:
                 if isinstance(item, str):
-                    chars += len(item)
+                    texts.append(item)
+                    specials += PROMPT_SPECIAL_TOKENS
                 elif isinstance(item, int):
                     tokens += 1
                 elif isinstance(item, list):  # a batch of token-ID prompts
                     tokens += sum(1 for t in item if isinstance(t, int))
-    return math.ceil(chars / chars_per_token) + tokens
+    chars = sum(map(len, texts))
+    # ASCII (most prompts) is one byte a character: no encoding needed to know.
+    utf8 = sum(len(t) if t.isascii() else len(t.encode(errors="surrogatepass")) for t in texts)
+    return PromptSize(math.ceil(chars / chars_per_token) + tokens, utf8 + tokens + specials)
 
 
-def _json_chars(value: object) -> int:
-    return len(json.dumps(value)) if isinstance(value, list | dict) and value else 0
+def _json(value: object) -> str:
+    return json.dumps(value) if isinstance(value, list | dict) and value else ""
 
 
 def render(request: Mapping[str, Any]) -> str:

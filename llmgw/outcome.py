@@ -19,7 +19,8 @@ OUTCOME_KINDS: tuple[OutcomeKind, ...] = ("ok", "aborted", "upstream_error", "re
 
 class Outcome(BaseModel):
     """One request's outcome. Token counts are what the pod reported (usage), or for a stream
-    cut short, the prompt estimate plus the tokens that reached the client."""
+    cut short, the prompt (its bound before the pod reported it) plus the tokens that reached
+    the client."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -31,7 +31,7 @@ T = TypeVar("T")
 Stamp = tuple[tuple[int, int, int] | None, ...]
 
 
-def _stamp(paths: Sequence[Path]) -> Stamp:
+def stamp(paths: Sequence[Path]) -> Stamp:
     out: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
@@ -52,7 +52,7 @@ class Reloading(Generic[T]):
         self.name = name
         self.paths = tuple(paths)
         self._load = load
-        self._stamp = _stamp(self.paths)
+        self._stamp = stamp(self.paths)
         self.current: T = load(None)
 
     def get(self) -> T:
@@ -61,12 +61,12 @@ class Reloading(Generic[T]):
 
     async def reload_if_changed(self) -> bool:
         """One poll; True when a new value was installed."""
-        stamp = await asyncio.to_thread(_stamp, self.paths)
-        if stamp == self._stamp:
+        now = await asyncio.to_thread(stamp, self.paths)
+        if now == self._stamp:
             return False
-        self._stamp = stamp
+        self._stamp = now
         try:
-            missing = [str(p) for p, s in zip(self.paths, stamp, strict=True) if s is None]
+            missing = [str(p) for p, s in zip(self.paths, now, strict=True) if s is None]
             if missing:
                 raise ConfigError(f"{', '.join(missing)}: file missing")
             fresh = await asyncio.to_thread(self._load, self.current)

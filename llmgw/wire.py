@@ -41,6 +41,8 @@ META_KEY_ID = "key_id"
 # The request facts (llmgw/facts.py), in the same namespace.
 META_TOKEN_ESTIMATE = "token_estimate"  # the token reservation, as a string (see facts.py)
 META_PROMPT_ESTIMATE = "prompt_estimate"
+# The most tokens the prompt can be: what a stream cut short before any usage is charged.
+META_PROMPT_BOUND = "prompt_bound"
 # The token estimate's parts as strings for the rate-limit descriptors (token_estimate =
 # token_prompt + cap × token_n): a hard budget with less left lowers the cap instead of refusing.
 META_TOKEN_PROMPT = "token_prompt"

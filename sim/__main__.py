@@ -72,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
         "every chunk and a final usage chunk) or final (vLLM 0.18: the final chunk only)",
     )
     p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="the served model's tokenizer.json (its chat template beside it): prompts count "
+        "as that model's pods count them (default: 4 characters a token)",
+    )
+    p.add_argument(
         "--api-key",
         help="/v1/* needs `Authorization: Bearer KEY`, as vLLM's --api-key (default: "
         f"${API_KEY_ENV}; prefer it: a flag shows in ps)",

@@ -16,8 +16,11 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llmgw import tokenizer
+from llmgw.tokenizer import PromptCounter
 from sim.errors import ApiError, from_pydantic, invalid, request_invalid
 from sim.tokens import count_tokens, natural_length, render_chat
 from sim.types import INT64_MAX, INT64_MIN, FinishReason, Job, SimSettings
@@ -109,28 +112,40 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(str(part.get("text", "")) for part in content)
 
 
-def _prompts(body: ChatBody | CompletionBody, limit: int) -> list[Prompt]:
+def _prompts(
+    body: ChatBody | CompletionBody, limit: int, counter: PromptCounter | None
+) -> list[Prompt]:
     """The rendered prompts. A text prompt is tokenized with truncation at `limit + 1` tokens
-    (vLLM's get_encode_kwargs), so a longer one counts `limit + 1`; token IDs count in full."""
+    (vLLM's get_encode_kwargs), so a longer one counts `limit + 1`; token IDs count in full.
+    With the model's tokenizer (`counter`), text counts its tokens, else 4 characters a token;
+    the text the engine hashes and seeds from is the simulator's rendering either way."""
     if isinstance(body, ChatBody):
         if not body.messages:
             raise invalid(
                 "Cannot apply chat template to an empty conversation. Provide at least one message."
             )
         text = render_chat([(m.role, _text(m.content)) for m in body.messages])
-        return [_text_prompt(text, limit)]
+        if counter is None:
+            return [_text_prompt(text, limit)]
+        try:
+            tokens = counter.chat(
+                [m.model_dump() for m in body.messages], (body.model_extra or {}).get("tools")
+            )
+        except jinja2.TemplateError as exc:
+            raise invalid(str(exc)) from exc
+        return [Prompt(text, min(tokens, limit + 1))]
     raw = body.prompt
     if raw == []:
         raise invalid("You must pass at least one prompt")
     if isinstance(raw, str):
-        return [_text_prompt(raw, limit)]
+        return [_text_prompt(raw, limit, counter)]
     prompts: list[Prompt] = []
     ids: list[int] = []  # one prompt of token IDs
     for x in raw or ():
         if isinstance(x, int):
             ids.append(x)
         elif isinstance(x, str):
-            prompts.append(_text_prompt(x, limit))
+            prompts.append(_text_prompt(x, limit, counter))
         else:
             prompts.append(_ids(x))
     prompts = prompts or [_ids(ids)]
@@ -139,8 +154,11 @@ def _prompts(body: ChatBody | CompletionBody, limit: int) -> list[Prompt]:
     return prompts
 
 
-def _text_prompt(text: str, limit: int) -> Prompt:
-    return Prompt(text, min(count_tokens(text), limit + 1) if text else 0)
+def _text_prompt(text: str, limit: int, counter: PromptCounter | None = None) -> Prompt:
+    if not text:
+        return Prompt(text, 0)
+    tokens = counter.text(text) if counter is not None else count_tokens(text)
+    return Prompt(text, min(tokens, limit + 1))
 
 
 def _ids(ids: list[int]) -> Prompt:
@@ -223,7 +241,8 @@ def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | No
             cap_param,
             cap,
         )
-    prompts = _prompts(body, limit)
+    counter = tokenizer.counter(settings.tokenizer) if settings.tokenizer else None
+    prompts = _prompts(body, limit, counter)
     for prompt in prompts:
         if prompt.tokens > limit:
             # limit + 1 may be a truncated count (renderers/params.py::_token_len_check).

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
+from llmgw import tokenizer as tokenizers
 from llmgw.config import Strict
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -42,6 +44,19 @@ class SimSettings(Strict):
     scheduling_policy: SchedulingPolicy = "fcfs"
     # vLLM's --api-key (or VLLM_API_KEY): /v1/* needs `Authorization: Bearer KEY`. None: open.
     api_key: SecretStr | None = None
+    # The served model's tokenizer.json (its chat template beside it): prompts are counted as a
+    # real pod of that model counts them (llmgw/tokenizer.py). None: a token is 4 characters.
+    tokenizer: Path | None = None
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _loads(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            try:
+                tokenizers.counter(path)
+            except tokenizers.TokenizerError as exc:
+                raise ValueError(str(exc)) from exc
+        return path
 
 
 class Faults(Strict):

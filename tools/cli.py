@@ -43,6 +43,8 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
     if args.vllm_arg:
         vllm_args = [a for arg in args.vllm_arg for a in shlex.split(arg)]
         update["vllm"] = {**settings.vllm.model_dump(), "args": vllm_args}
+    if args.tokenizer:
+        update["tokenizer"] = args.tokenizer
     if args.database_url:
         update["database_url"] = args.database_url
     if settings.postgres_dir is None:  # the local ledger outlives one run of the stack
@@ -167,6 +169,11 @@ def parser() -> argparse.ArgumentParser:
         help="a real vLLM server, host:port or http://host:port (repeatable); no pods started",
     )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flags for every pod")
+    up.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="the served model's tokenizer.json: the pods and the gateway count prompts with it",
+    )
     up.add_argument("--ready-file", type=Path, help="write base URL, keys and pods here as JSON")
     up.add_argument(
         "--database-url", help="PostgreSQL for the usage ledger (default: a local server of ours)"

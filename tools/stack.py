@@ -55,6 +55,10 @@ class StackSettings(Strict):
     engine: Literal["sim", "vllm"] = "sim"
     vllm: VllmSettings = VllmSettings()
     sim_args: tuple[str, ...] = ()  # extra flags for each simulated pod: `python -m sim --help`
+    # The served model's tokenizer.json: the simulated pods count prompts with it (`--tokenizer`)
+    # and extauthz reserves them by it (decision.tokenizer). Real vLLM pods: their model's own,
+    # always.
+    tokenizer: Path | None = None
     pod_args: tuple[tuple[str, ...], ...] = ()  # more flags for pod i, after sim_args
     # The callout services in front of the pods. Rate limits read extauthz's tenant context, so
     # without extauthz they count nothing.
@@ -129,6 +133,7 @@ class Stack:
         # The operator's own file, not a copy: its edits reload in every service.
         self.tiers_file = settings.tiers_file.resolve() if settings.tiers_file else None
         self.tenants: list[dict[str, str]] = []
+        self.tokenizer = settings.tokenizer.resolve() if settings.tokenizer else None
         self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (tools/certs.py)
         # The run's CA, in memory only: tests issue certificates of it (`ca.write`).
         self.ca = certs.Authority()
@@ -198,6 +203,7 @@ class Stack:
         self.pods = [Address(port=free_port()) for _ in range(self.settings.pods)]
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
+            self.tokenizer = model.resolve() / "tokenizer.json"
             self.pod_processes = [self._vllm_process(i, model) for i in range(len(self.pods))]
             self.serving = [Serving.vllm(self.settings.vllm)] * len(self.pods)
         else:
@@ -222,6 +228,8 @@ class Stack:
         # vLLM's priority scheduler, as compose and k8s run it (sim_args may say fcfs instead).
         flags += ["--scheduling-policy", "priority"]
         flags += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
+        if self.tokenizer is not None:
+            flags += ["--tokenizer", str(self.tokenizer)]
         if index < len(self.settings.pod_args):
             flags += self.settings.pod_args[index]
         return flags
@@ -261,6 +269,12 @@ class Stack:
                 "REDIS__PASSWORD": self.redis_password,
             },
         }
+        if self.tokenizer is not None:  # JSON: a YAML mapping, as the override is read
+            model = self.serving[0].model
+            if model is None:
+                raise StartError("a tokenizer needs the pods' model name: their /v1/models")
+            tokenizers = {model: str(self.tokenizer)}
+            settings["extauthz"]["DECISION__TOKENIZER"] = json.dumps(tokenizers)
         if "ledger" in self.settings.services:
             settings["ledger"]["DATABASE_URL"] = self._database()
         if "extauthz" in self.settings.services:

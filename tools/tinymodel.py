@@ -8,8 +8,10 @@ Head size 64: the CPU attention kernels refuse smaller heads at the first reques
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 SEED = 20261203
 VOCAB = 1024
@@ -27,16 +29,11 @@ TEXT = [
 ]
 
 
-def make(out: Path) -> None:
-    import torch
+def byte_level_bpe() -> Any:
+    """The model's tokenizer (a `tokenizers.Tokenizer`): byte-level BPE trained on TEXT, the same
+    each run. Only `tokenizers` needed: the services' environment makes it too (tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
 
-    torch.manual_seed(SEED)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -47,8 +44,32 @@ def make(out: Path) -> None:
         show_progress=False,
     )
     bpe.train_from_iterator(TEXT * 4, trainer=trainer)
+    return bpe
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """The tokenizer as the model's directory holds it (tokenizer.json, the chat template beside
+    it, the special tokens in tokenizer_config.json), without transformers: its tokenizer.json's
+    path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    byte_level_bpe().save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(special))
+    return directory / "tokenizer.json"
+
+
+def make(out: Path) -> None:
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    torch.manual_seed(SEED)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        tokenizer_object=byte_level_bpe(), bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(

@@ -94,6 +94,8 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         wire.META_TOKEN_PROMPT: str(CHAT + 100),
         wire.META_TOKEN_CHOICES: "1",
         wire.META_PROMPT_ESTIMATE: float(CHAT + 100),
+        # The most it can be: the text's UTF-8 bytes ("user" and 400 characters of ASCII).
+        wire.META_PROMPT_BOUND: float(4 + 400 + 2 * MESSAGE_TOKENS),
         wire.META_MAX_OUTPUT: 50.0,
         wire.META_CHOICES: 1.0,
         wire.META_STREAM: False,

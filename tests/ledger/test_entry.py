@@ -204,3 +204,23 @@ def test_a_rate_limit_decision_is_recorded(admission: dict[str, Any] | None, che
 def test_mistyped_borrowing_metadata_counts_as_base_quota(drawn: dict[str, Any]) -> None:
     o = to_outcome(entry(200, usage=USED, admission=drawn))
     assert o is not None and (o.borrowed_requests, o.borrowed_tokens) == (0, 0)
+
+
+def test_a_stream_left_before_the_pod_reported_usage_is_charged_the_prompt_bound() -> None:
+    """Without the model's tokenizer the prompt is an estimate (20) that a dense prompt exceeds;
+    its UTF-8 bytes (61) no byte-level tokenizer does. Once the pod reports it, its count wins."""
+    left = entry(0, stream=True, flags=("downstream_connection_termination",))
+    authz = left.common_properties.metadata.filter_metadata[wire.EXTAUTHZ_NAMESPACE]
+    authz.update({wire.META_PROMPT_BOUND: 61.0})
+    o = to_outcome(left)
+    assert o is not None and o.outcome == "aborted"
+    assert (o.prompt_tokens, o.completion_tokens) == (61, 0)
+    authz.update({wire.META_PROMPT_BOUND: 0.0})  # none sent (an older extauthz): the estimate
+    o = to_outcome(left)
+    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (20, 0)
+    left.common_properties.metadata.filter_metadata[wire.USAGE_NAMESPACE].update(
+        {wire.META_PROMPT_TOKENS: 45, wire.META_COMPLETION_TOKENS: 0}
+    )
+    authz.update({wire.META_PROMPT_BOUND: 61.0})
+    o = to_outcome(left)
+    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (45, 0)

@@ -4,10 +4,12 @@ KV block size and count, priority scheduling, forced usage), and what the gatewa
 agree: the `/v1/models` document, SSE framing and chunk fields, usage and where it goes, whole
 replies, error bodies and statuses, the Prometheus names and labels the router reads.
 
-Structure is compared (keys in order, JSON types, statuses, error bodies), not generated text or
-token counts (the sim has no tokenizer). Where the two differ on purpose, the difference is a row
-of sim/README.md's "Differences from vLLM 0.32" table, keyed by the name this test gives it: a
-difference not in the table fails, and so does a row whose difference is gone.
+Structure is compared (keys in order, JSON types, statuses, error bodies), not generated text.
+Prompt token counts are compared exactly: the sim tokenizes with the model's own tokenizer
+(`--tokenizer`), and the gateway's count (llmgw/tokenizer.py) must agree with both. Where the
+two differ on purpose, the difference is a row of sim/README.md's "Differences from vLLM 0.32"
+table, keyed by the name this test gives it: a difference not in the table fails, and so does a
+row whose difference is gone.
 
 Marked e2e (the real-vLLM tier): one real pod per module, ~1-8 minutes to start on 2 cores.
 """
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw import tokenizer
 from llmgw.config import load
 from router.collectors.scrape import _WANTED as ROUTER_READS
 from router.collectors.scrape import parse_metrics
@@ -79,6 +82,7 @@ class Pair:
     real: Pod
     sim: Pod
     model: str
+    tokenizer: Path  # the model's tokenizer.json
 
     def both(self, method: str, path: str, body: Any = None, **headers: str) -> tuple[Reply, Reply]:
         return self.real.send(method, path, body, headers), self.sim.send(
@@ -105,7 +109,8 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         pytest.skip(f"no vLLM environment: {settings.venv / STAMP} is missing")
     logs = tmp_path_factory.mktemp("fidelity")
     real = Pod("127.0.0.1", free_port())
-    argv = pod_argv(settings, ensure_model(settings), real.host, real.port)
+    model = ensure_model(settings)
+    argv = pod_argv(settings, model, real.host, real.port)
     vllm = Process(
         "vllm",
         argv,
@@ -126,12 +131,12 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         sim_argv += ["--num-gpu-blocks", config["num_gpu_blocks"]]
         # As pod_argv starts vLLM: priority scheduling, usage forced into every stream.
         sim_argv += ["--scheduling-policy", "priority", "--force-include-usage"]
-        sim_argv += ["--time-scale", "0.05"]
+        sim_argv += ["--time-scale", "0.05", "--tokenizer", str(model / "tokenizer.json")]
         sim_process = Process(
             "sim", sim_argv, http_ok(f"http://{sim.host}:{sim.port}/health"), logs / "sim.log"
         )
         sim_process.start(60)
-        yield Pair(real, sim, settings.served_model_name)
+        yield Pair(real, sim, settings.served_model_name, model / "tokenizer.json")
     finally:
         if sim_process is not None:
             sim_process.stop()
@@ -341,6 +346,37 @@ def test_errors(pods: Pair, name: str) -> None:
     assert real.status == sim.status and real.status in (400, 404), real.body
     assert real.content_type == sim.content_type == "application/json"
     assert sim.json() == real.json()  # message, type, param and code: all deterministic here
+
+
+# Dense text: 3 bytes a CJK character and 4 an emoji, a token each byte in the tiny model's BPE
+# (trained on English), far above the estimate's 4 characters a token; within its 1,024 context.
+CJK = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(300))
+EMOJI = "".join(chr(0x1F600 + i % 80) for i in range(200))
+PROMPTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cjk chat": (CHAT, {"messages": [{"role": "user", "content": CJK}]}),
+    "emoji chat, a system message": (CHAT, {"messages": [
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": EMOJI}]}),
+    "several turns": (CHAT, {"messages": [
+        {"role": "user", "content": "Hello, how are you today?"},
+        {"role": "assistant", "content": "I am fine, thank you. 你好!"},
+        {"role": "user", "content": "What is the weather like? 🌦️"}]}),
+    "text parts": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "The quick brown fox"}, {"type": "text", "text": CJK[:50]}]}]}),
+    "mixed completion": (COMPLETIONS, {"prompt": "Tenants share one fleet: 共有 🚀 " + CJK[:100]}),
+    "a list of prompts": (COMPLETIONS, {"prompt": [EMOJI[:50], "The quick brown fox."]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_prompt_counts(pods: Pair, name: str) -> None:
+    """vLLM's prompt count, the sim's with the model's tokenizer, and the gateway's (what it
+    reserves) are one number."""
+    path, fields = PROMPTS[name]
+    sent = body(pods, path, **fields)
+    real, sim = pods.both("POST", path, sent)
+    assert real.status == sim.status == 200, real.body
+    counted = tokenizer.counter(pods.tokenizer).request(sent, image_tokens=0)
+    assert real.json()["usage"]["prompt_tokens"] == sim.json()["usage"]["prompt_tokens"] == counted
 
 
 def test_unknown_route(pods: Pair) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sim.errors import ApiError
 from sim.protocol import parse
 from sim.types import SimSettings
+from tests import tiny_tokenizer
+from tests.tiny_tokenizer import tokens
 
 SETTINGS = SimSettings()
 
@@ -35,3 +39,16 @@ def test_samples_differ_and_list_prompts_are_prompt_major() -> None:
     assert [(j.prompt, j.sample) for j in request.jobs] == [
         ("a" * 8, 0), ("a" * 8, 1), ("b" * 8, 0), ("b" * 8, 1)]  # fmt: skip
     assert request.prompt_tokens == 4
+
+
+def test_with_the_model_tokenizer_prompts_count_as_its_pods_count_them(tmp_path: Path) -> None:
+    path = tiny_tokenizer.write(tmp_path / "tiny")
+    settings = SimSettings(tokenizer=path)
+    chat = {"messages": [{"role": "user", "content": "你好" * 100}]}
+    rendered = "<s>user: " + "你好" * 100 + "</s>\n<s>assistant: "
+    assert parse("chat", chat, settings, None).prompt_tokens == tokens(path, rendered) > 600
+    assert parse("chat", chat, SETTINGS, None).prompt_tokens < 100  # 4 characters a token
+    completion = parse("completion", {"prompt": ["🌍" * 10, "ab"]}, settings, None)
+    assert completion.prompt_tokens == 40 + tokens(path, "ab")
+    with pytest.raises(ApiError, match="at least 601 input tokens"):  # truncated at 601
+        parse("chat", chat, SimSettings(tokenizer=path, max_model_len=600), None)
