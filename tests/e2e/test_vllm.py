@@ -14,6 +14,7 @@ import json
 import threading
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import openai
@@ -62,16 +63,21 @@ def noise(seed: str, chars: int) -> str:
     return text[:chars]
 
 
-def open_stream(stack: Stack, key: str, max_tokens: int, **extra: Any) -> http.client.HTTPResponse:
-    """A stream through the gateway that never stops by itself (vLLM's ignore_eos), headers read."""
+@contextmanager
+def streaming(stack: Stack, key: str, max_tokens: int) -> Iterator[http.client.HTTPResponse]:
+    """A stream through the gateway that never stops by itself (vLLM's ignore_eos), its headers
+    read; leaving the block hangs up, finished or not."""
     conn = http.client.HTTPConnection(stack.listen.host, stack.listen.port, timeout=120)
-    body = {"model": model(stack), "messages": HI, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, **extra}  # fmt: skip
-    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
-    reply = conn.getresponse()
-    assert reply.status == 200, reply.read()
-    return reply
+    try:
+        body = {"model": model(stack), "messages": HI, "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()
+        yield reply
+    finally:
+        conn.close()
 
 
 def events(reply: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
@@ -202,24 +208,24 @@ def test_the_higher_priority_tenant_gets_its_first_token_first(real: Stack) -> N
     """One long stream runs; a free tenant's request queues behind it, then a platinum one's.
     When the pod is free again its priority scheduler takes platinum first (fcfs, or a priority
     that did not reach the pod, would take the free one: it came first)."""
-    blocker = open_stream(real, api_key(real, "standard"), max_tokens=900)
-    next(e for e in events(blocker) if has_token(e))  # running now
     first: list[str] = []
 
     def queued(tier: str) -> None:
-        reply = open_stream(real, api_key(real, tier), max_tokens=16)
-        chunks = events(reply)
-        next(e for e in chunks if has_token(e))
-        first.append(tier)
-        for _ in chunks:  # to the end: a whole answer, not an abort
-            pass
+        with streaming(real, api_key(real, tier), max_tokens=16) as reply:
+            chunks = events(reply)
+            next(e for e in chunks if has_token(e))
+            first.append(tier)
+            for _ in chunks:  # to the end: a whole answer, not an abort
+                pass
 
     threads = [threading.Thread(target=queued, args=(tier,)) for tier in ("free", "platinum")]
-    for count, thread in enumerate(threads, start=1):
-        thread.start()
-        eventually_waiting(real, count)  # queued in this order
-    assert pod_metrics(real)[RUNNING] == 1  # the blocker still ran while both queued
-    blocker.close()  # the pod aborts it; its waiting queue decides who runs next
+    with streaming(real, api_key(real, "standard"), max_tokens=900) as blocker:
+        next(e for e in events(blocker) if has_token(e))  # running now
+        for count, thread in enumerate(threads, start=1):
+            thread.start()
+            eventually_waiting(real, count)  # queued in this order
+        assert pod_metrics(real)[RUNNING] == 1  # the blocker still ran while both queued
+    # Hung up: the pod aborts the blocker, and its waiting queue decides who runs next.
     for thread in threads:
         thread.join(120)
     assert first == ["platinum", "free"]
@@ -255,14 +261,13 @@ def test_cache_salt_isolates_tenants_and_a_cache_group_shares(real: Stack) -> No
 def test_an_aborted_stream_stops_the_pod_and_is_charged_what_streamed(real: Stack) -> None:
     max_tokens = 900
     before = pod_metrics(real)
-    reply = open_stream(real, api_key(real, "standard"), max_tokens)
-    request_id = reply.headers["x-request-id"]
-    seen = 0
-    for event in events(reply):
-        seen += has_token(event)
-        if seen == 5:
-            break
-    reply.close()  # the client hangs up
+    with streaming(real, api_key(real, "standard"), max_tokens) as reply:
+        request_id = reply.headers["x-request-id"]
+        seen = 0
+        for event in events(reply):
+            seen += has_token(event)
+            if seen == 5:
+                break  # the client hangs up
     eventually(lambda: pod_metrics(real)[RUNNING] == 0, 60, "the pod still generates")
     generated = pod_metrics(real)[GENERATED] - before[GENERATED]
     assert seen <= generated < max_tokens / 2  # stopped long before max_tokens
@@ -290,14 +295,14 @@ def test_the_router_reads_the_real_pods_metrics(real: Stack) -> None:
     from the tokens it served (vllm:prompt_tokens_total, vllm:generation_tokens_total)."""
     pod = f"{real.pods[0].host}:{real.pods[0].port}"
     assert f'llmgw_router_pod_pickable{{pod="{pod}"}} 1.0' in router_metrics(real)
-    blocker = open_stream(real, api_key(real, "standard"), max_tokens=900)
-    tokens = (e for e in events(blocker) if has_token(e))
-    next(tokens)
-    busy = lambda: (load := fleet_load(real)) is not None and load.load > 0  # noqa: E731
-    eventually(busy, 30, lambda: f"fleet load {fleet_load(real)}, pod {pod_metrics(real)}")
-    assert pod_metrics(real)[RUNNING] == 1  # not yet done: the load was this stream's
-    blocker.close()
     idle = lambda: (load := fleet_load(real)) is not None and load.load == 0  # noqa: E731
-    eventually(idle, 30, lambda: f"fleet load {fleet_load(real)}, pod {pod_metrics(real)}")
+    busy = lambda: (load := fleet_load(real)) is not None and load.load > 0  # noqa: E731
+    what = lambda: f"fleet load {fleet_load(real)}, pod {pod_metrics(real)}"  # noqa: E731
+    eventually(idle, 30, what)
+    with streaming(real, api_key(real, "standard"), max_tokens=900) as blocker:
+        next(e for e in events(blocker) if has_token(e))
+        eventually(busy, 30, what)
+        assert pod_metrics(real)[RUNNING] == 1  # not yet done: the load was this stream's
+    eventually(idle, 30, what)
     load = fleet_load(real)
     assert load is not None and load.capacity_tpm > 0 and load.capacity_rpm > 0
