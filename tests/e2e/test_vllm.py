@@ -112,20 +112,23 @@ def settled(stack: Stack, request_id: str, before: dict[str, float]) -> dict[str
 def test_the_client_sees_usage_only_when_it_asked(real: Stack) -> None:
     """vLLM runs with --enable-force-include-usage (usage on every chunk of every stream, for
     the ledger); the gateway strips it from the streams of clients that did not ask."""
-    chat = sdk(real, api_key(real, "standard")).chat.completions
-    whole = chat.create(model=model(real), messages=HI, max_tokens=8, extra_body=NO_EOS)
+    with sdk(real, api_key(real, "standard")) as client:
+        chat = client.chat.completions
+        whole = chat.create(model=model(real), messages=HI, max_tokens=8, extra_body=NO_EOS)
+        plain = list(
+            chat.create(
+                model=model(real), messages=HI, max_tokens=8, extra_body=NO_EOS, stream=True
+            )
+        )
+        asked = list(
+            chat.create(
+                model=model(real), messages=HI, max_tokens=8, extra_body=NO_EOS, stream=True,
+                stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
     assert whole.usage is not None and whole.usage.completion_tokens == 8
-    plain = list(
-        chat.create(model=model(real), messages=HI, max_tokens=8, extra_body=NO_EOS, stream=True)
-    )
     assert tokens(plain) == 8
     assert all(c.usage is None for c in plain)
-    asked = list(
-        chat.create(
-            model=model(real), messages=HI, max_tokens=8, extra_body=NO_EOS, stream=True,
-            stream_options={"include_usage": True},
-        )
-    )  # fmt: skip
     assert tokens(asked) == 8
     last = asked[-1]  # OpenAI's usage chunk: no choice, the whole usage
     assert last.choices == [] and last.usage is not None
@@ -147,27 +150,30 @@ def test_the_client_sees_usage_only_when_it_asked(real: Stack) -> None:
 def test_the_ledger_charges_what_the_pod_counted(real: Stack) -> None:
     """Each request's prompt and completion tokens in the ledger are the pod's own counts (its
     counters' increase), whether the client asked for usage or not."""
-    chat = sdk(real, api_key(real, "standard")).chat.completions.with_raw_response
-    before = pod_metrics(real)
-    whole = chat.create(model=model(real), messages=HI, max_tokens=12, extra_body=NO_EOS)
-    row = settled(real, whole.headers["x-request-id"], before)
-    usage = whole.parse().usage
-    assert usage is not None
-    assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, 12)
-    for include in (False, True):
+    with sdk(real, api_key(real, "standard")) as client:
+        chat = client.chat.completions.with_raw_response
         before = pod_metrics(real)
-        stream = chat.create(
-            model=model(real), messages=user(noise(f"ledger {include}", 100)), max_tokens=12,
-            extra_body=NO_EOS, stream=True, stream_options={"include_usage": include},
-        )  # fmt: skip
-        chunks = list(stream.parse())
-        row = settled(real, stream.headers["x-request-id"], before)
-        assert row["completion_tokens"] == 12 and row["outcome"] == "ok"
-        assert row["prompt_tokens"] > 100  # the pod's tokenizer, not an estimate of ours
-        assert row["charged_tokens"] == row["prompt_tokens"] + 12
-        if include:
-            assert chunks[-1].usage is not None
-            assert chunks[-1].usage.prompt_tokens == row["prompt_tokens"]
+        whole = chat.create(model=model(real), messages=HI, max_tokens=12, extra_body=NO_EOS)
+        row = settled(real, whole.headers["x-request-id"], before)
+        usage = whole.parse().usage
+        assert usage is not None
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, 12)
+        for include in (False, True):
+            before = pod_metrics(real)
+            stream = chat.create(
+                model=model(real), messages=user(noise(f"ledger {include}", 100)), max_tokens=12,
+                extra_body=NO_EOS, stream=True, stream_options={"include_usage": include},
+            )  # fmt: skip
+            chunks = list(stream.parse())
+            row = settled(real, stream.headers["x-request-id"], before)
+            # Not the outcome: the sync SDK hangs up at `[DONE]`, maybe before the pod's last
+            # chunk reaches Envoy, which then logs the stream as aborted (charged the same).
+            assert row["completion_tokens"] == 12
+            assert row["prompt_tokens"] > 100  # the pod's tokenizer, not an estimate of ours
+            assert row["charged_tokens"] == row["prompt_tokens"] + 12
+            if include:
+                assert chunks[-1].usage is not None
+                assert chunks[-1].usage.prompt_tokens == row["prompt_tokens"]
 
 
 @pytest.mark.xfail(
@@ -177,17 +183,16 @@ def test_the_ledger_charges_what_the_pod_counted(real: Stack) -> None:
 )
 def test_an_sdk_default_request_is_served(real: Stack) -> None:
     """No max_tokens, as the SDK sends by default: the gateway names the tier's output cap."""
-    reply = sdk(real, api_key(real, "standard")).chat.completions.create(
-        model=model(real), messages=HI
-    )
+    with sdk(real, api_key(real, "standard")) as client:
+        reply = client.chat.completions.create(model=model(real), messages=HI)
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_a_prompt_longer_than_the_context_is_vllms_400(real: Stack) -> None:
     messages = user(noise("too long", 3000))
     key = api_key(real, "standard")
-    with pytest.raises(openai.BadRequestError) as caught:
-        sdk(real, key).chat.completions.create(model=model(real), messages=messages, max_tokens=8)
+    with sdk(real, key) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model(real), messages=messages, max_tokens=8)
     assert caught.value.status_code == 400
     body = {"model": model(real), "messages": messages, "max_tokens": 8}
     url, auth = f"{real.base_url}/chat/completions", {"authorization": f"Bearer {key}"}
@@ -239,9 +244,10 @@ def test_cache_salt_isolates_tenants_and_a_cache_group_shares(real: Stack) -> No
     def ask(tenant: str, text: str) -> float:
         """The prefix cache hits of the tenant's request, once the pod has counted it."""
         before = pod_metrics(real)
-        reply = sdk(real, keys[tenant]).chat.completions.create(
-            model=model(real), messages=user(text), max_tokens=1
-        )
+        with sdk(real, keys[tenant]) as client:
+            reply = client.chat.completions.create(
+                model=model(real), messages=user(text), max_tokens=1
+            )
         assert reply.usage is not None and reply.usage.prompt_tokens > 3 * BLOCK
         # Hits and queries are counted together: once the queries show the prompt, so do hits.
         queried = lambda: pod_metrics(real)[QUERIES] - before[QUERIES] >= reply.usage.prompt_tokens  # noqa: E731

@@ -54,7 +54,6 @@ def test_the_simulated_pod_serves_what_the_real_one_does(mixed: Stack) -> None:
 def test_both_pods_are_picked_and_the_ledger_settles_both(mixed: Stack) -> None:
     """Rounds of concurrent SDK requests (the router spreads what queues) until each pod has
     served some: bounded, a pod never picked fails the test."""
-    client = sdk(mixed, api_key(mixed, "standard"))
     pods = {f"{p.host}:{p.port}" for p in mixed.pods}
 
     def ask(i: int) -> str:
@@ -69,14 +68,17 @@ def test_both_pods_are_picked_and_the_ledger_settles_both(mixed: Stack) -> None:
         return str(reply.headers["x-request-id"])
 
     rows: dict[str, Any] = {}
-    with ThreadPoolExecutor(4) as pool:
+    with sdk(mixed, api_key(mixed, "standard")) as client, ThreadPoolExecutor(4) as pool:
         for round_ in range(20):
             ids = set(pool.map(ask, range(4 * round_, 4 * round_ + 4)))
             rows |= recorded(mixed, ids)
             if {r["pod"] for r in rows.values()} == pods:
                 break
     assert {r["pod"] for r in rows.values()} == pods
+    with urllib.request.urlopen(mixed.metrics["router"], timeout=10) as reply:
+        picks = reply.read().decode()
     for pod in pods:
+        assert f'llmgw_router_picks_total{{pod="{pod}"' in picks  # the router's pick, no fallback
         mine = [r for r in rows.values() if r["pod"] == pod]
         assert all(r["outcome"] == "ok" and r["completion_tokens"] == 16 for r in mine)
         assert all(r["prompt_tokens"] > 0 for r in mine)
