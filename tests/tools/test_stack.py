@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tools.stack import Stack, StackSettings
+from tools.stack import PATIENT_SCRAPES, Stack, StackSettings
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,10 @@ def test_each_pod_names_its_engine(
 def test_simulated_pods_beside_real_ones_need_real_ones(settings: dict[str, object]) -> None:
     with pytest.raises(ValidationError, match="sim_pods"):
         StackSettings.model_validate(settings)
+
+
+@pytest.mark.parametrize(("engine", "patient"), [("sim", False), ("vllm", True)])
+def test_real_pods_are_scraped_patiently(engine: str, patient: bool, tmp_path: Path) -> None:
+    """A CPU pod's /metrics takes up to 75 ms: past the router's default 50 ms timeout."""
+    stack = Stack(StackSettings.model_validate({"engine": engine}), tmp_path)
+    assert (PATIENT_SCRAPES.items() <= stack._router_settings().items()) is patient
