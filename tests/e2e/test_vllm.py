@@ -29,6 +29,7 @@ from tests.e2e.test_isolation import add_tenants
 from tests.e2e.test_ledger_e2e import recorded
 from tests.eventually import eventually
 from tests.http import call
+from tools.engine import BLOCK_SIZE
 from tools.stack import Stack
 
 pytestmark = MARKS
@@ -37,7 +38,6 @@ NO_EOS = {"ignore_eos": True}  # vLLM's: the tiny model's answers last exactly m
 PROMPT, GENERATED = "vllm:prompt_tokens_total", "vllm:generation_tokens_total"
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
-BLOCK = 128  # the CPU build's KV block: the prefix cache hits whole blocks only
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,8 @@ def test_a_prompt_longer_than_the_context_is_vllms_400(real: Stack) -> None:
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}  # OpenAI's error shape
     assert error["type"] == "BadRequestError" and error["code"] == 400
-    assert "maximum context length is 1024 tokens" in error["message"]  # vLLM's own words
+    context = real.settings.vllm.max_model_len
+    assert f"maximum context length is {context} tokens" in error["message"]  # vLLM's words
 
 
 def eventually_waiting(stack: Stack, count: int) -> None:
@@ -248,20 +249,21 @@ def test_cache_salt_isolates_tenants_and_a_cache_group_shares(real: Stack) -> No
             reply = client.chat.completions.create(
                 model=model(real), messages=user(text), max_tokens=1
             )
-        assert reply.usage is not None and reply.usage.prompt_tokens > 3 * BLOCK
+        assert reply.usage is not None and reply.usage.prompt_tokens > 3 * BLOCK_SIZE
         # Hits and queries are counted together: once the queries show the prompt, so do hits.
-        queried = lambda: pod_metrics(real)[QUERIES] - before[QUERIES] >= reply.usage.prompt_tokens  # noqa: E731
+        prompt = reply.usage.prompt_tokens
+        queried = lambda: pod_metrics(real)[QUERIES] - before[QUERIES] >= prompt  # noqa: E731
         eventually(queried, 30, "the pod never counted the request's prefix cache lookup")
         return pod_metrics(real)[HITS] - before[HITS]
 
     secret = noise("tenant a's secret", 500)
     assert ask("salt-a", secret) == 0  # a prompt never seen
-    assert ask("salt-a", secret) >= 3 * BLOCK  # the same tenant's repeat: cached
+    assert ask("salt-a", secret) >= 3 * BLOCK_SIZE  # the same tenant's repeat: cached
     assert ask("salt-b", secret) == 0  # another tenant's identical prompt: a miss
-    assert ask("salt-b", secret) >= 3 * BLOCK  # its own repeat hits its own blocks
+    assert ask("salt-b", secret) >= 3 * BLOCK_SIZE  # its own repeat hits its own blocks
     shared = noise("the group's system prompt", 500)
     assert ask("group-a", shared) == 0
-    assert ask("group-b", shared) >= 3 * BLOCK  # the group shares
+    assert ask("group-b", shared) >= 3 * BLOCK_SIZE  # the group shares
 
 
 def test_an_aborted_stream_stops_the_pod_and_is_charged_what_streamed(real: Stack) -> None:

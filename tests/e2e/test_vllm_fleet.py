@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.conftest import api_key
 from tests.e2e.realpods import MARKS, model, real_stack, sdk
 from tests.e2e.test_ledger_e2e import recorded
+from tools.engine import BLOCK_SIZE
 from tools.stack import Stack
 
 pytestmark = MARKS
@@ -48,7 +49,8 @@ def test_the_simulated_pod_serves_what_the_real_one_does(mixed: Stack) -> None:
     pods = mixed.ready_info()["pods"]
     assert [(p["engine"], p["simulated"]) for p in pods] == [("vllm", False), ("sim", True)]
     assert served_as(mixed, 1) == served_as(mixed, 0)
-    assert served_as(mixed, 0) == (model(mixed), 1024, "128")
+    real = (model(mixed), mixed.settings.vllm.max_model_len, str(BLOCK_SIZE))
+    assert served_as(mixed, 0) == real
 
 
 def test_both_pods_are_picked_and_the_ledger_settles_both(mixed: Stack) -> None:
