@@ -88,12 +88,15 @@ def events(reply: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
 
 
 def has_token(event: dict[str, Any]) -> bool:
-    """A token's event: a choice past the first (its role; a token may decode to nothing yet)."""
+    """An event with output: a choice past the first (its role). One token or more (a slow reader
+    gets them merged), decoded or not yet (part of a character)."""
     return any("role" not in c.get("delta", {}) for c in event.get("choices", []))
 
 
-def tokens(chunks: list[ChatCompletionChunk]) -> int:
-    return sum(bool(c.choices and c.choices[0].delta.role is None) for c in chunks)
+def finish(chunks: list[ChatCompletionChunk]) -> str | None:
+    """The stream's finish reason: its last choice's. (Not a count of chunks: vLLM merges the
+    tokens a slow reader has not taken yet into one chunk.)"""
+    return [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
 
 def settled(stack: Stack, request_id: str, before: dict[str, float]) -> dict[str, Any]:
@@ -127,9 +130,9 @@ def test_the_client_sees_usage_only_when_it_asked(real: Stack) -> None:
             )
         )  # fmt: skip
     assert whole.usage is not None and whole.usage.completion_tokens == 8
-    assert tokens(plain) == 8
+    assert finish(plain) == "length"
     assert all(c.usage is None for c in plain)
-    assert tokens(asked) == 8
+    assert finish(asked) == "length"
     last = asked[-1]  # OpenAI's usage chunk: no choice, the whole usage
     assert last.choices == [] and last.usage is not None
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
