@@ -36,6 +36,9 @@ VENV_ENV = ENV_PREFIX + "__VENV"  # set by `make up`, `make test` and `make vllm
 # Block hashes seeded the same in every pod and the router (vLLM seeds them at random without it).
 HASH_SEED = "0"
 HASH_ALGO = "sha256"
+# The CPU build's KV block (vllm:cache_config_info), not a GPU's 16: simulated pods beside real
+# ones are given it, so that prefix caching counts whole blocks alike.
+BLOCK_SIZE = 128
 
 
 class VllmSettings(Strict):

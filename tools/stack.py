@@ -23,7 +23,7 @@ from llmgw.config import Strict, renamed, reveal
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology, pop_deprecated
 from tools import certs, envoyconf
-from tools.engine import VllmSettings, ensure_model, pod_argv, pod_env
+from tools.engine import BLOCK_SIZE, VllmSettings, ensure_model, pod_argv, pod_env
 from tools.envoyconf import Address, EnvoySettings, Services, UpstreamTls
 from tools.postgres import Postgres
 from tools.procs import (
@@ -41,6 +41,10 @@ from tools.serving import Serving
 SIM_MODULE = "sim"
 POD_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable for --api-key; Envoy's too (pod_key_env)
 ServiceName = Literal["extauthz", "ratelimit", "router", "ledger"]
+PodEngine = Literal["sim", "vllm", "external"]
+# The router's scrapes of real pods: a CPU pod's /metrics takes up to 75 ms, more while it
+# computes on the same cores, past the 50 ms timeout (the pod would never be pickable).
+PATIENT_SCRAPES = {"FLEET__SCRAPE_TIMEOUT": "1.0", "FLEET__STALE_AFTER": "10.0"}
 
 
 class StackSettings(Strict):
@@ -54,6 +58,8 @@ class StackSettings(Strict):
     # What serves the pods this stack starts: the simulator, or real vLLM (its CPU build).
     engine: Literal["sim", "vllm"] = "sim"
     vllm: VllmSettings = VllmSettings()
+    # With engine vllm, this many simulated pods after the real ones: one fleet of both.
+    sim_pods: int = Field(default=0, ge=0)
     sim_args: tuple[str, ...] = ()  # extra flags for each simulated pod: `python -m sim --help`
     # The served model's tokenizer.json: the simulated pods count prompts with it (`--tokenizer`)
     # and extauthz reserves them by it (decision.tokenizer). Real vLLM pods: their model's own,
@@ -101,6 +107,12 @@ class StackSettings(Strict):
                 check_over_http=http and limiter and router,
             )
         return data
+
+    @model_validator(mode="after")
+    def _sim_pods_beside_real_ones(self) -> StackSettings:
+        if self.sim_pods and (self.engine != "vllm" or self.upstreams):
+            raise ValueError("sim_pods: simulated pods beside real ones need engine vllm")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -200,15 +212,17 @@ class Stack:
         if self.settings.pods < 1:
             raise ValueError("need --pods >= 1 or at least one --upstream")
         self.pod_api_key = self.pod_api_key or secrets.token_hex(32)
-        self.pods = [Address(port=free_port()) for _ in range(self.settings.pods)]
+        count = self.settings.pods + self.settings.sim_pods
+        self.pods = [Address(port=free_port()) for _ in range(count)]
+        real: list[Process] = []
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
             self.tokenizer = model.resolve() / "tokenizer.json"
-            self.pod_processes = [self._vllm_process(i, model) for i in range(len(self.pods))]
-            self.serving = [Serving.vllm(self.settings.vllm)] * len(self.pods)
-        else:
-            self.pod_processes = [self._pod_process(i) for i in range(len(self.pods))]
-            self.serving = [Serving.simulated(self._sim_flags(i)) for i in range(len(self.pods))]
+            real = [self._vllm_process(i, model) for i in range(self.settings.pods)]
+        simulated = [self._pod_process(i) for i in range(len(real), count)]
+        self.pod_processes = real + simulated
+        self.serving = [Serving.vllm(self.settings.vllm)] * len(real)
+        self.serving += [Serving.simulated(self._sim_flags(i)) for i in range(len(real), count)]
         for proc in self.pod_processes:
             proc.spawn()
         for proc in self.pod_processes:
@@ -223,8 +237,13 @@ class Stack:
     def _sim_flags(self, index: int) -> list[str]:
         pod = self.pods[index]
         flags = ["--host", pod.host, "--port", str(pod.port)]
-        # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
-        flags += ["--usage-mode", "final"]  # usage.lua strips only usage-only chunks, for now
+        if self.settings.engine == "vllm":  # beside real pods: serving what they serve, as they do
+            vllm = self.settings.vllm
+            flags += ["--model", vllm.served_model_name, "--block-size", str(BLOCK_SIZE)]
+            flags += ["--max-model-len", str(vllm.max_model_len)]
+        else:
+            # Every stream ends with usage, for settlement; Envoy strips it where not asked for.
+            flags += ["--usage-mode", "final"]  # usage.lua strips only usage-only chunks, for now
         # vLLM's priority scheduler, as compose and k8s run it (sim_args may say fcfs instead).
         flags += ["--scheduling-policy", "priority"]
         flags += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
@@ -348,6 +367,8 @@ class Stack:
         }
         if self.pod_api_key is not None:  # for its /v1/models scrapes
             settings["FLEET__POD_API_KEY"] = self.pod_api_key
+        if self.engine == "vllm":
+            settings |= PATIENT_SCRAPES
         return settings
 
     def _database(self) -> str:
@@ -494,8 +515,14 @@ class Stack:
         return redis.Redis(port=self.redis_port, password=self.redis_password)
 
     @property
-    def engine(self) -> Literal["sim", "vllm", "external"]:
+    def engine(self) -> PodEngine:
         return "external" if self.settings.upstreams else self.settings.engine
+
+    def pod_engine(self, index: int) -> PodEngine:
+        """What serves pod `index`: the real pods come first, then the simulated ones."""
+        if self.engine == "vllm" and index >= self.settings.pods:
+            return "sim"
+        return self.engine
 
     def pod_url(self, index: int) -> str:
         pod = self.pods[index]
@@ -508,8 +535,8 @@ class Stack:
             "pods": [
                 {
                     "url": self.pod_url(i),
-                    "simulated": self.engine == "sim",
-                    "engine": self.engine,
+                    "simulated": self.pod_engine(i) == "sim",
+                    "engine": self.pod_engine(i),
                     "model": self.serving[i].model,
                     "max_model_len": self.serving[i].max_model_len,
                     "pid": self.pod_processes[i].pid if self.pod_processes else None,

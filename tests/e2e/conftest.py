@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tools.envoyconf import Address, EnvoySettings, Health, Outlier, Timeouts
+from tools.stack import PATIENT_SCRAPES as ROUTER_PATIENCE
 from tools.stack import Stack, StackSettings
 
 # Pods 20x faster than an H100 so end-to-end tests stay quick; shapes and ordering are unchanged.
@@ -48,11 +49,9 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
 
 # What these tests are about (affinity, picks) needs the router's view of the fleet, not the
 # machine's speed: a machine busy with a second test suite delayed scrapes past their 50 ms
-# timeout and 0.5 s staleness, and a pod whose view went stale lost a session's turn.
-PATIENT_SCRAPES = {
-    "LLMGW_ROUTER__FLEET__SCRAPE_TIMEOUT": "1.0",
-    "LLMGW_ROUTER__FLEET__STALE_AFTER": "10.0",
-}
+# timeout and 0.5 s staleness, and a pod whose view went stale lost a session's turn. The stack
+# gives real pods' routers the same patience.
+PATIENT_SCRAPES = {f"LLMGW_ROUTER__{name}": value for name, value in ROUTER_PATIENCE.items()}
 
 
 def api_key(stack: Stack, tier: str = "platinum") -> str:

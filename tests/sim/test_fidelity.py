@@ -30,19 +30,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import tokenizer
-from llmgw.config import load
 from router.collectors.scrape import _WANTED as ROUTER_READS
 from router.collectors.scrape import parse_metrics
-from tools.engine import STAMP, VllmSettings, ensure_model, pod_argv, pod_env
+from tests.e2e.realpods import MARKS, vllm_settings_or_skip
+from tools.engine import ensure_model, pod_argv, pod_env
 from tools.procs import Process, free_port, http_ok
-from tools.stack import StackSettings
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, *MARKS]
 
 README = Path(__file__).resolve().parents[2] / "sim" / "README.md"
 TABLE = "## Differences from vLLM 0.32"
-# A real pod took up to 8 minutes to start on a busy 2-core machine (imports dominate).
-START_DEADLINE = 900.0
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
@@ -90,11 +87,6 @@ class Pair:
         )
 
 
-def vllm_settings() -> VllmSettings:
-    """The stack's vLLM settings: LLMGW_STACK__VLLM__VENV and friends choose the environment."""
-    return load(StackSettings, None, "LLMGW_STACK").vllm
-
-
 def cache_config(text: str) -> dict[str, str]:
     for family in text_string_to_metric_families(text):
         if family.name == "vllm:cache_config_info":
@@ -104,9 +96,7 @@ def cache_config(text: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    settings = vllm_settings()
-    if not (settings.venv / STAMP).exists():
-        pytest.skip(f"no vLLM environment: {settings.venv / STAMP} is missing")
+    settings = vllm_settings_or_skip()
     logs = tmp_path_factory.mktemp("fidelity")
     real = Pod("127.0.0.1", free_port())
     model = ensure_model(settings)
@@ -120,7 +110,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     )
     sim_process: Process | None = None
     try:
-        vllm.start(max(settings.start_timeout, START_DEADLINE))
+        vllm.start(settings.start_timeout)
         # The sim gets the real pod's KV geometry (128-token blocks on CPU), not an H100's.
         config = cache_config(real.send("GET", "/metrics").body.decode())
         sim = Pod("127.0.0.1", free_port())
