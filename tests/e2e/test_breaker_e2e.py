@@ -10,12 +10,14 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from llmgw.wire import breaker_key
 from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ledger_e2e import recorded
 from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, chat
 from tests.eventually import eventually
 from tests.http import Reply, call
@@ -182,3 +184,124 @@ def test_recovery_through_envoy_lets_a_share_through_then_everyone(cb_stack: Sta
     time.sleep(1.6)
     assert [chat(cb_stack, key).status for _ in range(5)] == [200] * 5
     eventually(lambda: "breaker.recover" in events(cb_stack, "cb-fast"), 10.0, "recovery event")
+
+
+# What trips the breaker: only what the tenant caused (issue 25).
+
+UNKNOWN = "no-such-model"
+
+
+def stream(stack: Stack, key: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A long stream, its first chunk read: in flight on a pod."""
+    url = urlsplit(stack.base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {**auth(key), "content-type": "application/json"}
+    conn.request("POST", f"{url.path}/chat/completions", json.dumps(body), headers)
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.readline().startswith(b"data: {")
+    return conn, reply
+
+
+def broken(reply: http.client.HTTPResponse) -> bool:
+    """The rest of a stream whose pod died: cut short (no [DONE]), however the client sees it."""
+    try:
+        rest = reply.read()
+    except (http.client.HTTPException, OSError):
+        return True
+    return not rest.endswith(b"data: [DONE]\n\n")
+
+
+def open_breakers(stack: Stack, tenants: list[str]) -> dict[str, dict[bytes, bytes]]:
+    """The breakers that are open or recovering (their hash has a cool-down end)."""
+    with stack.redis_client() as r:
+        states = {t: r.hgetall(breaker_key(t)) for t in tenants}
+    return {t: s for t, s in states.items() if b"o" in s}
+
+
+def test_a_pod_killed_under_every_tiers_streams_trips_no_breaker(tmp_path: Path) -> None:
+    """One pod, one stream of each tier on it, SIGKILLed: the streams break (Envoy: UC/UR), the
+    requests sent while it is down find no pod (UH/UF), and none of it is any tenant's doing."""
+    with Stack(stack_settings(pods=1), tmp_path / "stack") as stack:
+        tenants = {tier: f"kill-{tier}" for tier in ("free", "standard", "platinum")}
+        keys = {tier: add_tenant(stack, tenant, tier) for tier, tenant in tenants.items()}
+        streams = {tier: stream(stack, key) for tier, key in keys.items()}
+        ids = {r.headers["x-request-id"] for _, r in streams.values()}
+        stack.pod_processes[0].kill()
+        seen: dict[str, list[int | str]] = {tier: [] for tier in keys}
+        for tier, (conn, reply) in streams.items():
+            assert broken(reply)
+            conn.close()
+            seen[tier].append("broken stream")
+        for tier, key in keys.items():  # while no pod is up
+            for _ in range(3):
+                reply = chat(stack, key)
+                seen[tier].append("circuit_open" if circuit_open(reply) else reply.status)
+                ids.add(reply.headers["x-request-id"])
+        pod = stack.pods[0]
+        stack.restart_pod(0)
+        stack.wait_healthy({f"{pod.host}:{pod.port}"})
+        recorded(stack, ids)  # the ledger has every failure: each was fed to the breakers
+        for tier, key in keys.items():
+            deadline = time.monotonic() + 30
+            while (reply := chat(stack, key)).status != 200 and time.monotonic() < deadline:
+                seen[tier].append("circuit_open" if circuit_open(reply) else reply.status)
+                time.sleep(0.1)
+            seen[tier].append(reply.status)
+        assert all("circuit_open" not in s and s[-1] == 200 for s in seen.values()), seen
+        assert open_breakers(stack, list(tenants.values())) == {}
+
+
+def test_unknown_models_are_answered_by_the_gateway_and_lock_no_one_out(cb_stack: Stack) -> None:
+    key = add_tenant(cb_stack, "cb-typo", "standard")
+    replies = [
+        call(
+            "POST",
+            f"{cb_stack.base_url}/chat/completions",
+            {"model": UNKNOWN, "messages": [{"role": "user", "content": "hi"}]},
+            auth(key),
+        )
+        for _ in range(10)
+    ]
+    ids = {r.headers["x-request-id"] for r in replies}
+    # vLLM's own answer (its 404 body), from the fleet's model list.
+    assert {r.status for r in replies} == {404}
+    assert replies[0].json() == {
+        "error": {
+            "message": f"The model `{UNKNOWN}` does not exist. Valid aliases: {MODEL}.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    recorded(cb_stack, ids)  # in the tenant's usage: fed to its breaker
+    statuses = [chat(cb_stack, key).status for _ in range(5)]
+    assert statuses == [200] * 5
+    assert open_breakers(cb_stack, ["cb-typo"]) == {}
+    # No pod was asked.
+    assert all(e["upstream"] in (None, "", "-") for e in logged(cb_stack, ids).values())
+
+
+def test_a_few_bad_requests_do_not_lock_a_tenant_out_a_storm_of_them_does(
+    cb_stack: Stack,
+) -> None:
+    """Client mistakes (the pod's 4xx) count on a threshold of their own: free's 6, at 0.3 per
+    400, is 20 of them in a burst; 6 leave the tenant served."""
+    key = add_tenant(cb_stack, "cb-bad-stream", "free")
+    bad = [chat(cb_stack, key, stream="maybe") for _ in range(6)]
+    assert {r.status for r in bad} == {400}
+    recorded(cb_stack, {r.headers["x-request-id"] for r in bad})
+    assert [chat(cb_stack, key).status for _ in range(5)] == [200] * 5
+    assert open_breakers(cb_stack, ["cb-bad-stream"]) == {}
+    sent = len(bad)
+    while not circuit_open(reply := chat(cb_stack, key, stream="maybe")):
+        assert reply.status == 400
+        sent += 1
+        assert sent <= 60, "60 bad requests and still served"
+    assert sent >= 20  # never before the threshold: 20 x 0.3
