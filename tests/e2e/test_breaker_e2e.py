@@ -1,6 +1,7 @@
 """The tenant breaker end to end: real Envoy, extauthz, ratelimit, ledger, Redis, PostgreSQL and
-simulated pods whose faults the tests switch on. The built-in tiers carry the seed's numbers;
-`fastcb` is a custom tier with short cool-downs for recovery."""
+simulated pods whose faults the tests switch on: for one tenant's requests (what it caused), or
+for everyone's (the fleet's). The built-in tiers carry the seed's numbers; `fastcb` is a custom
+tier with short cool-downs for recovery."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LIMITS = """
 tiers:
   fastcb:
     requests: {second: 1000}
-    breaker: {threshold: 1, cooldown_s: 0.5, cooldown_max_s: 2, step_s: 0.5}
+    breaker: {threshold: 2, cooldown_s: 0.5, cooldown_max_s: 2, step_s: 0.5}
 """
 
 
@@ -41,11 +42,13 @@ def cb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-def faults(stack: Stack, on: bool) -> None:
+def faults(stack: Stack, on: bool, *tenants: str) -> None:
+    """Every pod answers 500 to these tenants' requests (none named: to everyone's), or not."""
     for pod in range(len(stack.pods)):
         url = f"{stack.pod_url(pod)}/admin/faults"
         if on:
-            assert call("PUT", url, {"error_rate": 1.0, "error_status": 500}).status == 200
+            fault = {"error_rate": 1.0, "error_status": 500, "error_tenants": list(tenants)}
+            assert call("PUT", url, fault).status == 200
         else:
             assert call("DELETE", url).status == 200
 
@@ -85,14 +88,17 @@ def events(stack: Stack, tenant: str) -> str:
     return asyncio.run(usage.render(stack.database_url, cli.parser().parse_args(argv)))
 
 
-def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
+def test_a_storm_trips_free_at_two_500s_platinum_at_three_and_spares_the_others(
     cb_stack: Stack,
 ) -> None:
     free = add_tenant(cb_stack, "cb-free", "free")
     platinum = add_tenant(cb_stack, "cb-platinum", "platinum")
     standard = add_tenant(cb_stack, "cb-standard", "standard")
-    faults(cb_stack, True)
+    faults(cb_stack, True, "cb-free", "cb-platinum")
     try:
+        # One failure never trips (free's threshold is 2); the second does.
+        assert chat(cb_stack, free).status == 500
+        eventually(lambda: score(cb_stack, "cb-free") > 0.9, 10.0, "the first 500 fed")
         assert chat(cb_stack, free).status == 500
         failed_at = time.monotonic()
         while not circuit_open(reply := chat(cb_stack, free)):
@@ -144,11 +150,11 @@ def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
     assert "alert." not in events(cb_stack, "cb-free")
 
 
-def trip(stack: Stack, key: str) -> None:
-    """One 500 from the pods, then the tenant's breaker open (within 2 s)."""
-    faults(stack, True)
+def trip(stack: Stack, key: str, tenant: str) -> None:
+    """Two 500s from the pods for this tenant, then its breaker open (within 2 s)."""
+    faults(stack, True, tenant)
     try:
-        assert chat(stack, key).status == 500
+        assert [chat(stack, key).status for _ in range(2)] == [500, 500]
         eventually(lambda: circuit_open(chat(stack, key)), 2.0, "tripped")
     finally:
         faults(stack, False)
@@ -169,7 +175,7 @@ def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> N
     conn.request("POST", f"{url.path}/chat/completions", json.dumps(body), headers)
     stream = conn.getresponse()
     assert stream.status == 200 and stream.readline().startswith(b"data: {")
-    trip(cb_stack, key)
+    trip(cb_stack, key, "cb-stream")
     rest = stream.read()
     assert not rest.startswith(b"data: [DONE]"), "the stream ended before the trip"
     assert rest.endswith(b"data: [DONE]\n\n") and b'"error"' not in rest
@@ -178,7 +184,7 @@ def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> N
 
 def test_recovery_through_envoy_lets_a_share_through_then_everyone(cb_stack: Stack) -> None:
     key = add_tenant(cb_stack, "cb-fast", "fastcb")
-    trip(cb_stack, key)
+    trip(cb_stack, key, "cb-fast")
     # Cool-down 0.5 s, then 10 %, 30 % and 100 % for 0.5 s each: served again, and recorded.
     eventually(lambda: chat(cb_stack, key).status == 200, 3.0, "half-open")
     time.sleep(1.6)
@@ -225,37 +231,45 @@ def open_breakers(stack: Stack, tenants: list[str]) -> dict[str, dict[bytes, byt
     return {t: s for t, s in states.items() if b"o" in s}
 
 
-def test_a_pod_killed_under_every_tiers_streams_trips_no_breaker(tmp_path: Path) -> None:
+def test_the_fleets_faults_trip_no_breaker(tmp_path: Path) -> None:
     """One pod, one stream of each tier on it, SIGKILLed: the streams break (Envoy: UC/UR), the
-    requests sent while it is down find no pod (UH/UF), and none of it is any tenant's doing."""
+    requests sent while it is down find no pod (UH/UF), and none of it is any tenant's doing.
+    Then the pod answers 500 to everyone: three tenants failed by it within 10 s make it the
+    pod's fault (ledger/blame.py)."""
     with Stack(stack_settings(pods=1), tmp_path / "stack") as stack:
         tenants = {tier: f"kill-{tier}" for tier in ("free", "standard", "platinum")}
         keys = {tier: add_tenant(stack, tenant, tier) for tier, tenant in tenants.items()}
+        seen: dict[str, list[int | str]] = {tier: [] for tier in keys}
+
+        def send(tier: str) -> str:
+            reply = chat(stack, keys[tier])
+            seen[tier].append("circuit_open" if circuit_open(reply) else reply.status)
+            return reply.headers["x-request-id"]
+
         streams = {tier: stream(stack, key) for tier, key in keys.items()}
         ids = {r.headers["x-request-id"] for _, r in streams.values()}
         stack.pod_processes[0].kill()
-        seen: dict[str, list[int | str]] = {tier: [] for tier in keys}
         for tier, (conn, reply) in streams.items():
             assert broken(reply)
             conn.close()
             seen[tier].append("broken stream")
-        for tier, key in keys.items():  # while no pod is up
-            for _ in range(3):
-                reply = chat(stack, key)
-                seen[tier].append("circuit_open" if circuit_open(reply) else reply.status)
-                ids.add(reply.headers["x-request-id"])
+        ids |= {send(tier) for _ in range(3) for tier in keys}  # while no pod is up
         pod = stack.pods[0]
         stack.restart_pod(0)
         stack.wait_healthy({f"{pod.host}:{pod.port}"})
+        faults(stack, True)  # a pod failing everyone, its engine dead say
+        try:
+            ids |= {send(tier) for _ in range(3) for tier in keys}  # the tiers in turn
+        finally:
+            faults(stack, False)
         recorded(stack, ids)  # the ledger has every failure: each was fed to the breakers
-        for tier, key in keys.items():
+        for tier in keys:
             deadline = time.monotonic() + 30
-            while (reply := chat(stack, key)).status != 200 and time.monotonic() < deadline:
-                seen[tier].append("circuit_open" if circuit_open(reply) else reply.status)
-                time.sleep(0.1)
-            seen[tier].append(reply.status)
+            while seen[tier][-1] != 200 and time.monotonic() < deadline:
+                send(tier)
         assert all("circuit_open" not in s and s[-1] == 200 for s in seen.values()), seen
         assert open_breakers(stack, list(tenants.values())) == {}
+        assert 500 in seen["free"]  # the pod did fail them
 
 
 def test_unknown_models_are_answered_by_the_gateway_and_lock_no_one_out(cb_stack: Stack) -> None:

@@ -31,7 +31,12 @@ from tests.breaker_model import Model
 
 MakeFailover = Callable[..., Awaitable[Failover]]
 FAST = BreakerSpec(
-    threshold=2.0, mistakes_threshold=1.0, cooldown_s=0.12, cooldown_max_s=0.5, step_s=0.08, cooldown_growth=2.0
+    threshold=2.0,
+    mistakes_threshold=1.0,
+    cooldown_s=0.12,
+    cooldown_max_s=0.5,
+    step_s=0.08,
+    cooldown_growth=2.0,
 )
 OPEN_CHECK = Check("requests:second", SLIDING[Unit.SECOND], MAX_COUNT, 1)
 
