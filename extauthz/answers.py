@@ -6,7 +6,8 @@ read."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from extauthz.types import Allow, Deny
@@ -48,6 +49,22 @@ def metadata(allow: Allow) -> dict[str, MetaValue]:
 
 def denied(deny: Deny) -> Answer:
     return Answer(deny.status, {}, [_JSON, *deny.headers], body=deny.body())
+
+
+def model_not_found(allow: Allow, served: Iterable[str]) -> Answer:
+    """A model no pod serves, answered as vLLM answers it (vllm/entrypoints/serve/engine/
+    serving.py `_check_model`: its envelope, the error class as the type and the status as the
+    code), from the fleet's model list, without asking a pod; with the request's metadata, so
+    that the tenant's usage shows it (its breaker does not count it: llmgw/breaker.py)."""
+    error = {
+        "message": f"The model `{allow.facts.model}` does not exist. "
+        f"Valid aliases: {', '.join(sorted(served))}.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    body = json.dumps({"error": error}).encode()
+    return Answer(404, metadata(allow), [_JSON, *allow.response_headers], body=body)
 
 
 def refused(allow: Allow, verdict: Verdict) -> Answer:

@@ -7,7 +7,9 @@ extauthz/service.py, HTTP: extauthz/httpserver.py).
    the check holds its body's bytes in the replica's budget (extauthz/budget.py): past the
    tenant's share a 429, past the replica's total a 503, at once.
 2. decide: the body read (a large one in the body pool) and the decision (extauthz/decision.py):
-   a denial, or the typed request (extauthz/context.py) that the next stages fill in.
+   a denial, or the typed request (extauthz/context.py) that the next stages fill in. With a
+   router, a model no pod serves is answered here, as vLLM would (404), from its view of the
+   fleet (a set lookup; the fleet's list not known yet: the pod answers).
    The flow-control queue, when it comes, is the stage after this one: `_check` marks its place.
 3. admit: with a rate limiter in this process (settings `admit`), the request's admission; a
    refusal is the denial (429, or the breaker's 503) with the limiter's body and headers.
@@ -34,7 +36,15 @@ from collections.abc import Callable, Iterable, Mapping
 from opentelemetry import trace
 
 from extauthz import metrics
-from extauthz.answers import Answer, admitted, denied, overloaded, picked, too_many_bodies
+from extauthz.answers import (
+    Answer,
+    admitted,
+    denied,
+    model_not_found,
+    overloaded,
+    picked,
+    too_many_bodies,
+)
 from extauthz.bodypool import BodyPool, PoolDown
 from extauthz.budget import BodyBudget, Held
 from extauthz.context import RequestContext, Timings
@@ -169,10 +179,27 @@ class Director:
         decision = self.decider.decide(self.store.current, headers, body, self.clock(), parsed)
         took = time.perf_counter() - started
         metrics.DECISION_SECONDS.observe(took)
+        if isinstance(decision, Allow) and (unknown := self.unknown_model(headers, decision)):
+            metrics.decisions("model_not_found", decision.tenant).inc()
+            return unknown
         self.count(decision)
         if isinstance(decision, Deny):
             return denied(decision)
         return RequestContext(decision, Timings(decide=took))
+
+    def unknown_model(self, headers: Mapping[str, str], allow: Allow) -> Answer | None:
+        """vLLM's 404 for a generation request naming a model the fleet does not serve, with
+        the models the tenant may use among those it does; None: served, or not known."""
+        model, router = allow.facts.model, self.router
+        path = headers.get(":path", "").partition("?")[0]
+        if router is None or model is None or path not in wire.GENERATION_PATHS:
+            return None
+        served = router.fleet.served_models()
+        if served is None or model in served:
+            return None
+        tenant = self.store.current.tenants.get(allow.tenant)
+        allowed = None if tenant is None else tenant.models
+        return model_not_found(allow, served if allowed is None else served & allowed)
 
     async def direct(self, request: RequestContext) -> Answer:
         """Admit, pick, hold and answer an allowed request."""

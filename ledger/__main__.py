@@ -12,6 +12,7 @@ from pydantic import SecretStr
 
 from ledger import metrics
 from ledger.alerts import Alerts
+from ledger.blame import Blame
 from ledger.breaker import Breakers
 from ledger.db import Ledger
 from ledger.detectors import Detectors
@@ -59,7 +60,7 @@ async def main(settings: Settings) -> None:
         timeout_s=s.timeout_s,
         retry_max_s=s.retry_max_s,
         watch=alerts,
-        breakers=Breakers(tiers.get, db, alerts.emit),
+        breakers=Breakers(tiers.get, db, alerts.emit, Blame(settings.blame)),
     )
     recorder.start()
     webhooks.start()

@@ -3,6 +3,9 @@ the rule of llmgw/breaker.lua before it), written in the settlement's round trip
 (ledger/recorder.py). What the scripts report, trips and recoveries, becomes metrics, rows of
 `ledger_events` (`llmgw usage --events`) and, for a tier with `alert`, the support hook.
 
+What the tenant did not cause weighs nothing (llmgw/breaker.py: the fleet's flags; ledger/blame.py:
+a pod that failed many tenants at once); counted in `llmgw_breaker_excused_total`.
+
 A batch that fails is fed again with its retry: outcomes whose first feed reached Redis count
 twice then (the strict side). A recovery is reported by the first feed after it, at the time it
 happened (the end of the last step), so one whose tenant sends nothing more is never reported.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -19,7 +23,8 @@ from importlib import resources
 from typing import Any, Literal, Protocol
 
 from ledger import metrics
-from llmgw.breaker import BreakerSpec, with_prelude
+from ledger.blame import Blame, BlameSettings
+from llmgw.breaker import EXCUSED, BreakerSpec, with_prelude
 from llmgw.outcome import Outcome
 from llmgw.resp import Arg, Client, RespError, evalsha_each
 from llmgw.tiers import TierTable
@@ -77,26 +82,36 @@ class Alert(Protocol):
 
 class Breakers:
     def __init__(
-        self, tiers: Callable[[], TierTable], events: Events | None, alert: Alert | None
+        self,
+        tiers: Callable[[], TierTable],
+        events: Events | None,
+        alert: Alert | None,
+        blame: Blame | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tiers = tiers  # the tier table as it is now (it reloads)
         self.events = events
         self.alert = alert
+        self.blame = blame or Blame(BlameSettings())
+        self.clock = clock
 
     async def feed(self, client: Client, batch: Sequence[Outcome]) -> list[Transition]:
         """Feed the batch (every script written before any reply is awaited); raises
         ConnectionError, TimeoutError or RespError when Redis fails."""
         table = self.tiers()
         calls: dict[str, tuple[str, BreakerSpec, list[Arg]]] = {}
-        for o in batch:
+        pods_fault = self.blame.judge(self.clock(), batch)
+        for o, pods in zip(batch, pods_fault, strict=True):
             spec = table.tier(o.tier).breaker if o.tenant else None
             if spec is None:
                 continue
             entry = calls.get(o.tenant)
             if entry is None:
                 entry = calls[o.tenant] = (o.tier, spec, [*spec.feed_args()])
-            weight, cause = spec.weight(o)
-            entry[2].extend((repr(weight), cause))
+            weighed = spec.weight(o, pods)
+            if weighed.cause in EXCUSED:
+                metrics.BREAKER_EXCUSED.labels(weighed.cause).inc()
+            entry[2].extend((repr(weighed.weight), weighed.score, weighed.cause))
         tenants = list(calls)
         scripts = [(1, breaker_key(t), *calls[t][2]) for t in tenants]
         replies = await evalsha_each(client, SOURCE, SHA, scripts)

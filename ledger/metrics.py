@@ -88,6 +88,12 @@ BREAKER_TRIPS = Counter(
     "(true: a failure during recovery).",
     ["tenant", "tier", "cause", "reopen"],
 )
+BREAKER_EXCUSED = Counter(
+    "llmgw_breaker_excused_total",
+    "Failures that did not weigh on their tenant's breaker, by cause: fleet (Envoy's flags: a "
+    "reset, no connection, overflow, no healthy pod) or pod (it failed many tenants at once).",
+    ["cause"],
+)
 BREAKER_OPEN_SECONDS = Histogram(
     "llmgw_breaker_open_seconds",
     "How long each trip keeps a tenant's breaker open (its cool-down), by tier.",

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, HttpUrl, SecretStr, model_validator
 
 from ledger.alerts import AlertKind
+from ledger.blame import BlameSettings
 from ledger.detectors import Rules
 from llmgw.config import Strict, renamed
 from llmgw.redisconf import RedisSettings
@@ -74,6 +75,8 @@ class Settings(Strict):
     alerts: AlertSettings = AlertSettings()
     # The tier table (llmgw/tiers.py), for each tier's breaker; None: the built-in tiers.
     tiers_file: Path | None = None
+    # When a pod's failures are the pod's, not its tenants' breakers' (ledger/blame.py).
+    blame: BlameSettings = BlameSettings()
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     drain_s: float = Field(default=5.0, ge=0)  # on SIGTERM: time to write what is left
 

@@ -1,7 +1,8 @@
 -- The per-tenant breaker's rule (llmgw/breaker.py), prepended to ratelimit/admit.lua, which
 -- enforces it, and to ledger/breaker.lua, which feeds it outcomes: both read the state alike.
 -- One hash per tenant, `<tenant prefix>:cb` (the hash tag of the tenant's counters):
---   s, t    the decaying error score and the time (ms) it was brought to
+--   s, m    the decaying scores: the tenant's failures and its mistakes (4xx)
+--   t       the time (ms) both were brought to
 --   o       while tripped: the end (ms) of the cool-down; the recovery steps follow it
 --   cd      that cool-down's length (ms), which a re-open grows
 --   at      the episode's first trip (ms), for the time to recover
@@ -46,45 +47,55 @@ local function cb_admit(key, now)
   return ends - now
 end
 
--- Outcomes: a = threshold, recovery threshold, λ per ms, cool-down ms, growth, longest
--- cool-down ms, step ms, shares per mille, then (weight, cause) per outcome in arrival order.
+-- Outcomes: a = threshold, recovery threshold, mistakes threshold, λ per ms, cool-down ms,
+-- growth, longest cool-down ms, step ms, shares per mille, then (weight, score 's' or 'm',
+-- cause) per outcome in arrival order.
 -- Outcomes that arrive while open (requests admitted before the trip) count nothing.
 -- Returns the transitions: "trip <ms> <cause> <cool-down ms> <reopen 0/1> <first trip ms>"
 -- and "recover <ms> <first trip ms>".
 local function cb_feed(key, now, a)
-  local f = redis.call('HMGET', key, 's', 't', 'o', 'cd', 'at', 'sm', 'p')
-  local s, t, o, cd, at = tonumber(f[1]) or 0, tonumber(f[2]) or now, tonumber(f[3]), tonumber(f[4]), f[5]
-  local threshold, again, lambda = tonumber(a[1]), tonumber(a[2]), tonumber(a[3])
-  local base, growth, longest = tonumber(a[4]), tonumber(a[5]), tonumber(a[6])
+  local f = redis.call('HMGET', key, 's', 'm', 't', 'o', 'cd', 'at', 'sm', 'p')
+  local s, m, t = tonumber(f[1]) or 0, tonumber(f[2]) or 0, tonumber(f[3]) or now
+  local o, cd, at = tonumber(f[4]), tonumber(f[5]), f[6]
+  local threshold, again, mistakes = tonumber(a[1]), tonumber(a[2]), tonumber(a[3])
+  local lambda, base, growth, longest = tonumber(a[4]), tonumber(a[5]), tonumber(a[6]), tonumber(a[7])
   local events = {}
-  local phase, x = cb_phase(o, tonumber(f[6]), cb_steps(f[7]), now)
+  local phase, x = cb_phase(o, tonumber(f[7]), cb_steps(f[8]), now)
   if phase == 'recovered' then
     events[#events + 1] = 'recover ' .. cb_int(x) .. ' ' .. at
     redis.call('HDEL', key, 'o', 'cd', 'at', 'sm', 'p', 'c', 'cs')
     phase = 'closed'
   end
   local scored = false
-  for i = 9, #a - 1, 2 do
+  for i = 10, #a - 2, 3 do
     local w = tonumber(a[i])
     if w > 0 and phase ~= 'open' then
-      s = s * math.exp(-lambda * (now - t)) + w
-      t = now
+      local decay = math.exp(-lambda * (now - t))
+      s, m, t = s * decay, m * decay, now
       scored = true
-      if s >= (phase == 'half' and again or threshold) then
+      local tripped
+      if a[i + 1] == 'm' then
+        m = m + w
+        tripped = m >= mistakes
+      else
+        s = s + w
+        tripped = s >= (phase == 'half' and again or threshold)
+      end
+      if tripped then
         local reopen = phase == 'half'
         cd = reopen and math.min(math.floor(cd * growth), longest) or base
         if not reopen then at = cb_int(now) end
-        s = 0
-        redis.call('HSET', key, 'o', cb_int(now + cd), 'cd', cb_int(cd), 'at', at, 'sm', a[7], 'p', a[8])
-        events[#events + 1] = 'trip ' .. cb_int(now) .. ' ' .. a[i + 1] .. ' ' .. cb_int(cd) .. ' ' .. (reopen and '1' or '0') .. ' ' .. at
+        s, m = 0, 0
+        redis.call('HSET', key, 'o', cb_int(now + cd), 'cd', cb_int(cd), 'at', at, 'sm', a[8], 'p', a[9])
+        events[#events + 1] = 'trip ' .. cb_int(now) .. ' ' .. a[i + 2] .. ' ' .. cb_int(cd) .. ' ' .. (reopen and '1' or '0') .. ' ' .. at
         phase = 'open'
       end
     end
   end
   if scored then
-    redis.call('HSET', key, 's', string.format('%.17g', s), 't', cb_int(t))
+    redis.call('HSET', key, 's', string.format('%.17g', s), 'm', string.format('%.17g', m), 't', cb_int(t))
   end
-  -- A tenant whose breaker is quiet for a day is forgotten (its score is long ~0 by then).
+  -- A tenant whose breaker is quiet for a day is forgotten (its scores are long ~0 by then).
   redis.call('PEXPIRE', key, 86400000)
   return events
 end

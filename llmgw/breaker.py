@@ -10,6 +10,7 @@ trip and the lazily computed recovery steps are defined once, there.
 from __future__ import annotations
 
 from importlib import resources
+from typing import Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
@@ -20,7 +21,11 @@ from llmgw.outcome import Outcome
 # 429 0.7, 500 1.0, 503 1.2 and 400 0.3 are the seed's. The rest, chosen:
 # - other 5xx (502, 504, a stream that failed after its 200) like 500: the tenant's requests
 #   fail on the fleet;
-# - other 4xx (404, 408, 413, 422…) like 400: the tenant sends what cannot be served;
+# - other 4xx (408, 413, 422…) like 400: the tenant sends what cannot be served;
+# - 404 counts nothing: a model the fleet does not serve is answered by the gateway from the
+#   fleet's model list (extauthz/director.py) without asking a pod; where the list is not known
+#   (the router apart, or not scraped yet) the pod answers the same 404 at the same small cost.
+#   7 requests naming an unknown model locked a standard tenant out, 30 s then 60 s;
 # - 401 and 403 count nothing: they answer one key's identity or permissions, and a stale client
 #   hammering a revoked key must not lock out the tenant's working keys;
 # - 0 and 499 (the client hung up) count nothing: the client's choice, not a failure;
@@ -29,6 +34,7 @@ from llmgw.outcome import Outcome
 #   1-second Retry-After into a 2-minute lock-out (a 50-request burst over 40/min did, for
 #   free). Persistent quota refusals raise the quota_refusals alert instead (ledger/detectors.py).
 #   The 429 weight is for 429s a pod sends.
+# A 4xx weighs on the tenant's mistakes (its own threshold), anything else on its failures.
 SEED_WEIGHTS: dict[str, float] = {
     "400": 0.3,
     "429": 0.7,
@@ -36,23 +42,52 @@ SEED_WEIGHTS: dict[str, float] = {
     "503": 1.2,
     "401": 0.0,
     "403": 0.0,
+    "404": 0.0,
     "499": 0.0,
     "4xx": 0.3,
     "5xx": 1.0,
 }
 STREAM_FAILED = "stream"  # the cause of a failure after the 200: weighed as a 500
+# Envoy's response flags of a failure that is the fleet's, whoever sent the request: the pod
+# reset the stream or its connection (UR, UC: a pod killed, evicted, OOM-killed), no connection
+# could be made (UF), none was left in the pool (UO: another tenant's concurrency can fill it),
+# no healthy pod (UH), no address or cluster (DF, NC), Envoy itself overloaded (OM). They weigh
+# nothing here; pod health (Envoy's outlier detection, the router's) and the fleet alerts
+# (fleet_5xx, pod_errors: ledger/detectors.py) take them. A pod killed under one stream of each
+# tier locked the free tenant out for 2 minutes (one broken stream weighed 1.0, its threshold 1).
+FLEET_FLAGS = frozenset({"UR", "UC", "UF", "UO", "UH", "DF", "NC", "OM"})
+
+EXCUSED = ("fleet", "pod")  # the causes of failures that weigh nothing: not the tenant's
+Score = Literal["s", "m"]  # the failures' score or the mistakes' (their fields in the hash)
+
+
+class Weighed(NamedTuple):
+    weight: float
+    score: Score
+    cause: str  # the status, or "stream"; "fleet" or "pod" when the fleet was at fault
+
+
+def score_of(key: str) -> Score:
+    """A weight's score: a 4xx is the client's mistake, anything else a failure."""
+    return "m" if key.startswith("4") else "s"
 
 
 class BreakerSpec(Strict):
-    """One tier's breaker. Trips when the tenant's score Σ w·e^(−λ·age) reaches `threshold`;
-    refuses everything for the cool-down; then admits `steps` of the tenant's requests in turn
-    (a share each, for `step_s` each) and closes after the last. During recovery the score
-    starts from 0 and reaching `recovery_threshold` re-opens (each threshold less `slack`), the
-    cool-down × `cooldown_growth` (at most `cooldown_max_s`); a full recovery resets it."""
+    """One tier's breaker. Two scores Σ w·e^(−λ·age): the tenant's failures (5xx, broken
+    streams, none the fleet's) and its mistakes (4xx). It trips when failures reach `threshold`
+    or mistakes `mistakes_threshold`; refuses everything for the cool-down; then admits `steps`
+    of the tenant's requests in turn (a share each, for `step_s` each) and closes after the last.
+    During recovery both start from 0 and failures reaching `recovery_threshold`, or mistakes
+    their own threshold, re-open (each threshold less `slack`), the cool-down × `cooldown_growth`
+    (at most `cooldown_max_s`); a full recovery resets it. No single outcome outweighs a
+    threshold: one request never trips a closed breaker."""
 
     weights: dict[str, float] = Field(default_factory=lambda: dict(SEED_WEIGHTS))
     decay_per_min: float = Field(default=0.5, ge=0)  # λ
     threshold: float = Field(gt=0)
+    # The client's mistakes (a pod's 4xx) count apart: a misconfigured app sends a few before
+    # anyone notices, and they cost the pods little. 6 is 20 bad requests (0.3 each) in a burst.
+    mistakes_threshold: float = Field(default=6.0, gt=0)
     cooldown_s: float = Field(gt=0)
     cooldown_growth: float = Field(default=2.0, ge=1)
     cooldown_max_s: float = Field(gt=0)
@@ -75,24 +110,38 @@ class BreakerSpec(Strict):
         bad = [k for k in self.weights if not (k.isdigit() or k in ("4xx", "5xx"))]
         if bad:
             raise ValueError(f"breaker weights: not a status or 4xx/5xx: {bad}")
+        limits = {"s": self.threshold - self.slack, "m": self.mistakes_threshold - self.slack}
+        single = [k for k, w in self.weights.items() if w >= limits[score_of(k)]]
+        if single:
+            raise ValueError(
+                f"breaker weights {single}: one request would trip it (each weight must stay "
+                "below its threshold less slack: threshold for 5xx, mistakes_threshold for 4xx)"
+            )
         return self
 
-    def weight(self, o: Outcome) -> tuple[float, str]:
-        """What an outcome adds to the score, and its cause (the status, or "stream")."""
-        if o.by_gateway:
-            return 0.0, str(o.status)  # the gateway's own refusal: see SEED_WEIGHTS
-        if o.outcome == "upstream_error" and o.status < 500 and o.status != 0:
-            return self.weights.get("500", 0.0), STREAM_FAILED
+    def weight(self, o: Outcome, pods_fault: bool = False) -> Weighed:
+        """What an outcome adds to the tenant's scores, and its cause. `pods_fault`: the pod
+        failed many tenants at once (ledger/blame.py)."""
         key = str(o.status)
-        if key in self.weights:
-            return self.weights[key], key
-        return self.weights.get(f"{key[0]}xx", 0.0) if len(key) == 3 else 0.0, key
+        if o.by_gateway:
+            return Weighed(0.0, "s", key)  # the gateway's own refusal: see SEED_WEIGHTS
+        if FLEET_FLAGS.intersection(o.flags.split(",")):
+            return Weighed(0.0, "s", "fleet")
+        failed = o.outcome == "upstream_error"
+        if failed and pods_fault:
+            return Weighed(0.0, "s", "pod")
+        if failed and o.status < 500 and o.status != 0:
+            return Weighed(self.weights.get("500", 0.0), "s", STREAM_FAILED)
+        if key not in self.weights:
+            key = f"{key[0]}xx" if len(key) == 3 else ""
+        return Weighed(self.weights.get(key, 0.0), score_of(key), str(o.status))
 
     def feed_args(self) -> list[str | int]:
         """The tier's part of ledger/breaker.lua's ARGV (see cb_feed in llmgw/breaker.lua)."""
         return [
             repr(self.threshold - self.slack),
             repr(self.recovery_threshold - self.slack),
+            repr(self.mistakes_threshold - self.slack),
             repr(self.decay_per_min / 60_000),
             int(self.cooldown_s * 1000),
             repr(self.cooldown_growth),
@@ -102,11 +151,17 @@ class BreakerSpec(Strict):
         ]
 
 
-def seed(cooldown_s: float, threshold: float, alert: bool = False) -> BreakerSpec:
+def seed(
+    cooldown_s: float, threshold: float, mistakes_threshold: float, alert: bool = False
+) -> BreakerSpec:
     """A built-in tier's breaker: the seed's weights, decay and steps; the cool-down may grow
     to 8× (three failed recoveries in a row)."""
     return BreakerSpec(
-        threshold=threshold, cooldown_s=cooldown_s, cooldown_max_s=8 * cooldown_s, alert=alert
+        threshold=threshold,
+        mistakes_threshold=mistakes_threshold,
+        cooldown_s=cooldown_s,
+        cooldown_max_s=8 * cooldown_s,
+        alert=alert,
     )
 
 

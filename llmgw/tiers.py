@@ -101,14 +101,16 @@ BUILTIN_TIERS: dict[str, TierSpec] = {
         tokens=PerUnit(minute=40_000),
         borrow_share=0.0,
         retry_base_s=4.0,
-        breaker=seed(cooldown_s=120.0, threshold=1.0),
+        # Two failures, not one (a single request never trips: one broken stream weighed 1.0
+        # against 1.0 − 0.05 before); 20 mistakes in a burst.
+        breaker=seed(cooldown_s=120.0, threshold=2.0, mistakes_threshold=6.0),
     ),
     "standard": TierSpec(
         requests=PerUnit(second=100, minute=3_000),
         tokens=PerUnit(minute=400_000),
         borrow_share=0.5,
         retry_base_s=2.0,
-        breaker=seed(cooldown_s=30.0, threshold=2.0),
+        breaker=seed(cooldown_s=30.0, threshold=2.0, mistakes_threshold=9.0),
     ),
     "platinum": TierSpec(
         requests=PerUnit(second=500, minute=20_000),
@@ -116,7 +118,7 @@ BUILTIN_TIERS: dict[str, TierSpec] = {
         borrow_share=1.0,
         retry_base_s=1.0,
         # Half of standard's cool-down, and the support hook told of every trip.
-        breaker=seed(cooldown_s=15.0, threshold=3.0, alert=True),
+        breaker=seed(cooldown_s=15.0, threshold=3.0, mistakes_threshold=12.0, alert=True),
     ),
 }
 

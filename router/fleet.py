@@ -82,6 +82,8 @@ class Fleet:
         self.health = Health(settings.error_threshold, settings.error_cooldown)
         self.capacity = Capacity()
         self.speeds = Speeds()
+        self._served: frozenset[str] | None = None
+        self._served_known = False  # _served is current (the pods' model lists did not change)
 
     def set_pods(self, pods: Iterable[PodId]) -> None:
         wanted = set(pods)
@@ -94,14 +96,18 @@ class Fleet:
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
+        self._served_known = False
 
     def store(self, snap: PodMetrics) -> None:
         """A pod's latest scrape (dropped if the pod left meanwhile); a good one also feeds the
         pod's capacity and speed estimates."""
         pod = snap.pod
-        if pod not in self.snapshots:
+        old = self.snapshots.get(pod)
+        if old is None:
             return
         self.snapshots[pod] = snap
+        if snap.models != old.models:
+            self._served_known = False
         if snap.ok:
             self.capacity.observe(snap, self.settings.capacities.get(pod, self.settings.capacity))
             self.speeds.observe(snap)
@@ -112,6 +118,16 @@ class Fleet:
         """A reply of a known pod, for its health."""
         if pod in self.snapshots:
             self.health.report(pod, status, self.clock())
+
+    def served_models(self) -> frozenset[str] | None:
+        """The models the fleet serves (each pod's /v1/models); None while any pod's list is
+        not known (a pod not yet read could serve anything). Computed when a list changes."""
+        if not self._served_known:
+            lists = [snap.models for snap in self.snapshots.values()]
+            known = bool(lists) and all(lists)
+            self._served = frozenset().union(*lists) if known else None
+            self._served_known = True
+        return self._served
 
     # The pick's view.
 

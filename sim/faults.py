@@ -30,8 +30,10 @@ class FaultState:
         self.current = Faults()
         return self.current
 
-    def error(self) -> bool:
-        return self._roll(self.current.error_rate)
+    def error(self, tenant: str) -> bool:
+        """Whether this request fails (`tenant`: whose it is, "" when no gateway said)."""
+        only = self.current.error_tenants
+        return (not only or tenant in only) and self._roll(self.current.error_rate)
 
     def close(self) -> bool:
         return self._roll(self.current.close_mid_stream)

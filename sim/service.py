@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw import wire
 from sim.chunks import DONE, STREAM_ERROR, Reply, fingerprint, random_id
 from sim.engine import Engine, Sequence
 from sim.errors import ApiError, not_found_route, request_invalid
@@ -108,7 +109,7 @@ class Service:
             return error_response(ApiError(503, "shutting down", _ERROR_TYPES[503]))
         if faults.latency_ms:
             await asyncio.sleep(faults.latency_ms / 1e3)
-        if self.faults.error():
+        if self.faults.error(request.headers.get(wire.HEADER_TENANT, "")):
             status = faults.error_status
             return error_response(ApiError(status, "injected fault", _ERROR_TYPES[status]))
         return await handler(request)

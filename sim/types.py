@@ -64,6 +64,9 @@ class Faults(Strict):
 
     error_rate: float = Field(default=0.0, ge=0, le=1)
     error_status: Literal[500, 503] = 500
+    # The injected errors hit only these tenants' requests (the gateway's x-llmgw-tenant header):
+    # a tenant whose requests the pod cannot serve, not a pod failing everyone. Empty: every one.
+    error_tenants: tuple[str, ...] = ()
     latency_ms: float = Field(default=0.0, ge=0)  # wall milliseconds before the first byte
     hang: bool = False
     close_mid_stream: float = Field(default=0.0, ge=0, le=1)  # probability; true means 1

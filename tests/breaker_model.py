@@ -12,7 +12,8 @@ from llmgw.breaker import BreakerSpec
 @dataclass
 class Model:
     spec: BreakerSpec
-    score: float = 0.0
+    score: float = 0.0  # failures
+    mistakes: float = 0.0
     scored_at: int | None = None
     until: int | None = None  # while tripped: the cool-down's end (ms)
     cooldown: int = 0
@@ -46,7 +47,8 @@ class Model:
         self.seen, self.seen_in = c + 1, step
         return None if (c * share) // 1000 != ((c - 1) * share) // 1000 else ends - now
 
-    def feed(self, now: int, weights: list[tuple[float, str]]) -> list[str]:
+    def feed(self, now: int, weights: list[tuple[float, str, str]]) -> list[str]:
+        """`weights`: (weight, score "s" or "m", cause) per outcome."""
         """The transitions, in breaker.lua's words."""
         s = self.spec
         events = []
@@ -55,14 +57,21 @@ class Model:
             events.append(f"recover {ends} {self.first}")
             self.until, self.seen_in = None, None
             phase = "closed"
-        for w, cause in weights:
+        for w, score, cause in weights:
             if w <= 0 or phase == "open":
                 continue
             at = now if self.scored_at is None else self.scored_at
-            self.score = self.score * math.exp(-s.decay_per_min / 60_000 * (now - at)) + w
+            decay = math.exp(-s.decay_per_min / 60_000 * (now - at))
+            self.score, self.mistakes = self.score * decay, self.mistakes * decay
             self.scored_at = now
-            limit = s.recovery_threshold if phase == "half" else s.threshold
-            if self.score >= limit - s.slack:
+            if score == "m":
+                self.mistakes += w
+                tripped = self.mistakes >= s.mistakes_threshold - s.slack
+            else:
+                self.score += w
+                limit = s.recovery_threshold if phase == "half" else s.threshold
+                tripped = self.score >= limit - s.slack
+            if tripped:
                 reopen = phase == "half"
                 base, longest = int(s.cooldown_s * 1000), int(s.cooldown_max_s * 1000)
                 self.cooldown = (
@@ -70,7 +79,7 @@ class Model:
                 )
                 if not reopen:
                     self.first = now
-                self.score, self.until = 0.0, now + self.cooldown
+                self.score, self.mistakes, self.until = 0.0, 0.0, now + self.cooldown
                 self.step_ms = int(s.step_s * 1000)
                 self.shares = tuple(round(x * 1000) for x in s.steps)
                 events.append(f"trip {now} {cause} {self.cooldown} {int(reopen)} {self.first}")

@@ -270,6 +270,8 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
     body = "%LOCAL_REPLY_BODY%"
     return [
         _reply(400, body, "invalid_request_error", flags=("DPE",)),
+        # extauthz's 404 (a model no pod serves: vLLM's own body) is no unknown URL.
+        _reply(404, body, "passthrough", flags=("UAEX",)),
         _reply(404, "Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)", "invalid_request_error"),
         _reply(
             413,

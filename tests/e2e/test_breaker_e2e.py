@@ -1,6 +1,7 @@
 """The tenant breaker end to end: real Envoy, extauthz, ratelimit, ledger, Redis, PostgreSQL and
-simulated pods whose faults the tests switch on. The built-in tiers carry the seed's numbers;
-`fastcb` is a custom tier with short cool-downs for recovery."""
+simulated pods whose faults the tests switch on: for one tenant's requests (what it caused), or
+for everyone's (the fleet's). The built-in tiers carry the seed's numbers; `fastcb` is a custom
+tier with short cool-downs for recovery."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from llmgw.wire import breaker_key
 from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ledger_e2e import recorded
 from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, chat
 from tests.eventually import eventually
 from tests.http import Reply, call
@@ -26,7 +28,7 @@ LIMITS = """
 tiers:
   fastcb:
     requests: {second: 1000}
-    breaker: {threshold: 1, cooldown_s: 0.5, cooldown_max_s: 2, step_s: 0.5}
+    breaker: {threshold: 2, cooldown_s: 0.5, cooldown_max_s: 2, step_s: 0.5}
 """
 
 
@@ -35,15 +37,22 @@ def cb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("cb-stack")
     (state / "limits.yaml").write_text(LIMITS)
     settings = stack_settings().model_copy(update={"tiers_file": state / "limits.yaml"})
-    with Stack(settings, state / "stack") as running:
-        yield running
+    with pytest.MonkeyPatch.context() as env:
+        # These tests fail one tenant after another on the same two pods, seconds apart: a
+        # third within 10 s would be the pod's fault (ledger/blame.py; its own test below, on a
+        # stack of its own), where here each is the tenant's.
+        env.setenv("LLMGW_LEDGER__BLAME__TENANTS", "1000")
+        with Stack(settings, state / "stack") as running:
+            yield running
 
 
-def faults(stack: Stack, on: bool) -> None:
+def faults(stack: Stack, on: bool, *tenants: str) -> None:
+    """Every pod answers 500 to these tenants' requests (none named: to everyone's), or not."""
     for pod in range(len(stack.pods)):
         url = f"{stack.pod_url(pod)}/admin/faults"
         if on:
-            assert call("PUT", url, {"error_rate": 1.0, "error_status": 500}).status == 200
+            fault = {"error_rate": 1.0, "error_status": 500, "error_tenants": list(tenants)}
+            assert call("PUT", url, fault).status == 200
         else:
             assert call("DELETE", url).status == 200
 
@@ -83,14 +92,17 @@ def events(stack: Stack, tenant: str) -> str:
     return asyncio.run(usage.render(stack.database_url, cli.parser().parse_args(argv)))
 
 
-def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
+def test_a_storm_trips_free_at_two_500s_platinum_at_three_and_spares_the_others(
     cb_stack: Stack,
 ) -> None:
     free = add_tenant(cb_stack, "cb-free", "free")
     platinum = add_tenant(cb_stack, "cb-platinum", "platinum")
     standard = add_tenant(cb_stack, "cb-standard", "standard")
-    faults(cb_stack, True)
+    faults(cb_stack, True, "cb-free", "cb-platinum")
     try:
+        # One failure never trips (free's threshold is 2); the second does.
+        assert chat(cb_stack, free).status == 500
+        eventually(lambda: score(cb_stack, "cb-free") > 0.9, 10.0, "the first 500 fed")
         assert chat(cb_stack, free).status == 500
         failed_at = time.monotonic()
         while not circuit_open(reply := chat(cb_stack, free)):
@@ -142,11 +154,11 @@ def test_a_storm_trips_free_at_one_500_platinum_at_three_and_spares_the_others(
     assert "alert." not in events(cb_stack, "cb-free")
 
 
-def trip(stack: Stack, key: str) -> None:
-    """One 500 from the pods, then the tenant's breaker open (within 2 s)."""
-    faults(stack, True)
+def trip(stack: Stack, key: str, tenant: str) -> None:
+    """Two 500s from the pods for this tenant, then its breaker open (within 2 s)."""
+    faults(stack, True, tenant)
     try:
-        assert chat(stack, key).status == 500
+        assert [chat(stack, key).status for _ in range(2)] == [500, 500]
         eventually(lambda: circuit_open(chat(stack, key)), 2.0, "tripped")
     finally:
         faults(stack, False)
@@ -167,7 +179,7 @@ def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> N
     conn.request("POST", f"{url.path}/chat/completions", json.dumps(body), headers)
     stream = conn.getresponse()
     assert stream.status == 200 and stream.readline().startswith(b"data: {")
-    trip(cb_stack, key)
+    trip(cb_stack, key, "cb-stream")
     rest = stream.read()
     assert not rest.startswith(b"data: [DONE]"), "the stream ended before the trip"
     assert rest.endswith(b"data: [DONE]\n\n") and b'"error"' not in rest
@@ -176,9 +188,71 @@ def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> N
 
 def test_recovery_through_envoy_lets_a_share_through_then_everyone(cb_stack: Stack) -> None:
     key = add_tenant(cb_stack, "cb-fast", "fastcb")
-    trip(cb_stack, key)
+    trip(cb_stack, key, "cb-fast")
     # Cool-down 0.5 s, then 10 %, 30 % and 100 % for 0.5 s each: served again, and recorded.
     eventually(lambda: chat(cb_stack, key).status == 200, 3.0, "half-open")
     time.sleep(1.6)
     assert [chat(cb_stack, key).status for _ in range(5)] == [200] * 5
     eventually(lambda: "breaker.recover" in events(cb_stack, "cb-fast"), 10.0, "recovery event")
+
+
+# What trips the breaker: only what the tenant caused (the fleet's faults: test_blame_e2e.py).
+
+UNKNOWN = "no-such-model"
+
+
+def open_breakers(stack: Stack, tenants: list[str]) -> dict[str, dict[bytes, bytes]]:
+    """The breakers that are open or recovering (their hash has a cool-down end)."""
+    with stack.redis_client() as r:
+        states = {t: r.hgetall(breaker_key(t)) for t in tenants}
+    return {t: s for t, s in states.items() if b"o" in s}
+
+
+def test_unknown_models_are_answered_by_the_gateway_and_lock_no_one_out(cb_stack: Stack) -> None:
+    key = add_tenant(cb_stack, "cb-typo", "standard")
+    replies = [
+        call(
+            "POST",
+            f"{cb_stack.base_url}/chat/completions",
+            {"model": UNKNOWN, "messages": [{"role": "user", "content": "hi"}]},
+            auth(key),
+        )
+        for _ in range(10)
+    ]
+    ids = {r.headers["x-request-id"] for r in replies}
+    # vLLM's own answer (its 404 body), from the fleet's model list.
+    assert {r.status for r in replies} == {404}
+    assert replies[0].json() == {
+        "error": {
+            "message": f"The model `{UNKNOWN}` does not exist. Valid aliases: {MODEL}.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    recorded(cb_stack, ids)  # in the tenant's usage: fed to its breaker
+    statuses = [chat(cb_stack, key).status for _ in range(5)]
+    assert statuses == [200] * 5
+    assert open_breakers(cb_stack, ["cb-typo"]) == {}
+    # No pod was asked.
+    assert all(e["upstream"] in (None, "", "-") for e in logged(cb_stack, ids).values())
+
+
+def test_a_few_bad_requests_do_not_lock_a_tenant_out_a_storm_of_them_does(
+    cb_stack: Stack,
+) -> None:
+    """Client mistakes (the pod's 4xx) count on a threshold of their own: free's 6, at 0.3 per
+    400, is 20 of them in a burst (tests/llmgw/test_breaker.py counts them exactly); 6 leave
+    the tenant served."""
+    key = add_tenant(cb_stack, "cb-bad-stream", "free")
+    bad = [chat(cb_stack, key, stream="maybe") for _ in range(6)]
+    assert {r.status for r in bad} == {400}
+    recorded(cb_stack, {r.headers["x-request-id"] for r in bad})
+    assert [chat(cb_stack, key).status for _ in range(5)] == [200] * 5
+    assert open_breakers(cb_stack, ["cb-bad-stream"]) == {}
+    # A burst of 21 (6.3) trips a free tenant of its own, its 400s the cause.
+    storm = add_tenant(cb_stack, "cb-storm", "free")
+    assert {chat(cb_stack, storm, stream="maybe").status for _ in range(21)} == {400}
+    trips = 'llmgw_breaker_trips_total{cause="400",reopen="false",tenant="cb-storm",tier="free"}'
+    eventually(lambda: f"{trips} 1.0" in metrics(cb_stack, "ledger"), 10.0, "the trip, by 400s")
+    assert circuit_open(chat(cb_stack, storm))

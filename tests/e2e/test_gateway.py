@@ -87,7 +87,7 @@ def test_stream_arrives_before_generation_ends(client: openai.OpenAI, model: str
     assert arrivals[0] < arrivals[-1] / 2
 
 
-def test_unknown_model_is_the_pods_error(client: openai.OpenAI) -> None:
+def test_unknown_model_is_vllms_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}]

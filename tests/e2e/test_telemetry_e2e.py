@@ -27,11 +27,10 @@ def entries(page: str) -> float:
 def test_fresh_model_names_do_not_grow_the_ledgers_metrics(stack: Stack) -> None:
     url = f"{stack.base_url}/chat/completions"
     run = uuid.uuid4().hex[:8]
-    key = add_tenant(stack, f"hostile-{run}", "standard")  # its own: its breaker trips
+    key = add_tenant(stack, f"hostile-{run}", "standard")
     page = metrics(stack, "ledger")
     before, logged = len(per_model_series(page)), entries(page)
-    # Half a tenant's (refused by the pod, which does not serve the model, until the tenant's
-    # breaker opens: then by the gateway), half nobody's (401).
+    # Half a tenant's (answered 404 by the gateway: no pod serves the model), half nobody's (401).
     for i in range(400):
         headers = auth(key if i % 2 else f"sk-nobody-{run}")
         body = {"model": f"fresh-{run}-{i}", "messages": [{"role": "user", "content": "hi"}]}

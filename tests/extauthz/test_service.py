@@ -291,6 +291,39 @@ async def test_the_router_inside_picks_and_hears_how_the_pick_ended(
     assert picked(denied) is None and router.fleet.in_flight == dict.fromkeys(PODS, 0)
 
 
+async def test_a_model_no_pod_serves_is_answered_as_vllm_would_without_a_pick(
+    picking: Running, router: Router, keys: Keys
+) -> None:
+    """vLLM's 404 from the router's view of the fleet: the tenant's usage keeps it (the
+    metadata), the aliases are what the tenant may use among what the fleet serves."""
+
+    def ask(key: str, model: str) -> external_auth_pb2.CheckRequest:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        return check_request({"api-key": key, "x-request-id": f"req-{model}"}, body.encode())
+
+    # acme may use mistral-7b, which no pod serves.
+    reply = await picking.stub.Check(ask(keys.acme, "mistral-7b"))
+    denied = reply.denied_response
+    assert denied.status.code == 404 and picked(reply) is None
+    assert json.loads(denied.body) == {
+        "error": {
+            "message": "The model `mistral-7b` does not exist. Valid aliases: llama-3-8b.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    assert json_format.MessageToDict(reply.dynamic_metadata)[wire.META_TENANT] == "acme"
+    assert router.fleet.in_flight == dict.fromkeys(PODS, 0)
+    # A model the tenant may not use is refused as before (403), served or not.
+    reply = await picking.stub.Check(ask(keys.acme, "gpt-x"))
+    assert reply.denied_response.status.code == 403
+    # While a pod's list is not known, the pod answers.
+    router.fleet.set_pods([*PODS, "10.0.0.3:8000"])
+    reply = await picking.stub.Check(ask(keys.globex, "gpt-x"))
+    assert reply.status.code == code_pb2.OK
+
+
 async def test_a_router_that_raises_costs_the_pick_not_the_request(
     picking: Running, router: Router, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:

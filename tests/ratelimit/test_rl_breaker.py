@@ -31,13 +31,20 @@ from tests.breaker_model import Model
 
 MakeFailover = Callable[..., Awaitable[Failover]]
 FAST = BreakerSpec(
-    threshold=1.0, cooldown_s=0.12, cooldown_max_s=0.5, step_s=0.08, cooldown_growth=2.0
+    threshold=2.0,
+    mistakes_threshold=1.0,
+    cooldown_s=0.12,
+    cooldown_max_s=0.5,
+    step_s=0.08,
+    cooldown_growth=2.0,
 )
 OPEN_CHECK = Check("requests:second", SLIDING[Unit.SECOND], MAX_COUNT, 1)
 
 
-async def fed(resp: Resp, tenant: str, spec: BreakerSpec, weights: list[tuple[float, str]]) -> Any:
-    args = [a for w, c in weights for a in (repr(w), c)]
+async def fed(
+    resp: Resp, tenant: str, spec: BreakerSpec, weights: list[tuple[float, str, str]]
+) -> Any:
+    args = [a for w, score, c in weights for a in (repr(w), score, c)]
     return await resp.call("EVALSHA", feed.SHA, 1, breaker_key(tenant), *spec.feed_args(), *args)
 
 
@@ -62,11 +69,8 @@ async def test_the_scripts_follow_the_model_at_redis_time(resp: Resp) -> None:
             assert got.admitted == (got.circuit_ms is None)
         else:
             weights = [
-                (
-                    dice.choice([0.0, 0.3, 0.7, 1.0, 1.2]) if storm else 0.0,
-                    dice.choice(["500", "429"]),
-                )
-                for _ in range(dice.randint(1, 3))
+                (dice.choice([0.0, 0.3, 0.7, 1.0, 1.2]) if storm else 0.0, *kind)
+                for kind in dice.choices([("s", "500"), ("m", "429")], k=dice.randint(1, 3))
             ]
             now, *events = await fed(resp, "m", FAST, weights)
             decoded = [e.decode() for e in events]
@@ -83,7 +87,7 @@ async def test_half_open_admits_its_share_across_two_replicas(
 ) -> None:
     """Two rate-limit replicas share one breaker: both refuse while it is open, and in half-open
     they admit 1 in 10 together, 3 in 10 next, then all."""
-    spec = BreakerSpec(threshold=1.0, cooldown_s=0.4, cooldown_max_s=1.0, step_s=1.5)
+    spec = BreakerSpec(threshold=2.0, cooldown_s=0.4, cooldown_max_s=1.0, step_s=1.5)
     table = TierTable(tiers={"fast": TierSpec(requests=PerUnit(second=10**6), breaker=spec)})
     limiters = [
         Limiter(Limits(table).policy, await make_failover(redis), lambda: IDLE_UNKNOWN, time.time)
@@ -92,7 +96,7 @@ async def test_half_open_admits_its_share_across_two_replicas(
     resp = await Resp.connect("127.0.0.1", redis, 2.0)
     breakers = Breakers(lambda: table, None, None)
     try:
-        (trip,) = await breakers.feed(resp, [outcome("shared", 500)])
+        (trip,) = await breakers.feed(resp, [outcome("shared", 500), outcome("shared", 500)])
         assert (trip.kind, trip.cause, trip.cooldown_ms) == ("trip", "500", 400)
 
         async def admit(i: int) -> Verdict:
@@ -152,7 +156,11 @@ async def test_the_feed_records_trips_and_recoveries_and_alerts_its_tier(resp: R
         alerts.append((kind, tenant))
 
     breakers = Breakers(lambda: table, Sink(), alert)
-    batch = [outcome("a", 200), outcome("a", 500), outcome("b", 500, "loud"), outcome("c", 200)]
+    batch = [
+        outcome("a", 200),
+        *[outcome("a", 500), outcome("b", 500, "loud")] * 2,
+        outcome("c", 200),
+    ]
     trips = await breakers.feed(resp, batch)
     breakers.record(trips)
     assert sorted((t.kind, t.tenant) for t in trips) == [("trip", "a"), ("trip", "b")]
@@ -179,3 +187,20 @@ def test_the_refusal_tells_the_sdk_to_retry_only_within_its_longest_wait() -> No
     assert b'"code":"tenant_circuit_open"' in body and b'"type":"server_error"' in body
     headers, _ = circuit_open(verdict(240_000))
     assert dict(headers)["x-should-retry"] == "false"
+
+
+async def test_failures_that_are_the_fleets_or_the_pods_trip_no_one(resp: Resp) -> None:
+    """Two failures trip FAST, unless they are the fleet's (Envoy's flags) or their pod failed
+    three tenants at once (ledger/blame.py)."""
+    table = TierTable(tiers={"fast": TierSpec(breaker=FAST)})
+    breakers = Breakers(lambda: table, None, None)
+    pod = "10.0.0.9:8000"
+    one_pod = [
+        outcome(t, 500).model_copy(update={"pod": pod}) for t in ("p1", "p2", "p3") for _ in "12"
+    ]
+    assert await breakers.feed(resp, one_pod) == []
+    reset = [outcome("f1", 200).model_copy(update={"flags": "UC", "outcome": "upstream_error"})]
+    no_pod = [outcome("f1", 503).model_copy(update={"flags": "UF,URX"})]
+    assert await breakers.feed(resp, (reset + no_pod) * 2) == []
+    trips = await breakers.feed(resp, [outcome("own", 500)] * 2)  # no other tenant failed
+    assert [(t.tenant, t.cause) for t in trips] == [("own", "500")]

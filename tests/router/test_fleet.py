@@ -101,3 +101,19 @@ def test_after_a_cooldown_a_pod_gets_one_probe_until_it_answers() -> None:
     fleet.finish("lost")
     fleet.acquire("a:1", "x")
     assert fleet.pickable("a:1", clock.now)  # answered well: no probation
+
+
+def test_the_served_models_are_every_pods_list_once_all_are_known() -> None:
+    fleet = Fleet(FleetSettings())
+    assert fleet.served_models() is None  # no pod
+    fleet.set_pods(["a:1", "b:1"])
+    fleet.store(PodMetrics("a:1", 0, ok=True, models=frozenset({"m1"})))
+    assert fleet.served_models() is None  # b's list not read yet: b could serve anything
+    fleet.store(PodMetrics("b:1", 0, ok=True, models=frozenset({"m2", "lora"})))
+    assert fleet.served_models() == {"m1", "m2", "lora"}
+    fleet.store(PodMetrics("b:1", 1, ok=False, models=frozenset({"m2"})))  # a failed scrape
+    assert fleet.served_models() == {"m1", "m2"}
+    fleet.set_pods(["a:1"])
+    assert fleet.served_models() == {"m1"}
+    fleet.set_pods(["a:1", "c:1"])
+    assert fleet.served_models() is None

@@ -68,6 +68,19 @@ async def test_error_rate_fails_v1_only(
     assert await status_of(http, pod, "POST", "/v1/chat/completions") == 200
 
 
+async def test_errors_can_hit_only_some_tenants(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    await set_faults(http, pod, error_rate=1, error_tenants=["bad"])
+
+    async def status(tenant: str) -> int:
+        headers = {"x-llmgw-tenant": tenant} if tenant else {}
+        async with http.post(pod.url + "/v1/chat/completions", json=chat("hi", max_tokens=2),
+                             headers=headers) as resp:  # fmt: skip
+            await resp.read()
+            return resp.status
+
+    assert [await status(t) for t in ("bad", "good", "")] == [500, 200, 200]
+
+
 async def test_partial_error_rate_fails_some(pod: SimPod, http: aiohttp.ClientSession) -> None:
     await set_faults(http, pod, error_rate=0.5)
     statuses = [await status_of(http, pod, "GET", "/v1/models") for _ in range(40)]
