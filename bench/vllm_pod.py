@@ -52,19 +52,23 @@ class Pod:
         return self.process.pid
 
     def engine_core(self) -> int | None:
-        """The EngineCore child's pid, once the API server has started it."""
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    head, _, rest = f.read().rpartition(b")")
-            except OSError:
-                continue
-            comm = head.partition(b"(")[2].decode(errors="replace")
-            if comm == ENGINE_CORE_COMM and int(rest.split()[1]) == self.pid:
-                return int(entry)
-        return None
+        return engine_core(self.pid)
+
+
+def engine_core(api_server: int) -> int | None:
+    """The EngineCore child's pid, once the API server has started it."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                head, _, rest = f.read().rpartition(b")")
+        except OSError:
+            continue
+        comm = head.partition(b"(")[2].decode(errors="replace")
+        if comm == ENGINE_CORE_COMM and int(rest.split()[1]) == api_server:
+            return int(entry)
+    return None
 
 
 def rss_mib(pid: int) -> float:
