@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ import numpy as np
 
 from bench.cpu import cpu_seconds
 from bench.loadgen import Conn, Samples, Target
-from bench.vllm_pod import engine_core
+from bench.vllm_pod import processes
 from llmgw import config
 from tools.envoyconf import Address
 from tools.stack import Stack, StackSettings
@@ -93,14 +94,26 @@ async def interleave(
 
 
 def roots(stacks: dict[str, Stack]) -> dict[str, int]:
-    """(engine/process) → pid: every child of each stack, and the real pod's EngineCore apart."""
+    """engine/process → pid: every child of each stack (with its children), and the real pod's
+    EngineCore and Worker apart as `vllm/pod: ROLE`."""
     out = {}
     for engine, stack in stacks.items():
         for proc in stack.processes:
             if proc.pid is not None:
                 out[f"{engine}/{'pod' if proc.name == 'pod-0' else proc.name}"] = proc.pid
-    if (core := engine_core(out["vllm/pod"])) is not None:
-        out["vllm/EngineCore"] = core
+    for role, pid in processes(out["vllm/pod"]).items():
+        out[f"vllm/pod: {role}"] = pid
+    return out
+
+
+def own(cpu: dict[str, float]) -> dict[str, float]:
+    """The real pod's processes without their children: each is its parent's child
+    (bench/vllm_pod.py PROCESSES), and `cpu_seconds` counts a process with its descendants."""
+    out = dict(cpu)
+    chain = ["vllm/pod: API server", "vllm/pod: EngineCore", "vllm/pod: Worker"]
+    for parent, child in itertools.pairwise(chain):
+        if child in cpu:
+            out[parent] = cpu[parent] - cpu[child]
     return out
 
 
@@ -171,20 +184,20 @@ def cpu_table(
     lines = [
         f"CPU per request, µs (utime+stime from /proc over the run, less each process's idle "
         f"rate measured over {args.idle_seconds:g} s beforehand; a pod's requests are both its "
-        "paths', a gateway's its own)",
+        "paths', a gateway's its own; the real pod's Worker busy-polls for 1 s after each step, "
+        "so at this rate it spins throughout: its figure is a core divided by the pod's req/s)",
         "",
         "| engine | process | per request µs | idle ms/s |",
         "|---|---|---|---|",
     ]
     totals: dict[str, float] = {}
-    for name, seconds in used.items():
+    for name, seconds in own(used).items():
         engine, process = name.split("/")
-        n = args.samples * (2 if process in ("pod", "EngineCore") else 1)
-        us = (seconds - idle[name] * window) / n * 1e6
-        if process != "EngineCore":  # inside the pod's tree already
+        n = args.samples * (2 if process.startswith("pod") else 1)
+        us = (seconds - own(idle)[name] * window) / n * 1e6
+        if ":" not in process:  # the pod's parts are in its row already
             totals[engine] = totals.get(engine, 0.0) + us
-        label = "of which EngineCore" if process == "EngineCore" else process
-        lines.append(f"| {engine} | {label} | {us:,.0f} | {idle[name] * 1e3:.1f} |")
+        lines.append(f"| {engine} | {process} | {us:,.0f} | {own(idle)[name] * 1e3:.1f} |")
     for engine, total in totals.items():
         lines.append(f"| {engine} | **all** | **{total:,.0f}** | |")
     return "\n".join(lines)
@@ -214,6 +227,7 @@ def main() -> None:
             print(f"# warm-up statuses {statuses}", file=sys.stderr)
         pids = roots(stacks)
         print("# idle ...", file=sys.stderr, flush=True)
+        time.sleep(2.0)  # the real pod's Worker busy-polls for 1 s after its last step
         idle0 = cpu_seconds(pids)
         time.sleep(args.idle_seconds)
         idle1 = cpu_seconds(pids)

@@ -17,8 +17,9 @@ from tools.engine import VllmSettings, ensure_model, pod_argv, pod_env
 from tools.procs import Process, free_port, http_ok
 from tools.stack import POD_KEY_ENV, StackSettings
 
-# The API server's child that runs the engine loop (its comm, cut to 15 characters by Linux).
-ENGINE_CORE_COMM = "VLLM::EngineCor"
+# The API server starts the EngineCore (the scheduler), which starts the Worker (the model runner,
+# which busy-polls its shared-memory queue for 1 s after every step); names as in their comm.
+PROCESSES = {"EngineCore": "VLLM::EngineCor", "Worker": "VLLM::Worker"}
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -51,27 +52,50 @@ class Pod:
             raise RuntimeError("the pod was not spawned")
         return self.process.pid
 
-    def engine_core(self) -> int | None:
-        return engine_core(self.pid)
+    def processes(self) -> dict[str, int]:
+        """The pod's processes by role: the API server, and those of its EngineCore and Worker
+        that have started."""
+        return processes(self.pid)
 
 
-def engine_core(api_server: int) -> int | None:
-    """The EngineCore child's pid, once the API server has started it."""
+def _stat(pid: str) -> tuple[str, int]:
+    """(comm, ppid) of a process."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        head, _, rest = f.read().rpartition(b")")
+    return head.partition(b"(")[2].decode(errors="replace"), int(rest.split()[1])
+
+
+def processes(api_server: int) -> dict[str, int]:
+    """A real pod's processes by role (`PROCESSES`), from its API server's pid."""
+    children: dict[int, list[tuple[str, int]]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                head, _, rest = f.read().rpartition(b")")
-        except OSError:
-            continue
-        comm = head.partition(b"(")[2].decode(errors="replace")
-        if comm == ENGINE_CORE_COMM and int(rest.split()[1]) == api_server:
-            return int(entry)
-    return None
+        if entry.isdigit():
+            try:
+                comm, ppid = _stat(entry)
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append((comm, int(entry)))
+    found = {"API server": api_server}
+    parent = api_server
+    for role, comm in PROCESSES.items():  # each started by the one before
+        pid = next((p for c, p in children.get(parent, []) if c == comm), None)
+        if pid is None:
+            break
+        found[role] = parent = pid
+    return found
 
 
 def rss_mib(pid: int) -> float:
     """Resident memory of one process (all its threads), MiB."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * PAGE / 2**20
+
+
+def pss_mib(pid: int) -> float:
+    """Its proportional share: pages shared with the pod's other processes (torch's libraries)
+    count a part in each, so the pod's sum is what it holds."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"no Pss in /proc/{pid}/smaps_rollup")

