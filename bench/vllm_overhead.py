@@ -190,16 +190,21 @@ def cpu_table(
         "| engine | process | per request µs | idle ms/s |",
         "|---|---|---|---|",
     ]
-    totals: dict[str, float] = {}
+    gateway: dict[str, float] = {}
+    pod: dict[str, float] = {}
     for name, seconds in own(used).items():
         engine, process = name.split("/")
         n = args.samples * (2 if process.startswith("pod") else 1)
         us = (seconds - own(idle)[name] * window) / n * 1e6
-        if ":" not in process:  # the pod's parts are in its row already
-            totals[engine] = totals.get(engine, 0.0) + us
+        if process == "pod":
+            pod[engine] = us
+        elif ":" not in process:  # the pod's parts are in its row already
+            gateway[engine] = gateway.get(engine, 0.0) + us
         lines.append(f"| {engine} | {process} | {us:,.0f} | {own(idle)[name] * 1e3:.1f} |")
-    for engine, total in totals.items():
-        lines.append(f"| {engine} | **all** | **{total:,.0f}** | |")
+    for engine, us in gateway.items():
+        lines.append(f"| {engine} | **the gateway (all but the pod)** | **{us:,.0f}** | |")
+    for engine, us in gateway.items():
+        lines.append(f"| {engine} | **all** | **{us + pod[engine]:,.0f}** | |")
     return "\n".join(lines)
 
 
