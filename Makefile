@@ -18,8 +18,8 @@ PYTEST  = d=$$(mktemp -d /tmp/llmgw-test.XXXXXX); \
 
 .PHONY: install up test test-repeat vllm lint bench clean
 
-# The stack, the tests and `make vllm` find the environment here (tools.engine.configured).
-up test test-repeat vllm: export LLMGW_STACK__VLLM__VENV := $(abspath $(VLLM_VENV))
+# The stack, the tests, the benches and `make vllm` find the environment here (tools.engine.configured).
+up test test-repeat vllm bench: export LLMGW_STACK__VLLM__VENV := $(abspath $(VLLM_VENV))
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
