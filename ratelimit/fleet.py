@@ -3,6 +3,8 @@
 A missing, malformed or stale (older than `stale_after_s`, default 3 s) signal counts as load 1,
 and an unknown capacity as 0: nothing to borrow (ratelimit/pool.py). Each replica caches the key
 for `cache_s` (default 0.5 s) and refreshes it in the background, so no decision waits for it.
+The view is also the fleet's contexts (`ModelContexts`) where the router runs apart: the last
+ones read, whatever their age (a context changes only with a pod's flags); none past the key's TTL.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class FleetView:
             self._fetched_at = now
             self._refresh = asyncio.get_running_loop().create_task(self._update())
         return self.current
+
+    def context(self, model: str) -> int | None:
+        return self.snapshot().contexts.get(model)
 
     async def _update(self) -> None:
         try:

@@ -48,7 +48,8 @@ class RateLimiter:
             password=reveal(redis.password),
             cluster=redis.cluster,
         )
-        fleet = FleetView(
+        # The fleet signal borrowing reads; extauthz's decision reads its contexts too.
+        self.fleet = fleet = FleetView(
             lambda: store.get_fleet(wire.FLEET_LOAD_KEY), time.time, settings.fleet.cache_s
         )
         self.limiter = Limiter(
