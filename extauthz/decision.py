@@ -244,7 +244,9 @@ class Decider:
         suffix += f', "request_id": {json.dumps(request_id)}'
         if path != wire.EMBEDDINGS_PATH:
             suffix += f', "max_tokens": {cap}'
-            if path == wire.CHAT_PATH:  # vLLM's chat reads this one first
+            if path == wire.CHAT_PATH and read.completion_cap:
+                # vLLM's chat reads this one first; named only to replace the client's, so
+                # that a cap vLLM refuses is refused under the name the client used.
                 suffix += f', "max_completion_tokens": {cap}'
         return suffix if read.empty else f",{suffix}"
 

@@ -342,12 +342,31 @@ class Fleet(dict[str, int]):
 
 
 def sent_cap(decider: Decider, snap: Snapshot, key: str, body: bytes) -> object:
-    """The output cap the pod reads (both names: chat reads max_completion_tokens first)."""
+    """The output cap the pod reads, the one reserved."""
     d = allowed(decider.decide(snap, bearer(key, **GENERATION), body, NOW_S))
-    request = as_the_pod_reads_it(body, d)
-    assert request["max_tokens"] == request["max_completion_tokens"]
-    assert metadata(d)[wire.META_MAX_OUTPUT] == request["max_tokens"]
-    return request["max_tokens"]
+    cap = pod_cap(as_the_pod_reads_it(body, d), wire.CHAT_PATH)
+    assert metadata(d)[wire.META_MAX_OUTPUT] == cap
+    return cap
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        ({}, {"max_tokens"}),
+        ({"max_tokens": 2000}, {"max_tokens"}),
+        ({"max_completion_tokens": None, "max_tokens": 2000}, {"max_tokens"}),
+        ({"max_completion_tokens": 2000}, {"max_tokens", "max_completion_tokens"}),
+        ({"max_completion_tokens": -1}, {"max_tokens", "max_completion_tokens"}),
+    ],
+)
+def test_the_cap_goes_under_the_name_the_pod_reads(
+    snap: Snapshot, keys: Keys, extra: dict[str, object], names: set[str]
+) -> None:
+    """vLLM's chat reads max_completion_tokens unless it is null: the gateway names it only to
+    replace the client's, so a cap the pod refuses is refused naming what the client named."""
+    d = allowed(make_decider().decide(snap, bearer(keys.acme, **GENERATION), chat(**extra), NOW_S))
+    suffix = json.loads("{" + str(metadata(d)[wire.META_BODY_SUFFIX]).lstrip(",") + "}")
+    assert set(suffix) - {"cache_salt", "request_id"} == names
 
 
 def test_the_default_cap_is_within_the_fleets_context(snap: Snapshot, keys: Keys) -> None:
