@@ -60,6 +60,8 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
         streams = await asyncio.gather(
             *(stream(client, i) for i in range(STREAMS)), return_exceptions=True
         )
+        served = [r for r in streams if not isinstance(r, BaseException)]
+        print(f"{len(served)} of {STREAMS} SDK-default streams served: {outcomes(streams)}")
         whole = await asyncio.gather(
             *(
                 client.chat.completions.create(
@@ -69,6 +71,7 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
             ),
             return_exceptions=True,
         )
+        assert len(served) == STREAMS and not any(isinstance(r, BaseException) for r in whole)
         # One that never stops by itself runs to the context: the pod lowered the gateway's
         # cap to what fits beside the prompt, as it does for a client's own.
         endless = await client.chat.completions.create(
@@ -76,10 +79,6 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
             messages=[{"role": "user", "content": "go on forever"}],
             extra_body={"ignore_eos": True},
         )
-    failed = [r for r in [*streams, *whole] if isinstance(r, BaseException)]
-    served = [r for r in streams if not isinstance(r, BaseException)]
-    print(f"{len(served)} of {STREAMS} SDK-default streams served; failures: {failed[:3]}")
-    assert not failed
     for prompt, completion, finish in served:
         assert completion >= 1 and finish in ("stop", "length")
         assert prompt + completion <= CONTEXT
@@ -87,12 +86,24 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
     assert endless.choices[0].finish_reason == "length"
 
 
+def outcomes(results: list[object]) -> dict[str, int]:
+    """How many requests ended how: "served", or the error's status."""
+    counted: dict[str, int] = {}
+    for r in results:
+        name = "served"
+        if isinstance(r, BaseException):
+            name = str(r.status_code) if isinstance(r, openai.APIStatusError) else repr(r)
+        counted[name] = counted.get(name, 0) + 1
+    return counted
+
+
 def test_a_request_that_cannot_fit_gets_the_pods_own_400(short_context_stack: Stack) -> None:
     """A cap the client names above the context, or a prompt longer than it: the same answer
     as the pod gives without the gateway."""
     stack = short_context_stack
     pod_key = {"authorization": f"Bearer {stack.pod_api_key}"} if stack.pod_api_key else {}
-    gateway_key = {"authorization": f"Bearer {api_key(stack, 'standard')}"}
+    # Another tenant than the other test's: a client's 400s count on its tenant's breaker.
+    gateway_key = {"authorization": f"Bearer {api_key(stack, 'platinum')}"}
     for fields in (
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CONTEXT + 1},
         {"messages": [{"role": "user", "content": "word " * (4 * CONTEXT)}]},
