@@ -307,7 +307,7 @@ def test_the_pod_gets_the_cap_the_reservation_holds(
     assert isinstance(cap, int) and not isinstance(cap, bool)
     assert cap == metadata(d)[wire.META_MAX_OUTPUT]
     assert cap <= (1000 if tenant == "acme" else 50)
-    if extra in OPEN and path == wire.CHAT_PATH:
+    if extra in OPEN:
         assert cap <= 800
     n = metadata(d)[wire.META_CHOICES]
     assert isinstance(n, float)
