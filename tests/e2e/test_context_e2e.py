@@ -1,10 +1,12 @@
 """SDK-default requests against pods with a short context: the gateway's output cap never turns
 a request the pod would serve into an error.
 
-The simulated pods run with `--max-model-len 1200` (as vLLM pods often do, to save memory) and
-nobody tells extauthz: the router reads the context from the pods' /v1/models. The tiers keep
-their default output cap, 4,096, which every pod would refuse above its context (before: 30 of 30
-SDK-default streams were answered 400).
+The pods run with `--max-model-len 1200` (as vLLM pods often do, to save memory) and nobody tells
+extauthz: the router reads the context from the pods' /v1/models. The tiers keep their default
+output cap, 4,096, which every pod would refuse above its context (before: 0 of 30 SDK-default
+streams served, by simulated pods and by a real vLLM 0.32 pod alike). Simulated pods, and a real
+vLLM pod where its environment is installed (tools/engine.py; LLMGW_STACK__VLLM__VENV and
+friends choose it, as for tests/sim/test_fidelity.py).
 """
 
 from __future__ import annotations
@@ -15,22 +17,37 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from llmgw.config import load
+from sim.types import DEFAULT_MODEL
 from tests.e2e.conftest import FAST_PODS, api_key, stack_settings
 from tests.http import call
-from tools.stack import Stack
+from tools.engine import STAMP
+from tools.stack import Stack, StackSettings
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CONTEXT = 1200
 STREAMS = 30
 
 
-@pytest.fixture(scope="module")
-def short_context_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["sim", "vllm"])
+def short_context_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     settings = stack_settings().model_copy(
         update={"sim_args": (*FAST_PODS, "--max-model-len", str(CONTEXT))}
     )
+    if request.param == "vllm":
+        vllm = load(StackSettings, None, "LLMGW_STACK").vllm
+        if not (vllm.venv / STAMP).exists():
+            pytest.skip(f"no vLLM environment: {vllm.venv / STAMP} is missing")
+        # One pod: a real one takes a core and ~1.25 GB.
+        vllm = vllm.model_copy(update={"max_model_len": CONTEXT})
+        settings = stack_settings(pods=1).model_copy(update={"engine": "vllm", "vllm": vllm})
     with Stack(settings, tmp_path_factory.mktemp("short-context") / "stack") as stack:
         yield stack
+
+
+def model(stack: Stack) -> str:
+    return stack.served_model or DEFAULT_MODEL
 
 
 def sdk(stack: Stack) -> openai.AsyncOpenAI:
@@ -38,10 +55,10 @@ def sdk(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.base_url, api_key=api_key(stack, "standard"))
 
 
-async def stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+async def stream(client: openai.AsyncOpenAI, name: str, i: int) -> tuple[int, int, str | None]:
     """One SDK-default stream (no max_tokens): (prompt tokens, completion tokens, finish)."""
     chunks = await client.chat.completions.create(
-        model=MODEL,
+        model=name,
         messages=[{"role": "user", "content": f"question {i}: tell me about the sea"}],
         stream=True,
         stream_options={"include_usage": True},
@@ -56,16 +73,17 @@ async def stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | No
 
 
 async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -> None:
+    name = model(short_context_stack)
     async with sdk(short_context_stack) as client:
         streams = await asyncio.gather(
-            *(stream(client, i) for i in range(STREAMS)), return_exceptions=True
+            *(stream(client, name, i) for i in range(STREAMS)), return_exceptions=True
         )
         served = [r for r in streams if not isinstance(r, BaseException)]
         print(f"{len(served)} of {STREAMS} SDK-default streams served: {outcomes(streams)}")
         whole = await asyncio.gather(
             *(
                 client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"whole {i}"}]
+                    model=name, messages=[{"role": "user", "content": f"whole {i}"}]
                 )
                 for i in range(5)
             ),
@@ -75,7 +93,7 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
         # One that never stops by itself runs to the context: the pod lowered the gateway's
         # cap to what fits beside the prompt, as it does for a client's own.
         endless = await client.chat.completions.create(
-            model=MODEL,
+            model=name,
             messages=[{"role": "user", "content": "go on forever"}],
             extra_body={"ignore_eos": True},
         )
@@ -108,7 +126,7 @@ def test_a_request_that_cannot_fit_gets_the_pods_own_400(short_context_stack: St
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CONTEXT + 1},
         {"messages": [{"role": "user", "content": "word " * (4 * CONTEXT)}]},
     ):
-        body = {"model": MODEL, **fields}
+        body = {"model": model(stack), **fields}
         direct = call("POST", f"{stack.pod_url(0)}/v1/chat/completions", body, pod_key)
         through = call("POST", f"{stack.base_url}/chat/completions", body, gateway_key)
         assert direct.status == through.status == 400, through.body
