@@ -52,9 +52,6 @@ async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
     telemetry.TENANTS.limit = settings.metrics.tenant_labels
     store = tenants_store(settings.tenants_file, settings.tiers_file)
-    decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings))
-    bodies = BodyPool(decider, settings.decision.pool_from_bytes)
-    await bodies.start()
     limiter = None
     if settings.holds_limiter:
         limiter = held_limiter(admitting(settings), store)
@@ -63,6 +60,12 @@ async def main(settings: Settings) -> None:
     if settings.holds_router:
         router = Router.from_settings(picking(settings), tracer)
         await router.start()
+    # The fleet's contexts bound the output cap: the router's own where it is held, else those
+    # the router apart publishes, as the limiter reads them (every topology holds one of the two).
+    contexts = router.fleet.contexts if router is not None else limiter.fleet if limiter else None
+    decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings), contexts)
+    bodies = BodyPool(decider, settings.decision.pool_from_bytes)
+    await bodies.start()
     director = Director(
         store,
         decider,

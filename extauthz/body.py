@@ -29,6 +29,9 @@ class Body:
     model_text: bool = False  # … and it is a non-empty string
     model: str | None = None  # … and a valid model name
     model_shown: str = ""  # the member as sent, shortened, for messages
+    cap_named: bool = False  # the client names its output cap (facts.asked_output)
+    # A non-null max_completion_tokens, which chat reads before max_tokens.
+    completion_cap: bool = False
     # Not yet the tenant's: prefix not hashed, output capped only by the client (`for_tenant`).
     facts: RequestFacts = field(default_factory=RequestFacts)
     prefix_text: str = ""  # the rendered prompt's leading part that the prefix blocks cover
@@ -79,6 +82,8 @@ def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
         model_text=isinstance(name, str) and bool(name),
         model=model,
         model_shown=repr(name)[:300],
+        cap_named=facts.asked_output(request) is not None,
+        completion_cap=request.get("max_completion_tokens") is not None,
         facts=parsed,
         prefix_text=facts.render(request)[: settings.max_prefix_blocks * facts.BLOCK_CHARS],
     )

@@ -19,6 +19,7 @@ from extauthz.tenants import digest
 from extauthz.types import KEY_PREFIX, Allow, Decision, Deny, KeyEntry, Snapshot, TenantView
 from llmgw import facts, priority, wire
 from llmgw.facts import RequestFacts
+from llmgw.fleetload import ModelContexts
 from llmgw.tenant import TenantContext
 
 _MAX_KEY_CHARS = 256
@@ -48,11 +49,18 @@ def _api_key(headers: Mapping[str, str]) -> str | None:
 
 class Decider:
     def __init__(
-        self, settings: DecisionSettings, sessions: Sessions, cache_secret: bytes = b""
+        self,
+        settings: DecisionSettings,
+        sessions: Sessions,
+        cache_secret: bytes = b"",
+        contexts: ModelContexts | None = None,
     ) -> None:
+        """`contexts`: the fleet's (the router's datastore, or the fleet load its rate limiter
+        reads); None: only the operator's `max_model_len`."""
         self.settings = settings
         self.sessions = sessions
         self.cache_secret = cache_secret
+        self.contexts = contexts
         self._salts: dict[str, str] = {}
 
     def cache_salt(self, group: str) -> str:
@@ -168,11 +176,23 @@ class Decider:
                 tenant=tenant.id,
             )
         # The output cap per sequence the pod gets (appended to the body: `_suffix`): the
-        # reservation holds what the pod may generate, whatever the client named.
+        # reservation holds what the pod may generate, whatever the client named. A cap the
+        # gateway chooses stays within the model's context, which vLLM would refuse it above
+        # (and itself lowers to what fits beside the prompt): a request vLLM would serve is
+        # served. A cap the client names is vLLM's to refuse, as it would without the gateway.
         cap = 0
         if path != wire.EMBEDDINGS_PATH:
-            cap = self.settings.output_cap(tenant, read.facts)
+            context = None if read.cap_named else self._context(read.facts.model)
+            cap = self.settings.output_cap(tenant, read.facts, context)
         return read.for_tenant(tenant.cache_group, self.settings.max_prefix_blocks, cap)
+
+    def _context(self, model: str | None) -> int | None:
+        """The model's context: the least of the fleet's and the operator's; None: unknown."""
+        if model is None:
+            return None
+        fleet = None if self.contexts is None else self.contexts.context(model)
+        known = [c for c in (fleet, self.settings.max_model_len.get(model)) if c is not None]
+        return min(known, default=None)
 
     def _session(self, headers: Mapping[str, str], tenant: str, now_ms: int) -> str | Deny:
         """The client's session if it is this tenant's and unexpired; a new one if none."""
@@ -224,7 +244,9 @@ class Decider:
         suffix += f', "request_id": {json.dumps(request_id)}'
         if path != wire.EMBEDDINGS_PATH:
             suffix += f', "max_tokens": {cap}'
-            if path == wire.CHAT_PATH:  # vLLM's chat reads this one first
+            if path == wire.CHAT_PATH and read.completion_cap:
+                # vLLM's chat reads this one first; named only to replace the client's, so
+                # that a cap vLLM refuses is refused under the name the client used.
                 suffix += f', "max_completion_tokens": {cap}'
         return suffix if read.empty else f",{suffix}"
 

@@ -38,10 +38,10 @@ class DecisionSettings(Strict):
     # not quota. 4096: longer than nearly every chat answer, within every current model's
     # context, and still ~10 SDK-default requests in flight under a 40,000 TPM limit.
     max_output_tokens: Tokens = 4096
-    # Each model's context (vLLM's max_model_len, in /v1/models) bounds the cap: vLLM refuses a
-    # max_tokens above it, and itself lowers one that fits only beside a shorter prompt. For a
-    # model not named here the context is unknown and the cap unbounded by it: keep the caps
-    # within the smallest context served.
+    # Each model's context (vLLM's max_model_len) as the operator knows it. The pods publish
+    # theirs in /v1/models, which the router reads (the fleet's contexts): both bound the cap
+    # appended to a request that names none, which vLLM would refuse above the context (and
+    # itself lowers to what fits beside the prompt). Only needed for pods that do not publish it.
     max_model_len: dict[str, Tokens] = Field(default_factory=dict)
     # Each served model's tokenizer (its tokenizer.json, with the chat template beside it, as
     # the model's directory has them): that model's prompts are counted as its pods count them
@@ -120,14 +120,16 @@ class DecisionSettings(Strict):
         except tokenizer.TokenizerError:
             return None
 
-    def output_cap(self, tenant: TenantView, request: RequestFacts) -> int:
+    def output_cap(
+        self, tenant: TenantView, request: RequestFacts, context: int | None = None
+    ) -> int:
         """The most output per sequence a request of this tenant gets: the tier's cap, within
-        the model's context and within what the tenant's smallest token limit leaves beside the
-        prompt for its `n` sequences (a larger cap would make every request that names none too
-        large to ever be admitted)."""
+        `context` (the model's, for a request that names no cap; None: unknown) and within what
+        the tenant's smallest token limit leaves beside the prompt for its `n` sequences (a
+        larger cap would make every request that names none too large to ever be admitted)."""
         bounds = [tenant.max_output or self.max_output_tokens]
-        if request.model is not None and request.model in self.max_model_len:
-            bounds.append(self.max_model_len[request.model])
+        if context is not None:
+            bounds.append(context)
         if tenant.token_ceiling is not None:
             room = (tenant.token_ceiling - request.prompt_tokens) // max(request.n, 1)
             bounds.append(max(1, room))

@@ -156,15 +156,18 @@ def from_body(
 
 
 def output_cap(request: Mapping[str, Any], maximum: int) -> int:
-    """The output cap per sequence the pod gets: the client's, lowered to `maximum`, or
-    `maximum` when the client leaves it open. `min(output_cap(r, a), b)` is
-    `output_cap(r, min(a, b))`, so a bound known only later (the tenant's) lowers it alike.
+    """The output cap per sequence the pod gets: the client's (`asked_output`), lowered to
+    `maximum`, or `maximum` when the client leaves it open. `min(output_cap(r, a), b)` is
+    `output_cap(r, min(a, b))`, so a bound known only later (the tenant's) lowers it alike."""
+    asked = asked_output(request)
+    return maximum if asked is None else min(asked, maximum)
 
-    The client's cap is the one vLLM reads: chat's `max_completion_tokens`, else `max_tokens`;
-    a body without `messages` is a completion, whose absent `max_tokens` means 16. A value the
-    pod would refuse (negative, fractional, not a number) counts as none: the gateway's cap
-    replaces it in the body.
-    """
+
+def asked_output(request: Mapping[str, Any]) -> int | None:
+    """The output cap the client names, as vLLM reads it: chat's `max_completion_tokens`, else
+    `max_tokens`; a body without `messages` is a completion, whose absent `max_tokens` means 16.
+    None: the client leaves it open, or names a value the pod would refuse (negative,
+    fractional, not a number), which the gateway's cap replaces in the body."""
     if "messages" in request:
         asked = _lax_int(request.get("max_completion_tokens"))
         if asked is None or asked < 0:
@@ -173,7 +176,7 @@ def output_cap(request: Mapping[str, Any], maximum: int) -> int:
         asked = _lax_int(request["max_tokens"])
     else:
         asked = COMPLETIONS_DEFAULT_OUTPUT
-    return maximum if asked is None or asked < 0 else min(asked, maximum)
+    return None if asked is None or asked < 0 else asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,10 @@
 
 A missing, malformed or stale (older than `stale_after_s`, default 3 s) signal counts as load 1,
 and an unknown capacity as 0: nothing to borrow (ratelimit/pool.py). Each replica caches the key
-for `cache_s` (default 0.5 s) and refreshes it in the background, so no decision waits for it.
+for `cache_s` (default 0.5 s) and refreshes it in the background, read or not, so no decision
+waits for it.
+The view is also the fleet's contexts (`ModelContexts`) where the router runs apart: the last
+ones read, whatever their age (a context changes only with a pod's flags); none past the key's TTL.
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ class FleetView:
             self._fetched_at = now
             self._refresh = asyncio.get_running_loop().create_task(self._update())
         return self.current
+
+    async def run(self) -> None:
+        """Refresh every `cache_s` (at least 0.05 s) whether read or not: a replica just started
+        or long idle then holds the current signal, not the one of its last read (extauthz's
+        first decisions read the contexts before any admission does)."""
+        while True:
+            self.snapshot()
+            await asyncio.sleep(max(self.cache_s, 0.05))
+
+    def context(self, model: str) -> int | None:
+        return self.snapshot().contexts.get(model)
 
     async def _update(self) -> None:
         try:

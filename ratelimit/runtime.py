@@ -10,7 +10,6 @@ holds one to admit inside its own Check, which saves the request path a gRPC exc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -48,7 +47,8 @@ class RateLimiter:
             password=reveal(redis.password),
             cluster=redis.cluster,
         )
-        fleet = FleetView(
+        # The fleet signal borrowing reads; extauthz's decision reads its contexts too.
+        self.fleet = fleet = FleetView(
             lambda: store.get_fleet(wire.FLEET_LOAD_KEY), time.time, settings.fleet.cache_s
         )
         self.limiter = Limiter(
@@ -64,17 +64,20 @@ class RateLimiter:
                 deadline_s=failover.deadline_ms / 1000,
             ),
         )
-        self._watcher: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # the fleet view's refresh, the tiers' watch
 
     async def start(self) -> None:
-        """Connect to Redis (degraded until it answers), then watch the tier table (if its own)."""
+        """Connect to Redis (degraded until it answers), then keep the fleet view current and
+        watch the tier table (if its own)."""
         await self.store.start()
+        self._tasks.append(asyncio.create_task(self.fleet.run()))
         if self.tiers is not None:
-            self._watcher = asyncio.create_task(self.tiers.watch(self.settings.reload_interval_s))
+            self._tasks.append(
+                asyncio.create_task(self.tiers.watch(self.settings.reload_interval_s))
+            )
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.close()

@@ -1,11 +1,13 @@
 """The datastore: the pods the router knows and their state (each pod's latest metrics, its
-requests in flight, its health, speed and measured capacity), and the candidates a pick reads.
+requests in flight, its health, speed, measured capacity and models' contexts), and the
+candidates a pick reads.
 
-The collectors (router/collectors/) write it: the pods from the resolver, their metrics from the
-scraper, their replies from the outcome feed; the pick (router/lifecycle.py) and the fleet-load
-publisher (router/publisher.py) read it. Pod IDs are `ip:port`, what Envoy's override_host
-matches. A pod is pickable only when its last scrape succeeded and its health allows it
-(router/health.py); metrics older than `stale_after` count as fully loaded.
+The collectors (router/collectors/) write it: the pods from the resolver, their metrics and
+models from the scraper, their replies from the outcome feed; the pick (router/lifecycle.py),
+the fleet-load publisher (router/publisher.py) and extauthz's output cap (router/contexts.py)
+read it. Pod IDs are `ip:port`, what Envoy's override_host matches. A pod is pickable only when
+its last scrape succeeded and its health allows it (router/health.py); metrics older than
+`stale_after` count as fully loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from llmgw.config import Strict
 from llmgw.secret import Secret
 from router import metrics
 from router.capacity import Capacity
+from router.contexts import Contexts
 from router.health import Health
 from router.speed import Speeds
 from router.types import Candidate, PodId, PodMetrics
@@ -84,6 +87,7 @@ class Fleet:
         self.speeds = Speeds()
         self._served: frozenset[str] | None = None
         self._served_known = False  # _served is current (the pods' model lists did not change)
+        self.contexts = Contexts()
 
     def set_pods(self, pods: Iterable[PodId]) -> None:
         wanted = set(pods)
@@ -93,6 +97,7 @@ class Fleet:
             self.health.forget(pod)
             self.capacity.forget(pod)
             self.speeds.forget(pod)
+            self.contexts.forget(pod)
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
@@ -108,6 +113,7 @@ class Fleet:
         self.snapshots[pod] = snap
         if snap.models != old.models:
             self._served_known = False
+        self.contexts.observe(pod, snap.contexts)
         if snap.ok:
             self.capacity.observe(snap, self.settings.capacities.get(pod, self.settings.capacity))
             self.speeds.observe(snap)

@@ -28,6 +28,11 @@ SCRAPE_ERRORS = Counter("llmgw_router_scrape_errors_total", "Failed scrapes", ["
 IN_FLIGHT = Gauge("llmgw_router_in_flight", "Requests picked and not finished", ["pod"])
 SPEED = Gauge("llmgw_router_pod_speed", "Decode speed relative to the fastest pod", ["pod"])
 PICKABLE = Gauge("llmgw_router_pod_pickable", "1 if the pod may be picked", ["pod"])
+MODEL_CONTEXT = Gauge(
+    "llmgw_router_model_context_tokens",
+    "Each served model's context: the least max_model_len of the pods serving it",
+    ["model"],
+)
 FLEET_LOAD = Gauge("llmgw_router_fleet_load", "Fleet load published for quota borrowing")
 
 # Looked up once per label set (the hot path's updates).

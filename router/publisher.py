@@ -1,6 +1,7 @@
-"""The fleet-load publisher: the fleet's utilisation and measured capacity (llmgw/fleetload.py),
-written to Redis every `publish_interval` seconds with a TTL of `publish_ttl` seconds, for the
-rate limiter's borrowing pool (ratelimit/fleet.py)."""
+"""The fleet-load publisher: the fleet's utilisation, measured capacity and contexts
+(llmgw/fleetload.py), written to Redis every `publish_interval` seconds with a TTL of
+`publish_ttl` seconds, for the rate limiter's borrowing pool (ratelimit/fleet.py) and, where the
+router runs apart, extauthz's output cap."""
 
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ def fleet_load(fleet: Fleet) -> FleetLoad:
     metrics.FLEET_LOAD.set(load)
     tpm, rpm = fleet.capacity.per_minute(pickable)
     return FleetLoad(
-        load=round(load, 4), capacity_tpm=tpm, capacity_rpm=rpm, ts=round(time.time(), 3)
+        load=round(load, 4),
+        capacity_tpm=tpm,
+        capacity_rpm=rpm,
+        ts=round(time.time(), 3),
+        contexts=fleet.contexts.current,
     )
 
 

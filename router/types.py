@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 PodId = str  # "ip:port", exactly what Envoy's override_host matches
@@ -27,6 +28,8 @@ class PodMetrics:
     itl_seconds: float | None = None
     itl_count: float | None = None
     models: frozenset[str] = frozenset()
+    # Each model's max_model_len as /v1/models gives it (a model without one: not here).
+    contexts: Mapping[str, int] = field(default_factory=dict)
 
     def fresh(self, threshold: float, now: float) -> bool:
         return self.ok and now - self.at <= threshold

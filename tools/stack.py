@@ -345,14 +345,16 @@ class Stack:
         return Topology.of(limiter_inside=limiter, router_inside=router, check_over_http=False)
 
     def _wait_pickable(self) -> None:
-        """Until the router has scraped every simulated pod: a burst sent as soon as the stack
-        is up would otherwise find no pod it may pick (Envoy's fallback would)."""
+        """Until the router has scraped every simulated pod and knows its model's context: a
+        burst sent as soon as the stack is up would otherwise find no pod it may pick (Envoy's
+        fallback would), or get the tier's output cap whatever the pods' context."""
         wanted = [f'llmgw_router_pod_pickable{{pod="{p.host}:{p.port}"}} 1.0' for p in self.pods]
         deadline = time.monotonic() + self.settings.start_timeout
         while True:
             with urllib.request.urlopen(self.metrics["router"], timeout=5) as reply:
                 text = reply.read().decode()
-            if all(line in text for line in wanted):
+            known = "llmgw_router_model_context_tokens{" in text
+            if known and all(line in text for line in wanted):
                 return
             if time.monotonic() > deadline:
                 raise StartError(f"the router never found the pods pickable: {wanted}")

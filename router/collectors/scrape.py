@@ -1,4 +1,5 @@
-"""Reading a vLLM pod: the few `/metrics` lines the router needs, and `/v1/models`.
+"""Reading a vLLM pod: the few `/metrics` lines the router needs, and `/v1/models` (the model IDs
+and each one's context, `max_model_len`).
 
 The parser looks only at lines starting with `vllm:` and splits them by hand: about 10x cheaper
 than prometheus_client's parser on a full vLLM page (bench/router_pick.py measures both).
@@ -12,7 +13,8 @@ The inter-token latency histogram's sum and count feed the speed estimate (route
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -108,7 +110,7 @@ async def scrape_metrics(
     pod: PodId,
     seconds: float,
     at: float,
-    models: frozenset[str],
+    served: Served,
 ) -> PodMetrics:
     """One scrape; any failure, non-200 reply or page the parser cannot read gives a snapshot
     with ok=False."""
@@ -117,12 +119,12 @@ async def scrape_metrics(
             f"http://{pod}/metrics", timeout=aiohttp.ClientTimeout(total=seconds)
         ) as resp:
             if resp.status != 200:
-                return PodMetrics(pod, at, ok=False, models=models)
+                return PodMetrics(pod, at, ok=False, models=served.ids, contexts=served.contexts)
             # Lines the parser reads are ASCII; a stray byte elsewhere must not fail the scrape.
             text = (await resp.read()).decode("utf-8", "replace")
         p = parse_metrics(text)
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-        return PodMetrics(pod, at, ok=False, models=models)
+        return PodMetrics(pod, at, ok=False, models=served.ids, contexts=served.contexts)
     return PodMetrics(
         pod,
         at,
@@ -136,14 +138,21 @@ async def scrape_metrics(
         requests_served=p.requests_served,
         itl_seconds=p.itl_seconds,
         itl_count=p.itl_count,
-        models=models,
+        models=served.ids,
+        contexts=served.contexts,
     )
 
 
-async def fetch_models(
-    session: aiohttp.ClientSession, pod: PodId, seconds: float
-) -> frozenset[str] | None:
-    """Model IDs from `/v1/models`, or None when the pod did not answer properly."""
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A pod's `/v1/models`: the IDs, and each one's `max_model_len` where the pod gives one."""
+
+    ids: frozenset[str] = frozenset()
+    contexts: Mapping[str, int] = field(default_factory=dict)
+
+
+async def fetch_models(session: aiohttp.ClientSession, pod: PodId, seconds: float) -> Served | None:
+    """The pod's models from `/v1/models`, or None when the pod did not answer properly."""
     try:
         async with session.get(
             f"http://{pod}/v1/models", timeout=aiohttp.ClientTimeout(total=seconds)
@@ -156,4 +165,10 @@ async def fetch_models(
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         return None
-    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    contexts = {
+        m["id"]: m["max_model_len"]
+        for m in cards
+        if type(m.get("max_model_len")) is int and m["max_model_len"] > 0
+    }
+    return Served(frozenset(m["id"] for m in cards), contexts)

@@ -10,7 +10,7 @@ import logging
 import aiohttp
 
 from router import metrics
-from router.collectors.scrape import fetch_models, scrape_metrics
+from router.collectors.scrape import Served, fetch_models, scrape_metrics
 from router.fleet import Fleet
 from router.types import PodId, PodMetrics
 
@@ -47,16 +47,16 @@ class Scraper:
         s = fleet.settings
         started = fleet.clock()
         old = fleet.snapshots.get(pod)
-        models = old.models if old is not None else frozenset()
-        if started - self._models_at.get(pod, float("-inf")) >= s.models_interval or not models:
+        served = Served() if old is None else Served(old.models, old.contexts)
+        if started - self._models_at.get(pod, float("-inf")) >= s.models_interval or not served.ids:
             fetched = await fetch_models(session, pod, s.scrape_timeout * 4)
             if fetched is not None:
-                models = fetched
+                served = fetched
                 self._models_at[pod] = started
-        snap = await scrape_metrics(session, pod, s.scrape_timeout, started, models)
+        snap = await scrape_metrics(session, pod, s.scrape_timeout, started, served)
         if not snap.ok:
             metrics.SCRAPE_ERRORS.labels(pod).inc()
-            snap = PodMetrics(pod, started, ok=False, models=models)
+            snap = PodMetrics(pod, started, ok=False, models=served.ids, contexts=served.contexts)
         fleet.store(snap)
 
     async def run(self) -> None:

@@ -22,6 +22,7 @@ from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.store import tenants_store
 from extauthz.types import PerMinuteLimits, Tenant, TenantsFile
+from llmgw.fleetload import ModelContexts
 from llmgw.tiers import PerUnit, TierSpec, TierTable
 
 SECRET = b"9f2c41e8a7b3d6055f1e2a9c0b7d64e3"  # varied: settings refuse "ssss…"
@@ -85,9 +86,13 @@ def keys(tenants_file: Path) -> Keys:
     return write_tenants(tenants_file)
 
 
-def make_decider(**settings: object) -> Decider:
+def make_decider(contexts: ModelContexts | None = None, **settings: object) -> Decider:
     codec = SessionCodec(SECRET, max_age_ms=3_600_000)
-    return Decider(DecisionSettings(**settings), Sessions(codec, worker_id=1))  # type: ignore[arg-type]
+    return Decider(
+        DecisionSettings(**settings),  # type: ignore[arg-type]
+        Sessions(codec, worker_id=1),
+        contexts=contexts,
+    )
 
 
 @pytest.fixture

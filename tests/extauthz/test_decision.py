@@ -269,15 +269,21 @@ def capped(tenants_file: Path, keys: Keys) -> Snapshot:
     return tenants.load(tenants_file, CAPPED_TIERS)
 
 
+# Caps the pod would not read as a cap (the gateway's replaces them): the client names none.
+OPEN: list[dict[str, object]] = [
+    {},  # the OpenAI SDK's default: no cap at all
+    {"max_tokens": None, "max_completion_tokens": None},
+    {"max_tokens": -1},
+    {"max_tokens": "nan", "n": "2.0"},
+]
+
+
 @pytest.mark.parametrize(
     "extra",
     [
-        {},  # the OpenAI SDK's default: no cap at all
-        {"max_tokens": None, "max_completion_tokens": None},
+        *OPEN,
         {"max_tokens": 10**20},
         {"max_tokens": 1e20, "n": 3},
-        {"max_tokens": -1},
-        {"max_tokens": "nan", "n": "2.0"},
         {"max_tokens": True},
         {"max_tokens": 20, "max_completion_tokens": 5000},  # the one chat reads is too large
         {"max_completion_tokens": 7, "max_tokens": 5000},
@@ -290,8 +296,8 @@ def test_the_pod_gets_the_cap_the_reservation_holds(
     capped: Snapshot, keys: Keys, extra: dict[str, object], path: str, tenant: str
 ) -> None:
     """Whatever the client names (or not), the pod's cap is the one reserved, within the
-    tier's cap and the model's context: acme is standard (1000) on a model of context 800,
-    globex is gold (50)."""
+    tier's cap, and within the model's context when the client names none: acme is standard
+    (1000) on a model of context 800, globex is gold (50)."""
     decider = make_decider(**CAPPED)
     shape: dict[str, object] = {"messages": [{"role": "user", "content": "x" * 40}]}
     if path != wire.CHAT_PATH:
@@ -302,7 +308,9 @@ def test_the_pod_gets_the_cap_the_reservation_holds(
     cap = pod_cap(as_the_pod_reads_it(body, d), path)
     assert isinstance(cap, int) and not isinstance(cap, bool)
     assert cap == metadata(d)[wire.META_MAX_OUTPUT]
-    assert cap <= (800 if tenant == "acme" else 50)
+    assert cap <= (1000 if tenant == "acme" else 50)
+    if extra in OPEN:
+        assert cap <= 800
     n = metadata(d)[wire.META_CHOICES]
     assert isinstance(n, float)
     prompt = 10 + (CHAT if path == wire.CHAT_PATH else 0)
@@ -326,6 +334,82 @@ def test_the_cap_follows_the_tier_and_the_model(capped: Snapshot, keys: Keys) ->
         (keys.globex, "llama-3-8b"): 50,
         (keys.globex, "mistral-7b"): 50,
     }
+
+
+class Fleet(dict[str, int]):
+    """The fleet's contexts as the router's datastore or the fleet load give them."""
+
+    def context(self, model: str) -> int | None:
+        return self.get(model)
+
+
+def sent_cap(decider: Decider, snap: Snapshot, key: str, body: bytes) -> object:
+    """The output cap the pod reads, the one reserved."""
+    d = allowed(decider.decide(snap, bearer(key, **GENERATION), body, NOW_S))
+    cap = pod_cap(as_the_pod_reads_it(body, d), wire.CHAT_PATH)
+    assert metadata(d)[wire.META_MAX_OUTPUT] == cap
+    return cap
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        ({}, {"max_tokens"}),
+        ({"max_tokens": 2000}, {"max_tokens"}),
+        ({"max_completion_tokens": None, "max_tokens": 2000}, {"max_tokens"}),
+        ({"max_completion_tokens": 2000}, {"max_tokens", "max_completion_tokens"}),
+        ({"max_completion_tokens": -1}, {"max_tokens", "max_completion_tokens"}),
+    ],
+)
+def test_the_cap_goes_under_the_name_the_pod_reads(
+    snap: Snapshot, keys: Keys, extra: dict[str, object], names: set[str]
+) -> None:
+    """vLLM's chat reads max_completion_tokens unless it is null: the gateway names it only to
+    replace the client's, so a cap the pod refuses is refused naming what the client named."""
+    d = allowed(make_decider().decide(snap, bearer(keys.acme, **GENERATION), chat(**extra), NOW_S))
+    suffix = json.loads("{" + str(metadata(d)[wire.META_BODY_SUFFIX]).lstrip(",") + "}")
+    assert set(suffix) - {"cache_salt", "request_id"} == names
+
+
+def test_the_default_cap_is_within_the_fleets_context(snap: Snapshot, keys: Keys) -> None:
+    """SDK-default requests (no cap) on pods started with --max-model-len 1200: the tier's 4,096
+    would be refused by every pod, the context is served (vLLM lowers it beside the prompt)."""
+    decider = make_decider(Fleet({"llama-3-8b": 1200}))
+    assert sent_cap(decider, snap, keys.acme, chat()) == 1200
+    assert sent_cap(decider, snap, keys.acme, chat(max_tokens=None)) == 1200
+    # A model whose context the router does not know (yet): the tier's cap, as before.
+    assert sent_cap(decider, snap, keys.acme, chat("mistral-7b")) == 4096
+
+
+def test_the_default_cap_is_the_least_of_tier_fleet_and_operator(
+    capped: Snapshot, keys: Keys
+) -> None:
+    """acme's tier cap is 1000, globex's 50; the operator says llama's context is 800."""
+    caps = {
+        (fleet, tenant): sent_cap(
+            make_decider(Fleet({"llama-3-8b": fleet}), **CAPPED), capped, key, chat()
+        )
+        for fleet in (600, 900, 5000)
+        for tenant, key in (("acme", keys.acme), ("globex", keys.globex))
+    }
+    assert caps == {
+        (600, "acme"): 600,  # the fleet's
+        (900, "acme"): 800,  # the operator's
+        (5000, "acme"): 800,
+        (600, "globex"): 50,  # the tier's
+        (900, "globex"): 50,
+        (5000, "globex"): 50,
+    }
+
+
+def test_a_cap_the_client_names_is_left_to_the_pod(snap: Snapshot, keys: Keys) -> None:
+    """Above the context vLLM refuses it (its own 400, as without the gateway); the gateway
+    lowers it only to the tier's cap."""
+    decider = make_decider(Fleet({"llama-3-8b": 1200}))
+    assert sent_cap(decider, snap, keys.acme, chat(max_tokens=2000)) == 2000
+    assert sent_cap(decider, snap, keys.acme, chat(max_completion_tokens=3000)) == 3000
+    assert sent_cap(decider, snap, keys.acme, chat(max_tokens=9000)) == 4096
+    assert sent_cap(decider, snap, keys.acme, chat(max_tokens=100)) == 100
 
 
 def test_the_default_cap_fits_the_tenants_smallest_token_limit(

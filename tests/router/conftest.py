@@ -93,6 +93,7 @@ class FakePod:
     status: int = 200
     text: str = field(default_factory=metrics_text)
     models: list[str] = field(default_factory=lambda: ["m"])
+    contexts: dict[str, int] = field(default_factory=dict)  # max_model_len in /v1/models
     pod: str = ""
     hits: int = 0
     tail: bytes = b""  # raw bytes after the text (not necessarily UTF-8)
@@ -103,7 +104,11 @@ class FakePod:
         return web.Response(status=self.status, body=body, content_type="text/plain")
 
     async def v1_models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+        cards = [{"id": m} | self._context(m) for m in self.models]
+        return web.json_response({"object": "list", "data": cards})
+
+    def _context(self, model: str) -> dict[str, int]:
+        return {"max_model_len": self.contexts[model]} if model in self.contexts else {}
 
 
 @pytest.fixture

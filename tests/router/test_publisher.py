@@ -110,8 +110,10 @@ async def test_the_rate_limiter_reads_the_fleet_load_the_router_publishes(
     redis_port: int, fake_pods: list[FakePod]
 ) -> None:
     """The fleet-load contract (llmgw/fleetload.py) end to end: what the router's publisher
-    writes to Redis, ratelimit's store reads and parses to the load and capacity measured."""
+    writes to Redis, ratelimit's store reads and parses to the load, capacity and contexts
+    measured, and extauthz's view of the contexts (the limiter's `FleetView`) gives them."""
     a, _, _ = fake_pods
+    a.contexts = {"m": 1200}
     clock = Clock()
     settings = FleetSettings(capacity=10, scrape_timeout=1.0, stale_after=60, publish_interval=0.05)
     fleet = Fleet(settings, clock=clock)
@@ -128,9 +130,15 @@ async def test_the_rate_limiter_reads_the_fleet_load_the_router_publishes(
     task = asyncio.create_task(publisher.run(fleet, link))
     try:
         await published(client)
-        read = ratelimit_fleet.parse(
-            await RedisStore(await link.get()).get_fleet(wire.FLEET_LOAD_KEY)
-        )
+        store = RedisStore(await link.get())
+        read = ratelimit_fleet.parse(await store.get_fleet(wire.FLEET_LOAD_KEY))
+        view = ratelimit_fleet.FleetView(lambda: store.get_fleet(wire.FLEET_LOAD_KEY), time.time)
+        assert view.context("m") is None  # nothing read yet: the refresh starts
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if view.context("m") is not None:
+                break
+        assert (view.context("m"), view.context("other")) == (1200, None)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -139,4 +147,14 @@ async def test_the_rate_limiter_reads_the_fleet_load_the_router_publishes(
     written = publisher.fleet_load(fleet)
     assert read.model_dump(exclude={"ts"}) == written.model_dump(exclude={"ts"})
     assert (read.load, read.capacity_tpm, read.capacity_rpm) == (0.5, 48_000, 120)
+    assert read.contexts == {"m": 1200}
     assert abs(read.ts - time.time()) < 5
+
+
+def test_the_fleet_load_of_another_version_reads() -> None:
+    """A router of an older version writes no contexts (none known: the cap as before); one of
+    a newer version may add fields, which are ignored."""
+    old = ratelimit_fleet.parse(b'{"load": 0.25, "ts": 5.0}')
+    assert (old.load, old.contexts) == (0.25, {})
+    new = ratelimit_fleet.parse(b'{"load": 0.25, "ts": 5.0, "contexts": {"m": 8}, "later": [1]}')
+    assert (new.load, new.contexts) == (0.25, {"m": 8})

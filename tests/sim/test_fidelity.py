@@ -290,6 +290,33 @@ def test_whole_replies(pods: Pair, path: str) -> None:
         assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", reply["system_fingerprint"])
 
 
+@pytest.mark.parametrize(
+    ("path", "cap"),
+    [
+        (CHAT, {"max_tokens": None}),  # none: vLLM fills the context
+        (CHAT, {"max_tokens": "context"}),
+        (CHAT, {"max_tokens": None, "max_completion_tokens": "context"}),
+        (COMPLETIONS, {"max_tokens": "context"}),
+        (CHAT, {"max_tokens": "context", "messages": [{"role": "user", "content": "hi " * 300}]}),
+    ],
+)
+def test_a_cap_up_to_the_context_is_lowered_beside_the_prompt(
+    pods: Pair, path: str, cap: dict[str, Any]
+) -> None:
+    """What the gateway's cap relies on: vLLM refuses a cap above max_model_len (BAD's "over
+    max_model_len" rows), and serves one up to it whatever the prompt, lowered to what fits
+    beside the prompt (`get_max_tokens`): prompt + completion fill the context exactly."""
+    context = vllm_settings().max_model_len
+    fields = {k: context if v == "context" else v for k, v in cap.items()}
+    sent = {k: v for k, v in body(pods, path, **fields).items() if v is not None}
+    real, sim = pods.both("POST", path, sent)
+    assert real.status == sim.status == 200, real.body
+    for reply in (real.json(), sim.json()):
+        assert reply["choices"][0]["finish_reason"] == "length"
+        assert reply["usage"]["total_tokens"] == context
+        assert reply["usage"]["prompt_tokens"] > 1
+
+
 LONG = "hello world " * 2000  # over 1,024 tokens in both: the real tokenizer stops at 1,025
 
 # name -> (path, body fields over the good request, or raw bytes; headers)
