@@ -33,7 +33,7 @@ from llmgw import tokenizer
 from router.collectors.scrape import _WANTED as ROUTER_READS
 from router.collectors.scrape import parse_metrics
 from tests.e2e.realpods import MARKS, vllm_settings_or_skip
-from tools.engine import ensure_model, pod_argv, pod_env
+from tools.engine import configured, ensure_model, pod_argv, pod_env
 from tools.procs import Process, free_port, http_ok
 
 pytestmark = [pytest.mark.e2e, *MARKS]
@@ -306,7 +306,7 @@ def test_a_cap_up_to_the_context_is_lowered_beside_the_prompt(
     """What the gateway's cap relies on: vLLM refuses a cap above max_model_len (BAD's "over
     max_model_len" rows), and serves one up to it whatever the prompt, lowered to what fits
     beside the prompt (`get_max_tokens`): prompt + completion fill the context exactly."""
-    context = vllm_settings().max_model_len
+    context = configured().max_model_len
     fields = {k: context if v == "context" else v for k, v in cap.items()}
     sent = {k: v for k, v in body(pods, path, **fields).items() if v is not None}
     real, sim = pods.both("POST", path, sent)
