@@ -18,7 +18,6 @@ import openai
 import pytest
 
 from llmgw.config import load
-from sim.types import DEFAULT_MODEL
 from tests.e2e.conftest import FAST_PODS, api_key, stack_settings
 from tests.http import call
 from tools.engine import STAMP
@@ -47,7 +46,9 @@ def short_context_stack(
 
 
 def model(stack: Stack) -> str:
-    return stack.served_model or DEFAULT_MODEL
+    served = stack.serving[0].model
+    assert served is not None
+    return served
 
 
 def sdk(stack: Stack) -> openai.AsyncOpenAI:
