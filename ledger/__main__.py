@@ -16,6 +16,7 @@ from ledger.blame import Blame
 from ledger.breaker import Breakers
 from ledger.db import Ledger
 from ledger.detectors import Detectors
+from ledger.reconcile import Database, Reconciler
 from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
 from ledger.settings import ENV_PREFIX, AlertSettings, Settings
@@ -63,6 +64,7 @@ async def main(settings: Settings) -> None:
         breakers=Breakers(tiers.get, db, alerts.emit, Blame(settings.blame)),
     )
     recorder.start()
+    reconciler = _reconciler(settings, recorder)
     webhooks.start()
     alerts.start()
 
@@ -70,6 +72,8 @@ async def main(settings: Settings) -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        if reconciler is not None:
+            await reconciler.close()
         await recorder.close(settings.drain_s)
         await alerts.close()
         await webhooks.close(settings.drain_s)
@@ -81,6 +85,19 @@ async def main(settings: Settings) -> None:
             await db.close(settings.drain_s)
 
     await serve(NAME, settings.serve, register(AccessLogService(recorder.add, tracer)), drain)
+
+
+def _reconciler(settings: Settings, recorder: Recorder) -> Reconciler | None:
+    """The reconciler of the access log the settings name, started; it needs the database."""
+    r = settings.reconcile
+    if r is None or settings.database_url is None:
+        return None
+    db = Database(settings.database_url.get_secret_value())
+    reconciler = Reconciler(
+        r.access_log, recorder, db, checkpoint=r.checkpoint, lag_s=r.lag_s, interval_s=r.interval_s
+    )
+    reconciler.start()
+    return reconciler
 
 
 def _webhooks(a: AlertSettings) -> Webhooks:
