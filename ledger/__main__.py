@@ -64,7 +64,7 @@ async def main(settings: Settings) -> None:
         breakers=Breakers(tiers.get, db, alerts.emit, Blame(settings.blame)),
     )
     recorder.start()
-    reconciler = _reconciler(settings, recorder)
+    reconciler = _reconciler(settings, recorder, db)
     webhooks.start()
     alerts.start()
 
@@ -87,14 +87,19 @@ async def main(settings: Settings) -> None:
     await serve(NAME, settings.serve, register(AccessLogService(recorder.add, tracer)), drain)
 
 
-def _reconciler(settings: Settings, recorder: Recorder) -> Reconciler | None:
+def _reconciler(settings: Settings, recorder: Recorder, db: Ledger | None) -> Reconciler | None:
     """The reconciler of the access log the settings name, started; it needs the database."""
     r = settings.reconcile
-    if r is None or settings.database_url is None:
+    if r is None or settings.database_url is None or db is None:
         return None
-    db = Database(settings.database_url.get_secret_value())
     reconciler = Reconciler(
-        r.access_log, recorder, db, checkpoint=r.checkpoint, lag_s=r.lag_s, interval_s=r.interval_s
+        r.access_log,
+        recorder,
+        Database(settings.database_url.get_secret_value()),
+        checkpoint=r.checkpoint,
+        lag_s=r.lag_s,
+        interval_s=r.interval_s,
+        holders=(recorder, db),
     )
     reconciler.start()
     return reconciler

@@ -2,7 +2,8 @@
 
 The file is the durable copy of what the gRPC access log sends the ledger: the same dynamic
 metadata, whole namespaces, so `ledger.entry.outcome_of` makes the same outcome of either. Envoy
-prints "-" for a value it does not have (a namespace no filter wrote, no upstream, no flags).
+prints null for a value it does not have (a namespace no filter wrote, no upstream), "-" for no
+flags.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ledger.entry import Entry
 from llmgw import wire
 
-ABSENT = "-"
+NO_FLAGS = "-"
 
 
 class Malformed(ValueError):
@@ -27,33 +28,22 @@ class FileRecord(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    ts: datetime | str
-    request_id: str
-    path: str = ""
-    status: int | str = 0
-    flags: str = ABSENT
-    pod: str = ABSENT
-    attempts: int | str = 0
-    bytes_in: int | str = 0
-    bytes_out: int | str = 0
-    headers_in: int | str = 0
-    headers_out: int | str = 0
-    duration_us: float | str = 0
-    ttft_us: float | str = ABSENT
-    authz: dict[str, Any] | str = Field(ABSENT, validation_alias=wire.EXTAUTHZ_NAMESPACE)
-    usage: dict[str, Any] | str = Field(ABSENT, validation_alias=wire.USAGE_NAMESPACE)
-    ratelimit: dict[str, Any] | str = Field(ABSENT, validation_alias=wire.RATELIMIT_NAMESPACE)
-
-
-def _n(v: float | str) -> float | None:
-    try:
-        return float(v)
-    except ValueError:
-        return None
-
-
-def _meta(v: dict[str, Any] | str) -> dict[str, Any]:
-    return v if isinstance(v, dict) else {}
+    ts: datetime | None = None
+    request_id: str | None = None
+    path: str | None = None
+    status: int | None = None
+    flags: str | None = None
+    pod: str | None = None
+    attempts: int | None = None
+    bytes_in: int | None = None
+    bytes_out: int | None = None
+    headers_in: int | None = None
+    headers_out: int | None = None
+    duration_us: float | None = None
+    ttft_us: float | None = None
+    authz: dict[str, Any] | None = Field(None, validation_alias=wire.EXTAUTHZ_NAMESPACE)
+    usage: dict[str, Any] | None = Field(None, validation_alias=wire.USAGE_NAMESPACE)
+    ratelimit: dict[str, Any] | None = Field(None, validation_alias=wire.RATELIMIT_NAMESPACE)
 
 
 def parse(line: str | bytes) -> Entry:
@@ -62,21 +52,19 @@ def parse(line: str | bytes) -> Entry:
         r = FileRecord.model_validate_json(line)
     except ValidationError as exc:
         raise Malformed(str(exc.errors(include_url=False, include_input=False))) from None
-    duration = _n(r.duration_us)
-    ttft = _n(r.ttft_us)
     return Entry(
-        request_id="" if r.request_id == ABSENT else r.request_id,
-        start=r.ts if isinstance(r.ts, datetime) else None,
-        status=int(_n(r.status) or 0),
-        codes=[] if r.flags == ABSENT else r.flags.split(","),
-        pod="" if r.pod == ABSENT else r.pod,
-        attempts=int(_n(r.attempts) or 0),
-        ttft_ms=None if ttft is None else ttft / 1000,
-        duration_ms=(duration or 0.0) / 1000,
-        path="" if r.path == ABSENT else r.path,
-        bytes_in=int((_n(r.bytes_in) or 0) + (_n(r.headers_in) or 0)),
-        bytes_out=int((_n(r.bytes_out) or 0) + (_n(r.headers_out) or 0)),
-        authz=_meta(r.authz),
-        usage=_meta(r.usage),
-        ratelimit=_meta(r.ratelimit),
+        request_id=r.request_id or "",
+        start=r.ts,
+        status=r.status or 0,
+        codes=[] if r.flags in (None, NO_FLAGS) else r.flags.split(","),
+        pod=r.pod or "",
+        attempts=r.attempts or 0,
+        ttft_ms=None if r.ttft_us is None else r.ttft_us / 1000,
+        duration_ms=(r.duration_us or 0) / 1000,
+        path=r.path or "",
+        bytes_in=(r.bytes_in or 0) + (r.headers_in or 0),
+        bytes_out=(r.bytes_out or 0) + (r.headers_out or 0),
+        authz=r.authz or {},
+        usage=r.usage or {},
+        ratelimit=r.ratelimit or {},
     )

@@ -4,7 +4,8 @@ The gRPC access log is fast but not durable: what the ledger holds unsettled or 
 dies, and what was on its way, is gone (Envoy counts it delivered). Envoy also writes every entry
 to a file (ledger/filelog.py reads it). This tails that file from a checkpoint (inode, offset),
 waits `lag_s` for the gRPC path to deliver each record, then asks the database which request IDs
-it has, and hands the rest to the recorder (settled in Redis, stored): both steps are idempotent
+it has, and hands the rest to the recorder (but those the recorder or the writer of this process
+still hold: they are on their way, e.g. while Redis or PostgreSQL is down) (settled in Redis, stored): both steps are idempotent
 by request ID (settle.lua's done key, the insert's ON CONFLICT), so a record both paths deliver
 counts once. The checkpoint moves past a record only once the database has it: a ledger killed,
 or PostgreSQL down, leaves it to the next pass. Requests without a tenant (strangers' 401s) are
@@ -42,6 +43,12 @@ READ_MAX = 1 << 20  # bytes read in one pass
 
 class Sink(Protocol):
     def add(self, outcomes: Sequence[Outcome]) -> None: ...
+
+
+class Holder(Protocol):
+    """Part of the live path in this process: what it holds is on its way, not lost."""
+
+    def holding(self, request_ids: set[str]) -> set[str]: ...
 
 
 class Known(Protocol):
@@ -122,6 +129,8 @@ class Reconciler:
         checkpoint: Path | None = None,
         lag_s: float = 10.0,
         interval_s: float = 1.0,
+        holders: Sequence[Holder] = (),
+        held_max: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = access_log
@@ -130,6 +139,8 @@ class Reconciler:
         self.checkpoint_path = checkpoint or access_log.with_name(access_log.name + ".checkpoint")
         self.lag_s = lag_s
         self.interval_s = interval_s
+        self.holders = holders
+        self.held_max = held_max  # records read ahead of the checkpoint; the rest wait in the file
         self._clock = clock
         self._resumed = False  # the checkpoint is read on the first open only
         self._file: BinaryIO | None = None
@@ -205,22 +216,23 @@ class Reconciler:
         return True
 
     def _read_to_end(self, f: BinaryIO) -> None:
-        while True:
+        while len(self._held) < self.held_max:
             chunk = f.read(READ_MAX)
-            if not chunk:
+            end = chunk.rfind(b"\n") + 1
+            if end == 0:
+                if len(chunk) == READ_MAX:  # no line of ours is this long: skip it
+                    metrics.MISSING.labels("malformed").inc()
+                    self._offset += len(chunk)
+                    continue
+                f.seek(self._offset)  # nothing new, or a line still being written
                 return
-            complete = chunk.rfind(b"\n") + 1
-            if complete == 0:  # a line still being written
-                f.seek(self._offset)
-                return
-            if complete < len(chunk):
-                f.seek(self._offset + complete)
             now = self._clock()
-            start = self._offset
-            for line in chunk[:complete].splitlines(keepends=True):
-                start += len(line)
-                self._held.append(Held(self._inode, start, self._outcome(line), now))
-            self._offset = start
+            for line in chunk[:end].split(b"\n")[:-1]:
+                if len(self._held) >= self.held_max:
+                    break
+                self._offset += len(line) + 1
+                self._held.append(Held(self._inode, self._offset, self._outcome(line), now))
+            f.seek(self._offset)
 
     @staticmethod
     def _outcome(line: bytes) -> Outcome | None:
@@ -238,9 +250,11 @@ class Reconciler:
         due = [h for h in self._held if now - h.seen >= self.lag_s]
         ids = [h.outcome.request_id for h in due if h.outcome is not None]
         have = await self.database.known(ids) if ids else set()
+        missing = set(ids) - have
+        on_its_way = set().union(*(holder.holding(missing) for holder in self.holders))
         lost = []
         for h in due:
-            if h.outcome is None or h.outcome.request_id in have:
+            if h.outcome is None or h.outcome.request_id not in missing - on_its_way:
                 continue
             # Not (yet) written: hand it over, again if a handover was itself lost.
             if h.submitted is None or now - h.submitted >= self.lag_s:
