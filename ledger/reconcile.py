@@ -4,12 +4,12 @@ The gRPC access log is fast but not durable: what the ledger holds unsettled or 
 dies, and what was on its way, is gone (Envoy counts it delivered). Envoy also writes every entry
 to a file (ledger/filelog.py reads it). This tails that file from a checkpoint (inode, offset),
 waits `lag_s` for the gRPC path to deliver each record, then asks the database which request IDs
-it has, and hands the rest to the recorder (but those the recorder or the writer of this process
-still hold: they are on their way, e.g. while Redis or PostgreSQL is down) (settled in Redis, stored): both steps are idempotent
-by request ID (settle.lua's done key, the insert's ON CONFLICT), so a record both paths deliver
-counts once. The checkpoint moves past a record only once the database has it: a ledger killed,
-or PostgreSQL down, leaves it to the next pass. Requests without a tenant (strangers' 401s) are
-counted by the gRPC path and not reconciled.
+it has and hands the rest to the recorder, to be settled in Redis and stored; but not those the
+live path of this process still holds (e.g. while Redis or PostgreSQL is down): they are on
+their way. Settling and storing are idempotent by request ID (settle.lua's done key, the insert's
+ON CONFLICT), so a record both paths deliver counts once. The checkpoint moves past a record only
+once the database has it: a ledger killed, or PostgreSQL down, leaves it to the next pass.
+Requests without a tenant (strangers' 401s) are counted by the gRPC path, not reconciled.
 
 Rotation: rename the file and ask Envoy to reopen it (admin `POST /reopen_logs`); what is left of
 the old file is read to its end while this process runs. A file replaced while none runs loses
