@@ -39,6 +39,7 @@ from llmgw.outcome import Outcome
 log = logging.getLogger("ledger.reconcile")
 
 READ_MAX = 1 << 20  # bytes read in one pass
+FAILURES = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 class Sink(Protocol):
@@ -152,11 +153,22 @@ class Reconciler:
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="ledger-reconcile")
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Stop; with `drain_s`, first hand over what the database lacks up to the end of the
+        file without waiting for the gRPC path (a sidecar whose pod and file are going away)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_s
+        while loop.time() < deadline:
+            with contextlib.suppress(*FAILURES):
+                self.read()
+                await self.confirm(lag_s=0.0)
+            if not self._held:
+                break
+            await asyncio.sleep(min(self.interval_s, max(deadline - loop.time(), 0)))
         if self._file is not None:
             self._file.close()
         await self.database.close()
@@ -167,7 +179,7 @@ class Reconciler:
             try:
                 await self.step()
                 failures = 0
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            except FAILURES as exc:
                 failures += 1
                 if failures == 1:
                     log.warning("reconciliation failing; will retry", extra={"error": repr(exc)})
@@ -245,9 +257,10 @@ class Reconciler:
             return None
         return outcome if outcome is not None and outcome.tenant else None
 
-    async def confirm(self) -> None:
+    async def confirm(self, lag_s: float | None = None) -> None:
         now = self._clock()
-        due = [h for h in self._held if now - h.seen >= self.lag_s]
+        lag = self.lag_s if lag_s is None else lag_s
+        due = [h for h in self._held if now - h.seen >= lag]
         ids = [h.outcome.request_id for h in due if h.outcome is not None]
         have = await self.database.known(ids) if ids else set()
         missing = set(ids) - have
@@ -257,7 +270,7 @@ class Reconciler:
             if h.outcome is None or h.outcome.request_id not in missing - on_its_way:
                 continue
             # Not (yet) written: hand it over, again if a handover was itself lost.
-            if h.submitted is None or now - h.submitted >= self.lag_s:
+            if h.submitted is None or now - h.submitted >= max(lag, self.interval_s):
                 if h.submitted is None:
                     metrics.RECONCILED.inc()
                 h.submitted = now

@@ -297,3 +297,13 @@ async def test_no_more_than_held_max_records_are_read_ahead(tmp_path: Path) -> N
         clock.now += 5.0
         await r.step()
     assert ledger.added == ["a", "b", "c"]
+
+
+async def test_a_draining_sidecar_hands_over_the_rest_without_waiting(tmp_path: Path) -> None:
+    log, ledger = tmp_path / "access.log", Ledger()
+    write(log, "a", "b")
+    ledger.ids = {"a"}
+    r = Reconciler(log, ledger, ledger, lag_s=3600.0, interval_s=0.01)
+    await r.close(drain_s=30.0)
+    assert ledger.added == ["b"]
+    assert checkpoint(log) == Checkpoint(log.stat().st_ino, log.stat().st_size)
