@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from google.protobuf.json_format import MessageToDict
+from pydantic import ValidationError
 
-from ledger import metrics
+from ledger import metrics, sidecar
 from ledger.entry import FLAG_CODES, flags, outcome_of, to_outcome
 from ledger.filelog import Malformed, parse
 from ledger.reconcile import Checkpoint, Database, Reconciler
+from ledger.settings import Settings
 from llmgw import wire
 from llmgw.outcome import Outcome
 from tests.ledger.conftest import outcome
@@ -307,3 +309,19 @@ async def test_a_draining_sidecar_hands_over_the_rest_without_waiting(tmp_path: 
     await r.close(drain_s=30.0)
     assert ledger.added == ["b"]
     assert checkpoint(log) == Checkpoint(log.stat().st_ino, log.stat().st_size)
+
+
+def test_the_sidecar_refuses_settings_without_an_access_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = tmp_path / "ledger.yaml"
+    settings.write_text("database_url: postgresql://u:p@db/ledger\n")
+    assert sidecar.cli(["--check-config", str(settings)]) == 1
+    assert "reconcile.access_log" in capsys.readouterr().err
+    settings.write_text(f"{settings.read_text()}reconcile: {{access_log: {tmp_path}/access.log}}\n")
+    assert sidecar.cli(["--check-config", str(settings)]) == 0
+
+
+def test_the_ledger_refuses_to_reconcile_without_a_database() -> None:
+    with pytest.raises(ValidationError, match="needs database_url"):
+        Settings.model_validate({"reconcile": {"access_log": "/var/log/envoy/access.log"}})
