@@ -15,7 +15,7 @@ from ledger.alerts import Alerts
 from ledger.blame import Blame
 from ledger.breaker import Breakers
 from ledger.db import Ledger
-from ledger.detectors import Detectors
+from ledger.detectors import Detectors, Gap
 from ledger.reconcile import Database, Reconciler
 from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
@@ -47,6 +47,7 @@ async def main(settings: Settings) -> None:
         db,
         webhooks,
         backlog=lambda: {"unsettled": recorder.pending, "unwritten": db.backlog if db else 0},
+        gap=lambda: reconciler.gap() if reconciler is not None else Gap(),
         interval_s=settings.alerts.interval_s,
     )
     tiers = watched_tiers(settings.tiers_file)

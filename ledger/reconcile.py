@@ -32,6 +32,7 @@ from typing import BinaryIO, Protocol
 import asyncpg
 
 from ledger import metrics
+from ledger.detectors import Gap
 from ledger.entry import outcome_of
 from ledger.filelog import Malformed, parse
 from llmgw.outcome import Outcome
@@ -144,6 +145,7 @@ class Reconciler:
         self.held_max = held_max  # records read ahead of the checkpoint; the rest wait in the file
         self._clock = clock
         self._resumed = False  # the checkpoint is read on the first open only
+        self.missing = 0  # records that could not be recovered
         self._file: BinaryIO | None = None
         self._inode = 0
         self._offset = 0  # read up to here
@@ -233,7 +235,7 @@ class Reconciler:
             end = chunk.rfind(b"\n") + 1
             if end == 0:
                 if len(chunk) == READ_MAX:  # no line of ours is this long: skip it
-                    metrics.MISSING.labels("malformed").inc()
+                    self._malformed()
                     self._offset += len(chunk)
                     continue
                 f.seek(self._offset)  # nothing new, or a line still being written
@@ -246,14 +248,13 @@ class Reconciler:
                 self._held.append(Held(self._inode, self._offset, self._outcome(line), now))
             f.seek(self._offset)
 
-    @staticmethod
-    def _outcome(line: bytes) -> Outcome | None:
+    def _outcome(self, line: bytes) -> Outcome | None:
         if not line.strip():
             return None
         try:
             outcome = outcome_of(parse(line))
         except Malformed:
-            metrics.MISSING.labels("malformed").inc()
+            self._malformed()
             return None
         return outcome if outcome is not None and outcome.tenant else None
 
@@ -287,6 +288,15 @@ class Reconciler:
             last = self._held[done - 1]
             Checkpoint(last.inode, last.end).save(self.checkpoint_path)
             del self._held[:done]
+
+    def gap(self) -> Gap:
+        """For the alert rules (ledger/detectors.py, outcomes_missing)."""
+        oldest = self._held[0].seen if self._held else None
+        return Gap(0.0 if oldest is None else self._clock() - oldest, self.missing)
+
+    def _malformed(self) -> None:
+        self.missing += 1
+        metrics.MISSING.labels("malformed").inc()
 
     def _gauges(self) -> None:
         metrics.UNCONFIRMED.set(len(self._held))

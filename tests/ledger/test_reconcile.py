@@ -161,6 +161,7 @@ async def test_what_the_ledger_lacks_is_handed_over_once_it_had_time(tmp_path: P
     clock.now = 5.0
     await r.step()
     assert ledger.added == ["b"]  # not the stranger's, not the garbage
+    assert r.gap().missing == 1  # the garbage (ledger/detectors.py: outcomes_missing)
     assert metrics.RECONCILED._value.get() == before + 1
     assert metrics.MISSING.labels("malformed")._value.get() == malformed + 1
     await r.step()
