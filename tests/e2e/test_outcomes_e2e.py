@@ -8,6 +8,7 @@ clients got an answer to is in `llmgw usage --json` once, matched by its `x-requ
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -17,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from ledger.entry import outcome_of
+from ledger.filelog import parse
 from tests.e2e.conftest import stack_settings
-from tests.e2e.test_ledger_e2e import records
+from tests.e2e.test_ledger_e2e import recorded, records
 from tests.e2e.test_ratelimit_e2e import MODEL, auth
 from tests.http import call
 from tools.stack import Stack
@@ -90,6 +93,33 @@ def _ledger_down_under_load(stack: Stack, kill: bool) -> None:
         time.sleep(0.5)
     assert not missing, f"{len(missing)} of {len(ids)} answered requests not in the ledger"
     assert set(counts.values()) == {1}
+
+
+# What the file's line must give exactly as the gRPC entry does (timings differ in precision).
+SAME = (
+    "tenant", "tier", "session", "key_id", "model", "endpoint", "pod", "status", "flags",
+    "attempts", "stream", "outcome", "prompt_tokens", "completion_tokens", "cached_tokens",
+    "reserved_tokens", "borrowed_requests", "borrowed_tokens", "bytes_in",
+    "bytes_out",
+)  # fmt: skip
+
+
+def test_the_file_and_the_grpc_log_make_one_outcome(stack: Stack) -> None:
+    """Real Envoy's two logs of the same requests, read by ledger/filelog.py and by the ledger's
+    gRPC service: the same outcome, field by field."""
+    load = Load(stack)
+    for i in range(8):
+        load.one(i)
+    ids = set(load.answered)
+    assert len(ids) == 8
+    rows = recorded(stack, ids)
+    lines = [json.loads(line) for line in stack.access_log.read_text().splitlines()]
+    by_id = {line["request_id"]: line for line in lines if line["request_id"] in ids}
+    for rid, row in rows.items():
+        outcome = outcome_of(parse(json.dumps(by_id[rid])))
+        assert outcome is not None
+        assert {k: getattr(outcome, k) for k in SAME} == {k: row[k] for k in SAME}, rid
+        assert outcome.duration_ms == pytest.approx(row["duration_ms"], abs=1.0)
 
 
 def test_no_outcome_lost_when_the_ledger_is_killed(stack: Stack) -> None:
