@@ -39,6 +39,8 @@ RENDER = [
     "VLLM_API_KEY",
     "--tls",  # mutual TLS to the services, Envoy's pair from the Secret llmgw-tls
     "/etc/envoy-tls",
+    "--access-log",  # the pod's emptyDir, read by its ledger-reconcile container (envoy.yaml)
+    "/var/log/envoy/access.log",
 ]
 
 HEADER = """\

@@ -15,7 +15,8 @@ from ledger.alerts import Alerts
 from ledger.blame import Blame
 from ledger.breaker import Breakers
 from ledger.db import Ledger
-from ledger.detectors import Detectors
+from ledger.detectors import Detectors, Gap
+from ledger.reconcile import Database, Reconciler
 from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
 from ledger.settings import ENV_PREFIX, AlertSettings, Settings
@@ -46,6 +47,7 @@ async def main(settings: Settings) -> None:
         db,
         webhooks,
         backlog=lambda: {"unsettled": recorder.pending, "unwritten": db.backlog if db else 0},
+        gap=lambda: reconciler.gap() if reconciler is not None else Gap(),
         interval_s=settings.alerts.interval_s,
     )
     tiers = watched_tiers(settings.tiers_file)
@@ -63,6 +65,7 @@ async def main(settings: Settings) -> None:
         breakers=Breakers(tiers.get, db, alerts.emit, Blame(settings.blame)),
     )
     recorder.start()
+    reconciler = _reconciler(settings, recorder, db)
     webhooks.start()
     alerts.start()
 
@@ -70,6 +73,8 @@ async def main(settings: Settings) -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        if reconciler is not None:
+            await reconciler.close()
         await recorder.close(settings.drain_s)
         await alerts.close()
         await webhooks.close(settings.drain_s)
@@ -81,6 +86,24 @@ async def main(settings: Settings) -> None:
             await db.close(settings.drain_s)
 
     await serve(NAME, settings.serve, register(AccessLogService(recorder.add, tracer)), drain)
+
+
+def _reconciler(settings: Settings, recorder: Recorder, db: Ledger | None) -> Reconciler | None:
+    """The reconciler of the access log the settings name, started; it needs the database."""
+    r = settings.reconcile
+    if r is None or settings.database_url is None or db is None:
+        return None
+    reconciler = Reconciler(
+        r.access_log,
+        recorder,
+        Database(settings.database_url.get_secret_value()),
+        checkpoint=r.checkpoint,
+        lag_s=r.lag_s,
+        interval_s=r.interval_s,
+        holders=(recorder, db),
+    )
+    reconciler.start()
+    return reconciler
 
 
 def _webhooks(a: AlertSettings) -> Webhooks:

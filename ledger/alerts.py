@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 from ledger import metrics
-from ledger.detectors import DetectorKind, Detectors
+from ledger.detectors import DetectorKind, Detectors, Gap
 from llmgw.outcome import Outcome
 
 log = logging.getLogger("ledger.alerts")
@@ -71,6 +71,7 @@ class Alerts:
         sender: Sender | None,
         *,
         backlog: Callable[[], Mapping[str, int]],
+        gap: Callable[[], Gap] = Gap,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -78,6 +79,7 @@ class Alerts:
         self.events = events
         self.sender = sender
         self.backlog = backlog
+        self.gap = gap
         self.interval_s = interval_s
         self.clock = clock
         self._task: asyncio.Task[None] | None = None
@@ -90,7 +92,7 @@ class Alerts:
 
     def evaluate(self) -> list[Alert]:
         """Emit what the detectors find now."""
-        found = self.detectors.evaluate(self.clock(), self.backlog())
+        found = self.detectors.evaluate(self.clock(), self.backlog(), self.gap())
         return [self.emit(f.kind, tenant=f.tenant, tier=f.tier, detail=f.detail) for f in found]
 
     def emit(

@@ -226,6 +226,7 @@ class Ledger:
         self.retry_max_s = retry_max_s
         self.metrics = metrics or LedgerMetrics()
         self._outcomes: deque[Outcome] = deque()
+        self._writing: list[Outcome] = []
         self._events: deque[Event] = deque()
         self._wake = asyncio.Event()
         self._conn: Any = None
@@ -239,6 +240,10 @@ class Ledger:
     def backlog(self) -> int:
         """Outcome records waiting (not counting a batch being written)."""
         return len(self._outcomes)
+
+    def holding(self, request_ids: set[str]) -> set[str]:
+        """Which of these requests' records wait here to be written (ledger/reconcile.py)."""
+        return {o.request_id for o in (*self._outcomes, *self._writing)} & request_ids
 
     # Life cycle.
 
@@ -317,6 +322,7 @@ class Ledger:
                 await self._wake.wait()
                 continue
             batch = [self._outcomes.popleft() for _ in range(min(self.batch_max, self.backlog))]
+            self._writing = batch
             events = [self._events.popleft() for _ in range(min(self.batch_max, len(self._events)))]
             try:
                 await self._write(batch, events)

@@ -18,7 +18,12 @@ from llmgw.config import Strict
 from llmgw.outcome import Outcome
 
 DetectorKind = Literal[
-    "quota_refusals", "fleet_5xx", "pod_errors", "ratelimit_fail_open", "ledger_backlog"
+    "quota_refusals",
+    "fleet_5xx",
+    "pod_errors",
+    "ratelimit_fail_open",
+    "ledger_backlog",
+    "outcomes_missing",
 ]
 
 
@@ -71,12 +76,30 @@ class Backlog(Strict):
     window_s: float = Field(default=30.0, gt=0)
 
 
+class Missing(Strict):
+    """Outcomes Envoy logged that the database has not confirmed for `max_age_s` (PostgreSQL
+    down, or a record it cannot take), or any the reconciler could not recover (ledger/
+    reconcile.py): the ledger misses outcomes, or is about to. Fires once per episode of the
+    first, once per growth of the second."""
+
+    max_age_s: float = Field(default=300.0, gt=0)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """What the reconciler has not got into the database."""
+
+    oldest_s: float = 0.0  # how long the oldest record not yet confirmed has waited
+    missing: int = 0  # records it could not recover, since it started
+
+
 class Rules(Strict):
     quota_refusals: QuotaRefusals = QuotaRefusals()
     fleet_5xx: Fleet5xx = Fleet5xx()
     pod_errors: PodErrors = PodErrors()
     ratelimit_fail_open: FailOpen = FailOpen()
     ledger_backlog: Backlog = Backlog()
+    outcomes_missing: Missing = Missing()
 
 
 @dataclass(frozen=True)
@@ -139,6 +162,7 @@ class Detectors:
         )  # "seen"|"errors", pod
         self._unchecked = RecentCounts[str](rules.ratelimit_fail_open.window_s)  # by tenant
         self._backlog: collections.deque[tuple[float, int]] = collections.deque()
+        self._missing = 0  # the reconciler's count at the last evaluation
         self._tiers: dict[str, str] = {}
         self._episodes: dict[DetectorKind, dict[str, _Episode]] = collections.defaultdict(dict)
 
@@ -158,14 +182,16 @@ class Detectors:
     def unchecked(self, now: float, outcome: Outcome) -> None:
         self._unchecked.add(now, outcome.tenant)
 
-    def evaluate(self, now: float, backlog: Mapping[str, int]) -> list[Finding]:
-        """`backlog`: the records waiting, by where (e.g. unsettled, unwritten)."""
+    def evaluate(self, now: float, backlog: Mapping[str, int], gap: Gap = Gap()) -> list[Finding]:
+        """`backlog`: the records waiting, by where (e.g. unsettled, unwritten); `gap`: the
+        reconciler's."""
         found = [
             *self._quota_refusals(now),
             *self._fleet_5xx(now),
             *self._pod_errors(now),
             *self._fail_open(now),
             *self._ledger_backlog(now, backlog),
+            *self._outcomes_missing(now, gap),
         ]
         active = {tenant for tenant, _ in self._quota.totals(now)}
         self._tiers = {t: tier for t, tier in self._tiers.items() if t in active}
@@ -265,4 +291,17 @@ class Detectors:
         return [
             Finding("ledger_backlog", detail=d)
             for _, d in self._gate(now, "ledger_backlog", 0.0, holding)
+        ]
+
+    def _outcomes_missing(self, now: float, gap: Gap) -> list[Finding]:
+        rule = self.rules.outcomes_missing
+        holding: dict[str, dict[str, Any]] = {}
+        if gap.oldest_s >= rule.max_age_s:
+            holding["unconfirmed"] = {"oldest_s": round(gap.oldest_s), "max_age_s": rule.max_age_s}
+        if gap.missing > self._missing:
+            holding["unrecoverable"] = {"records": gap.missing - self._missing}
+        self._missing = gap.missing
+        return [
+            Finding("outcomes_missing", detail={"cause": cause, **d})
+            for cause, d in self._gate(now, "outcomes_missing", 0.0, holding)
         ]

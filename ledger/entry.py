@@ -30,6 +30,7 @@ Tokens charged (the settlement's "actual"), never less than what the pod may hav
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -109,53 +110,89 @@ def _namespace(filter_meta: Any, name: str) -> Mapping[str, Any]:
     return View(found) if found is not None else {}
 
 
-def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
-    """None for an entry with no request ID (nothing to key it by)."""
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What an outcome is made of, read from either of Envoy's access logs: the gRPC stream
+    (`from_proto`) or the file (ledger/filelog.py). `authz`, `usage` and `ratelimit` are the
+    filters' dynamic metadata namespaces."""
+
+    request_id: str  # Envoy's x-request-id
+    start: datetime | None
+    status: int
+    codes: list[str]
+    pod: str  # "ip:port"; "" when no pod was reached
+    attempts: int
+    ttft_ms: float | None
+    duration_ms: float
+    path: str
+    bytes_in: int
+    bytes_out: int
+    authz: Mapping[str, Any]
+    usage: Mapping[str, Any]
+    ratelimit: Mapping[str, Any]
+
+
+def from_proto(entry: accesslog_pb2.HTTPAccessLogEntry) -> Entry:
     common = entry.common_properties
     filter_meta = common.metadata.filter_metadata
-    authz = Typed(_namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE))  # strings over HTTP
-    usage = _namespace(filter_meta, wire.USAGE_NAMESPACE)
+    sock = common.upstream_remote_address.socket_address
+    return Entry(
+        request_id=entry.request.request_id,
+        start=common.start_time.ToDatetime(tzinfo=UTC) if common.HasField("start_time") else None,
+        status=entry.response.response_code.value,
+        codes=flags(common.response_flags),
+        pod=f"{sock.address}:{sock.port_value}" if sock.address else "",
+        attempts=common.upstream_request_attempt_count,
+        ttft_ms=_ms(common.time_to_first_downstream_tx_byte)
+        if common.HasField("time_to_first_downstream_tx_byte")
+        else None,
+        duration_ms=_ms(common.duration)
+        if common.HasField("duration")
+        else _ms(common.time_to_last_downstream_tx_byte),
+        path=entry.request.path,
+        bytes_in=entry.request.request_headers_bytes + entry.request.request_body_bytes,
+        bytes_out=entry.response.response_headers_bytes + entry.response.response_body_bytes,
+        authz=_namespace(filter_meta, wire.EXTAUTHZ_NAMESPACE),
+        usage=_namespace(filter_meta, wire.USAGE_NAMESPACE),
+        ratelimit=_namespace(filter_meta, wire.RATELIMIT_NAMESPACE),
+    )
+
+
+def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
+    """The gRPC access log's entry's outcome; None for an entry with no request ID."""
+    return outcome_of(from_proto(entry))
+
+
+def outcome_of(entry: Entry) -> Outcome | None:
+    """None for an entry with no request ID (nothing to key it by)."""
+    authz = Typed(entry.authz)  # strings over HTTP
+    usage = entry.usage
     # The limiter's answer: the rate-limit filter's, or ext_authz's with the limiter inside it.
-    admission = _namespace(filter_meta, wire.RATELIMIT_NAMESPACE) or authz
+    admission = entry.ratelimit or authz
     context = TenantContext.from_metadata(authz)
-    request_id = context.request_id or entry.request.request_id
+    request_id = context.request_id or entry.request_id
     if not request_id:
         return None
     facts = RequestFacts.from_metadata(authz)
-    status = entry.response.response_code.value
-    codes = flags(common.response_flags)
-    sock = common.upstream_remote_address.socket_address
-    pod = f"{sock.address}:{sock.port_value}" if sock.address else ""
+    status, codes, pod = entry.status, entry.codes, entry.pod
     outcome = kind_of(status, codes, pod, usage.get(wire.META_STREAM_FAILED) is True)
     estimate = str(authz.get(wire.META_TOKEN_ESTIMATE, ""))
     reserved = int(estimate) if estimate.isdigit() else 0
     prompt = _int(usage, wire.META_PROMPT_TOKENS)
     completion = _int(usage, wire.META_COMPLETION_TOKENS)
     streamed = _int(usage, wire.META_STREAMED_EVENTS) or 0
-    ttft = (
-        _ms(common.time_to_first_downstream_tx_byte)
-        if common.HasField("time_to_first_downstream_tx_byte")
-        else None
-    )
-    duration = (
-        _ms(common.duration)
-        if common.HasField("duration")
-        else _ms(common.time_to_last_downstream_tx_byte)
-    )
-    path = entry.request.path.partition("?")[0]
+    path = entry.path.partition("?")[0]
     prompt_tokens, completion_tokens = charge(
         outcome,
         facts,
         (prompt, completion),
         streamed,
         reserved,
-        (status, codes, common.upstream_request_attempt_count, bool(pod)),
+        (status, codes, entry.attempts, bool(pod)),
     )
     return Outcome(
         request_id=request_id,
-        ts=common.start_time.ToDatetime(tzinfo=UTC)
-        if common.HasField("start_time")
-        else datetime.now(UTC),
+        ts=entry.start or datetime.now(UTC),
         tenant=context.tenant,
         tier=context.tier,
         session=context.session,
@@ -165,7 +202,7 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
         pod=pod,
         status=status,
         flags=",".join(codes),
-        attempts=common.upstream_request_attempt_count,
+        attempts=entry.attempts,
         stream=facts.stream,
         outcome=outcome,
         prompt_tokens=prompt_tokens,
@@ -175,10 +212,10 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
         borrowed_requests=_int(admission, wire.META_BORROWED_REQUESTS) or 0,
         borrowed_tokens=_int(admission, wire.META_BORROWED_TOKENS) or 0,
         quota_checked=admission.get(wire.META_DECIDED) is True,
-        ttft_ms=ttft,
-        duration_ms=duration,
-        bytes_in=entry.request.request_headers_bytes + entry.request.request_body_bytes,
-        bytes_out=entry.response.response_headers_bytes + entry.response.response_body_bytes,
+        ttft_ms=entry.ttft_ms,
+        duration_ms=entry.duration_ms,
+        bytes_in=entry.bytes_in,
+        bytes_out=entry.bytes_out,
     )
 
 

@@ -67,6 +67,23 @@ UNSETTLED_DROPPED = Counter(
     "Outcomes stored without settlement because the unsettled backlog was full (their "
     "reservations stay charged).",
 )
+RECONCILED = Counter(
+    "llmgw_ledger_reconciled_total",
+    "Outcomes the gRPC access log did not deliver, recovered from Envoy's file access log.",
+)
+MISSING = Counter(
+    "llmgw_ledger_missing_outcomes_total",
+    "Access-log records that could not be recovered, by reason (malformed: a line not of ours).",
+    ["reason"],
+)
+UNCONFIRMED = Gauge(
+    "llmgw_ledger_unconfirmed_outcomes",
+    "Records of Envoy's file access log not yet confirmed in the ledger's database.",
+)
+UNCONFIRMED_AGE = Gauge(
+    "llmgw_ledger_unconfirmed_age_seconds",
+    "How long the oldest unconfirmed record of the file access log has waited (0: none).",
+)
 ALERTS = Counter(
     "llmgw_ledger_alerts_total", "Alerts emitted, by kind (ledger/alerts.py).", ["kind"]
 )

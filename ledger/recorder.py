@@ -69,7 +69,7 @@ class Recorder:
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._settling = 0  # taken from _pending for the round trip in progress
+        self._settling: list[Outcome] = []  # taken from _pending for the round trip in progress
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
         """Never blocks."""
@@ -95,12 +95,12 @@ class Recorder:
             batch = [
                 self._pending.popleft() for _ in range(min(self.batch_max, len(self._pending)))
             ]
-            self._settling = len(batch)
+            self._settling = batch
             try:
                 results = await self._settle(batch)
             except FAILURES as exc:
                 self._pending.extendleft(reversed(batch))
-                self._settling = 0
+                self._settling = []
                 metrics.SETTLE_FAILURES.inc()
                 failures += 1
                 if failures == 1:
@@ -112,7 +112,7 @@ class Recorder:
             if failures:
                 log.info("settlement back", extra={"failed_batches": failures})
             failures = 0
-            self._settling = 0
+            self._settling = []
             metrics.PENDING.set(len(self._pending))
             self._store(batch, results)
 
@@ -133,7 +133,11 @@ class Recorder:
     @property
     def pending(self) -> int:
         """Outcomes not yet settled, the batch in flight included."""
-        return len(self._pending) + self._settling
+        return len(self._pending) + len(self._settling)
+
+    def holding(self, request_ids: set[str]) -> set[str]:
+        """Which of these requests' outcomes wait here (ledger/reconcile.py: not lost)."""
+        return {o.request_id for o in (*self._pending, *self._settling)} & request_ids
 
     async def _settle(self, batch: list[Outcome]) -> dict[int, Settled]:
         """Settlement of each outcome that belongs to a tenant, by its index in the batch; not

@@ -29,6 +29,15 @@ class SettleSettings(Strict):
     timeout_s: float = Field(default=2.0, gt=0)  # one batch's settlement round trip
 
 
+class ReconcileSettings(Strict):
+    """Envoy's file access log, reconciled against the database (ledger/reconcile.py)."""
+
+    access_log: Path
+    checkpoint: Path | None = None  # None: beside the log, `<access_log>.checkpoint`
+    lag_s: float = Field(default=10.0, gt=0)  # the gRPC path's time to deliver a record
+    interval_s: float = Field(default=1.0, gt=0)
+
+
 class WebhookSettings(Strict):
     url: HttpUrl
     secret: Secret | None = Field(default=None, min_length=16)  # HMAC key; None: alerts.secret
@@ -72,6 +81,9 @@ class Settings(Strict):
     redis: RedisSettings = RedisSettings()
     settle: SettleSettings = SettleSettings()
     backlog_max: int = Field(default=200_000, ge=1)  # records waiting for the database
+    # Envoy's file access log, for what the gRPC access log did not deliver; None: not read
+    # here (a sidecar beside Envoy does it, `python -m ledger.reconcile`, or nothing does).
+    reconcile: ReconcileSettings | None = None
     alerts: AlertSettings = AlertSettings()
     # The tier table (llmgw/tiers.py), for each tier's breaker; None: the built-in tiers.
     tiers_file: Path | None = None
@@ -79,6 +91,12 @@ class Settings(Strict):
     blame: BlameSettings = BlameSettings()
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
     drain_s: float = Field(default=5.0, ge=0)  # on SIGTERM: time to write what is left
+
+    @model_validator(mode="after")
+    def _reconciled_into_a_database(self) -> Settings:
+        if self.reconcile is not None and self.database_url is None:
+            raise ValueError("reconcile: needs database_url (what it reconciles against)")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -83,6 +83,8 @@ def cmd_render_envoy(args: argparse.Namespace) -> int:
         update["stats"] = _listen(args.stats)
     if args.pod_key_env:
         update["pod_key_env"] = args.pod_key_env
+    if args.access_log:
+        update["access_log_path"] = args.access_log
     if args.otlp:
         update["otlp"] = envoyconf.parse_endpoint(args.otlp)
     if args.tls:  # where Envoy reads them: `llmgw certs` names the files
@@ -211,6 +213,12 @@ def parser() -> argparse.ArgumentParser:
         "--stats",
         metavar="HOST:PORT",
         help="a listener serving only the admin's /ready and /stats/prometheus (probes, scrapes)",
+    )
+    render.add_argument(
+        "--access-log",
+        metavar="PATH",
+        help="Envoy's file access log, every entry as JSON lines: what the ledger's reconciler "
+        "(python -m ledger.sidecar, beside Envoy) recovers the gRPC access log's losses from",
     )
     render.add_argument(
         "--pod-key-env",

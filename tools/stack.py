@@ -296,6 +296,8 @@ class Stack:
             settings["extauthz"]["DECISION__TOKENIZER"] = json.dumps(tokenizers)
         if "ledger" in self.settings.services:
             settings["ledger"]["DATABASE_URL"] = self._database()
+            # What the gRPC access log did not deliver, from Envoy's file (ledger/reconcile.py).
+            settings["ledger"]["RECONCILE__ACCESS_LOG"] = str(self.access_log)
         if "extauthz" in self.settings.services:
             self.tenants = seed_demo(self.tenants_file)
         if self.tiers_file is not None:
@@ -418,7 +420,7 @@ class Stack:
         settings = self.settings.envoy.model_copy(
             update={
                 "admin": self.admin,
-                "access_log_path": self.settings.envoy.access_log_path or str(self.access_log),
+                "access_log_path": str(self.access_log),
                 "pod_key_env": None if self.pod_api_key is None else POD_KEY_ENV,
                 "tls": self.envoy_tls,
             }
@@ -501,7 +503,9 @@ class Stack:
 
     @property
     def access_log(self) -> Path:
-        return self.state_dir / "access.log"
+        """The file Envoy writes: the settings', else the state directory's."""
+        named = self.settings.envoy.access_log_path
+        return Path(named) if named else self.state_dir / "access.log"
 
     @property
     def admin_url(self) -> str:

@@ -31,6 +31,7 @@ import yaml
 from deploy.render_k8s import RENDER, configmap, rendered
 from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
+from ledger.settings import Settings as LedgerSettings
 from llmgw import config, wire
 from llmgw.topology import Topology
 from tests.envoy_config import (
@@ -46,7 +47,8 @@ VERSION = "1.33.0"
 SERVICES = {"extauthz": 9001, "ledger": 9004}
 TLS_ENVOY, TLS_SERVICE = "/etc/envoy-tls", "/etc/llmgw-tls"  # the Secret llmgw-tls, mounted
 # extauthz reaches Redis for the rate limiter and the router it holds: quotas, the fleet load.
-STORES = {"redis": {"extauthz", "ledger"}, "postgres": {"ledger"}}
+# The ledger's reconciler runs in Envoy's pods (envoy.yaml, ledger-reconcile).
+STORES = {"redis": {"extauthz", "ledger", "envoy"}, "postgres": {"ledger", "envoy"}}
 
 
 def docs() -> list[dict[str, Any]]:
@@ -112,7 +114,9 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     )
     mounted = find("ConfigMap", "envoy-config")["data"]["envoy.yaml"]
     assert mounted == envoy_yaml
-    validated_with_certs(mounted, TLS_ENVOY, tmp_path)
+    # Envoy opens its access log's directory (the pod's emptyDir) at start.
+    log_dir = RENDER[RENDER.index("--access-log") + 1].rpartition("/")[0]
+    validated_with_certs(mounted.replace(log_dir, str(tmp_path)), TLS_ENVOY, tmp_path)
     for needed in ("ext_authz", "http_grpc"):
         assert needed in mounted
     # The router and the rate limiter are extauthz's: no ext_proc or rate-limit call; the pick
@@ -174,10 +178,11 @@ def test_envoys_memory_limit_leaves_room_above_its_heap_bound() -> None:
     assert limit >= bound + 512 * 1024**2, (limit, bound)
 
 
-def env_of(name: str) -> dict[str, str]:
-    """The container's environment, with Secret and downward-API values stood in for."""
+def env_of(name: str, box: dict[str, Any] | None = None) -> dict[str, str]:
+    """The container's environment (workload `name`'s first, else `box`), with Secret and
+    downward-API values stood in for."""
     out = {}
-    for var in container(name).get("env", []):
+    for var in (box or container(name)).get("env", []):
         if "value" in var:
             out[var["name"]] = var["value"]
         elif "secretKeyRef" in var["valueFrom"]:
@@ -224,6 +229,37 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     hpa = find("HorizontalPodAutoscaler", name)["spec"]
     assert hpa["scaleTargetRef"]["name"] == name
     assert hpa["scaleTargetRef"]["kind"] == workload(name)["kind"]
+
+
+def test_each_envoy_has_the_ledgers_reconciler_of_its_access_log_beside_it() -> None:
+    """No outcome lost (ledger/reconcile.py): Envoy's file access log, flushed every 200 ms, on
+    an emptyDir its pod's ledger-reconcile reads with the ledger's own settings and Secrets."""
+    spec = workload("envoy")["spec"]["template"]["spec"]
+    boxes = {c["name"]: c for c in spec["containers"]}
+    envoy, sidecar = boxes["envoy"], boxes["ledger-reconcile"]
+    assert envoy["args"][envoy["args"].index("--file-flush-interval-msec") + 1] == "200"
+    assert (
+        sidecar["args"] == ["ledger.sidecar"] and sidecar["image"] == container("ledger")["image"]
+    )
+    env = env_of("envoy", sidecar)
+    settings = config.load(LedgerSettings, None, "LLMGW_LEDGER", env)
+    assert settings.reconcile is not None
+    log = str(settings.reconcile.access_log)
+    assert log == RENDER[RENDER.index("--access-log") + 1]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for box in (envoy, sidecar):
+        mounts = {m["name"]: m["mountPath"] for m in box["volumeMounts"]}
+        assert mounts["access-log"] == log.rpartition("/")[0], box["name"]
+    assert volumes["access-log"] == {"name": "access-log", "emptyDir": {}}
+    assert "tls" not in {m["name"] for m in sidecar["volumeMounts"]}  # Envoy's key is Envoy's
+    assert sidecar["securityContext"]["runAsGroup"] == spec["securityContext"]["fsGroup"]
+    health = settings.serve.health_port
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert sidecar[probe]["grpc"] == {"port": health}
+    ledger = {v["name"]: v for v in container("ledger")["env"]}
+    for var in sidecar["env"]:
+        if "valueFrom" in var or var["name"].startswith("LLMGW_LEDGER__REDIS__"):
+            assert var == ledger[var["name"]], var["name"]  # the ledger's stores, credentials
 
 
 def example_secret(name: str, key: str) -> str:

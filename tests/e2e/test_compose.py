@@ -75,8 +75,14 @@ RENDER = {
     "--otlp": "otel-collector:4317",
     "--pod-key-env": "VLLM_API_KEY",  # the pods' key, from Envoy's environment
     "--tls": "/etc/envoy/tls",  # Envoy's certificates, mounted from compose/tls
+    "--access-log": "/var/log/envoy/access.log",  # the volume envoy-log, ledger-reconcile's
 }
 OURS = ("extauthz", "ledger")  # the services built from our image
+# Beside Envoy: the ledger's reconciler of Envoy's file access log (python -m ledger.sidecar),
+# with the ledger's settings; and the one-shot job that readies the volume they share.
+SIDECAR = "ledger-reconcile"
+LOG_INIT = "envoy-log-init"
+LOG_DIR = "/var/log/envoy"
 PODS = ("vllm-0:8000", "vllm-1:8000")
 INTERPOLATION = {
     "LLMGW_SESSION_SECRET": secrets.token_hex(32),
@@ -128,12 +134,32 @@ def test_compose_runs_the_whole_product() -> None:
     product = {"envoy", *OURS, "redis", "postgres"}
     product |= {"vllm-0", "vllm-1", "otel-collector", "prometheus", "grafana"}
     assert product <= set(services)
-    assert {n for n, s in services.items() if s.get("image") == IMAGE} == set(OURS)
+    assert {n for n, s in services.items() if s.get("image") == IMAGE} == {
+        *OURS,
+        SIDECAR,
+        LOG_INIT,
+    }
     for name in OURS:
         assert services[name]["command"] == [name]
+    # No outcome lost: Envoy's file access log, flushed every 200 ms, on the volume the
+    # reconciler reads; both wait for the volume to be Envoy's and our group's.
+    assert services[SIDECAR]["command"] == ["ledger.sidecar"]
+    log = services[SIDECAR]["environment"]["LLMGW_LEDGER__RECONCILE__ACCESS_LOG"]
+    assert log == RENDER["--access-log"] and log.startswith(LOG_DIR + "/")
+    for name in ("envoy", SIDECAR, LOG_INIT):
+        assert f"envoy-log:{LOG_DIR}" in services[name]["volumes"], name
+    for name in ("envoy", SIDECAR):
+        assert services[name]["depends_on"][LOG_INIT] == {
+            "condition": "service_completed_successfully"
+        }
+    envoy = services["envoy"]["command"]
+    assert envoy[envoy.index("--file-flush-interval-msec") + 1] == "200"
+    for key in ("DATABASE_URL", "REDIS__HOST", "REDIS__PASSWORD", "REDIS__CLUSTER"):
+        ledger = services["ledger"]["environment"][f"LLMGW_LEDGER__{key}"]
+        assert services[SIDECAR]["environment"][f"LLMGW_LEDGER__{key}"] == ledger, key
     # Envoy starts once every service of ours and every pod is healthy; no router service.
     assert "router" not in services
-    assert set(services["envoy"]["depends_on"]) == {*OURS, "vllm-0", "vllm-1"}
+    assert set(services["envoy"]["depends_on"]) == {*OURS, "vllm-0", "vllm-1", LOG_INIT}
     for name in ("vllm-0", "vllm-1"):
         flags = services[name]["command"]
         assert {"--enable-prefix-caching", "--enable-force-include-usage"} <= set(flags)
@@ -217,7 +243,8 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
         wanted = [{"san_type": "DNS", "matcher": {"exact": served}}] if served in OURS else None
         assert sans == wanted, name
     check_admin_private(config)
-    validated_with_certs(rendered, RENDER["--tls"], tmp_path)
+    # Envoy opens its access log's directory (the container's volume) at start.
+    validated_with_certs(rendered.replace(LOG_DIR, str(tmp_path)), RENDER["--tls"], tmp_path)
 
 
 def test_each_container_mounts_its_own_certificate_and_key_only() -> None:
@@ -288,6 +315,7 @@ def localise(
                 )
             value = value.replace(TLS_DIR, str(files.parent / "tls"))  # certs.generate's
             value = value.replace("/etc/llmgw", str(files))
+            value = value.replace(LOG_DIR, str(files.parent / "envoy-log"))
         out[key] = value
     return out
 
@@ -327,7 +355,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
             run.processes.append(Process(host, argv, ready, tmp / f"{host}.log", env))
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         for name, service in spec["services"].items():
-            if service.get("image") != IMAGE:
+            if service.get("image") != IMAGE or "command" not in service:  # not LOG_INIT
                 continue
             env = localise(name, service.get("environment", {}), run, files)
             run.envs[name] = env
@@ -346,7 +374,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
 def test_every_compose_service_of_ours_starts_here_and_passes_its_health_check(
     started: Started,
 ) -> None:
-    assert set(started.envs) == set(OURS)
+    assert set(started.envs) == {*OURS, SIDECAR}
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
     for name, env in started.envs.items():
         test = started.spec["services"][name]["healthcheck"]["test"]
@@ -464,13 +492,16 @@ def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -
     assert scraped == set(started.envs) | {"vllm-0", "vllm-1"}
     for target in targets["llmgw"]:
         host = target.partition(":")[0]
+        service = started.spec["services"][host]["command"][0].partition(".")[0]  # its settings'
         metrics_port = int(
             started.spec["services"][host]["environment"][
-                f"LLMGW_{host.upper()}__SERVE__METRICS_PORT"
+                f"LLMGW_{service.upper()}__SERVE__METRICS_PORT"
             ]
         )
         assert target == f"{host}:{metrics_port}"
-        assert any(n.startswith(f"llmgw_{host}_") for n in exported(fetch(started.url(target))))
+        names = exported(fetch(started.url(target)))
+        assert any(n.startswith(f"llmgw_{service}_") for n in names)
+    assert "llmgw_ledger_reconciled_total" in exported(fetch(started.url(f"{SIDECAR}:9105")))
     # The router's metrics are served by extauthz, which holds it.
     extauthz = exported(fetch(started.url("extauthz:9101")))
     assert "llmgw_router_fleet_load" in extauthz

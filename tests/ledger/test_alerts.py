@@ -30,6 +30,8 @@ from ledger.detectors import (
     FailOpen,
     Finding,
     Fleet5xx,
+    Gap,
+    Missing,
     PodErrors,
     QuotaRefusals,
     Rules,
@@ -179,6 +181,22 @@ def test_the_backlog_fires_when_growing_not_when_draining_and_rearms_below_the_f
     assert at(120, 35_000) == []  # growing again: still the same episode
     assert at(150, 900) == []  # below the floor: re-armed
     assert at(180, 1_500) == ["ledger_backlog"]
+
+
+def test_missing_outcomes_fire_on_an_old_unconfirmed_record_and_on_each_unrecoverable_one() -> None:
+    d = Detectors(Rules(outcomes_missing=Missing(max_age_s=60)))
+
+    def at(now: int, oldest_s: float, missing: int = 0) -> list[str]:
+        return [f.detail["cause"] for f in d.evaluate(now, {}, Gap(oldest_s, missing))]
+
+    assert at(0, 59) == []
+    assert at(1, 60) == ["unconfirmed"]  # PostgreSQL down a while, or a record it refuses
+    assert at(2, 61) == []  # the same episode
+    assert at(3, 0) == []  # confirmed: re-armed
+    assert at(4, 70) == ["unconfirmed"]
+    assert at(5, 0, 2) == ["unrecoverable"]  # e.g. a line cut short
+    assert at(6, 0, 2) == []
+    assert at(7, 0, 3) == ["unrecoverable"]
 
 
 # Alerts: a log line, a metric, an event row.
