@@ -112,7 +112,8 @@ def test_the_pod_receives_the_gateways_salt_not_the_clients(tmp_path: Path) -> N
                 received = pod.requests[-1]
                 assert received.body["model"] == RECORDED_MODEL  # the rest of the body intact
                 salts[tenant] = received.body["cache_salt"]
-            empty = call("POST", f"{stack.base_url}/chat/completions", b'{"model": "m"}',
+            bare = json.dumps({"model": RECORDED_MODEL}).encode()  # served (another is a 404)
+            empty = call("POST", f"{stack.base_url}/chat/completions", bare,
                          {**auth(keys["rec-a"]), "content-type": "application/json"})  # fmt: skip
             assert empty.status == 200 and pod.requests[-1].body["cache_salt"] == salts["rec-a"]
     assert "client-chosen" not in salts.values()
