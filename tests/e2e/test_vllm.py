@@ -309,8 +309,10 @@ def test_the_router_reads_the_real_pods_metrics(real: Stack) -> None:
     eventually(idle, 30, what)
     with streaming(real, api_key(real, "standard"), max_tokens=900) as blocker:
         next(e for e in events(blocker) if has_token(e))
+        # Idle before, and nothing else runs on this module's pod: the load is this stream's.
+        # (Not asserted that it still runs: 900 tokens take ~4 s, a busy machine's publish can
+        # come after; the fleet load is what the router saw, stale for up to a scrape or two.)
         eventually(busy, 30, what)
-        assert pod_metrics(real)[RUNNING] == 1  # not yet done: the load was this stream's
     eventually(idle, 30, what)
     load = fleet_load(real)
     assert load is not None and load.capacity_tpm > 0 and load.capacity_rpm > 0
