@@ -224,16 +224,28 @@ def test_the_higher_priority_tenant_gets_its_first_token_first(real: Stack) -> N
             for _ in chunks:  # to the end: a whole answer, not an abort
                 pass
 
-    threads = [threading.Thread(target=queued, args=(tier,)) for tier in ("free", "platinum")]
-    with streaming(real, api_key(real, "standard"), max_tokens=900) as blocker:
-        next(e for e in events(blocker) if has_token(e))  # running now
-        for count, thread in enumerate(threads, start=1):
-            thread.start()
-            eventually_waiting(real, count)  # queued in this order
-        assert pod_metrics(real)[RUNNING] == 1  # the blocker still ran while both queued
-    # Hung up: the pod aborts the blocker, and its waiting queue decides who runs next.
-    for thread in threads:
-        thread.join(120)
+    # The premise (both queued while the blocker runs) is the machine's: the blocker's ~4 s of
+    # generation can end before a busy machine queues the second request. Then the scenario is
+    # run again, at most three times; the order is asserted only where the premise held.
+    for _ in range(3):
+        first.clear()
+        threads = [threading.Thread(target=queued, args=(t,)) for t in ("free", "platinum")]
+        with streaming(real, api_key(real, "standard"), max_tokens=900) as blocker:
+            next(e for e in events(blocker) if has_token(e))  # running now
+            try:
+                for count, thread in enumerate(threads, start=1):
+                    thread.start()
+                    eventually_waiting(real, count)  # queued in this order
+                held = pod_metrics(real)[RUNNING] == 1  # the blocker still ran while both queued
+            except AssertionError:
+                held = False
+        # Hung up: the pod aborts the blocker, and its waiting queue decides who runs next.
+        for thread in threads:
+            if thread.ident is not None:  # started
+                thread.join(120)
+        if held:
+            break
+    assert held, "the blocker never outlasted the queueing of both requests"
     assert first == ["platinum", "free"]
 
 
