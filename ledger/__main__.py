@@ -52,18 +52,8 @@ async def main(settings: Settings) -> None:
     )
     tiers = watched_tiers(settings.tiers_file)
     watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
-    s = settings.settle
-    recorder = Recorder(
-        RedisLink.of(settings.redis),
-        db,
-        batch_max=s.batch_max,
-        pending_max=s.pending_max,
-        done_ttl_s=s.done_ttl_s,
-        timeout_s=s.timeout_s,
-        retry_max_s=s.retry_max_s,
-        watch=alerts,
-        breakers=Breakers(tiers.get, db, alerts.emit, Blame(settings.blame)),
-    )
+    breakers = Breakers(tiers.get, db, alerts.emit, Blame(settings.blame))
+    recorder = Recorder.of(RedisLink.of(settings.redis), db, settings.settle, alerts, breakers)
     recorder.start()
     reconciler = _reconciler(settings, recorder, db)
     webhooks.start()

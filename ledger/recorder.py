@@ -19,6 +19,7 @@ from typing import Protocol
 
 from ledger import metrics
 from ledger.breaker import Breakers, Transition
+from ledger.settings import SettleSettings
 from ledger.settlement import Charge, Settled, settle
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
@@ -70,6 +71,28 @@ class Recorder:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._settling: list[Outcome] = []  # taken from _pending for the round trip in progress
+
+    @classmethod
+    def of(
+        cls,
+        redis: RedisLink,
+        sink: Sink | None,
+        settle: SettleSettings,
+        watch: Watch | None = None,
+        breakers: Breakers | None = None,
+    ) -> Recorder:
+        """A recorder as the settle settings size it (the ledger's, and the sidecar's)."""
+        return cls(
+            redis,
+            sink,
+            batch_max=settle.batch_max,
+            pending_max=settle.pending_max,
+            done_ttl_s=settle.done_ttl_s,
+            timeout_s=settle.timeout_s,
+            retry_max_s=settle.retry_max_s,
+            watch=watch,
+            breakers=breakers,
+        )
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
         """Never blocks."""

@@ -30,16 +30,7 @@ async def main(settings: Settings) -> None:
     assert r is not None and url is not None  # checked when the settings load
     db = Ledger(url.get_secret_value(), backlog_max=settings.backlog_max)
     connecting = asyncio.create_task(db.start(timeout_s=math.inf))
-    s = settings.settle
-    recorder = Recorder(
-        RedisLink.of(settings.redis),
-        db,
-        batch_max=s.batch_max,
-        pending_max=s.pending_max,
-        done_ttl_s=s.done_ttl_s,
-        timeout_s=s.timeout_s,
-        retry_max_s=s.retry_max_s,
-    )
+    recorder = Recorder.of(RedisLink.of(settings.redis), db, settings.settle)
     recorder.start()
     reconciler = Reconciler(
         r.access_log,

@@ -5,34 +5,14 @@ everyone. On a stack of its own: test_breaker_e2e.py's stack turns the pod rule 
 from __future__ import annotations
 
 import http.client
-import json
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from tests.e2e.conftest import stack_settings
-from tests.e2e.test_breaker_e2e import circuit_open, faults, open_breakers
+from tests.e2e.test_breaker_e2e import circuit_open, faults, open_breakers, stream
 from tests.e2e.test_ledger_e2e import recorded
-from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, chat
+from tests.e2e.test_ratelimit_e2e import add_tenant, chat
 from tools.stack import Stack
-
-
-def stream(stack: Stack, key: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """A long stream, its first chunk read: in flight on a pod."""
-    url = urlsplit(stack.base_url)
-    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "a long story"}],
-        "max_tokens": 3000,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    headers = {**auth(key), "content-type": "application/json"}
-    conn.request("POST", f"{url.path}/chat/completions", json.dumps(body), headers)
-    reply = conn.getresponse()
-    assert reply.status == 200 and reply.readline().startswith(b"data: {")
-    return conn, reply
 
 
 def broken(reply: http.client.HTTPResponse) -> bool:

@@ -164,9 +164,9 @@ def trip(stack: Stack, key: str, tenant: str) -> None:
         faults(stack, False)
 
 
-def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> None:
-    key = add_tenant(cb_stack, "cb-stream", "free")
-    url = urlsplit(cb_stack.base_url)
+def stream(stack: Stack, key: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A long stream, its first chunk read: in flight on a pod."""
+    url = urlsplit(stack.base_url)
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
     body = {
         "model": MODEL,
@@ -177,10 +177,16 @@ def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> N
     }
     headers = {**auth(key), "content-type": "application/json"}
     conn.request("POST", f"{url.path}/chat/completions", json.dumps(body), headers)
-    stream = conn.getresponse()
-    assert stream.status == 200 and stream.readline().startswith(b"data: {")
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.readline().startswith(b"data: {")
+    return conn, reply
+
+
+def test_a_stream_in_flight_finishes_when_its_tenant_trips(cb_stack: Stack) -> None:
+    key = add_tenant(cb_stack, "cb-stream", "free")
+    conn, stream_reply = stream(cb_stack, key)
     trip(cb_stack, key, "cb-stream")
-    rest = stream.read()
+    rest = stream_reply.read()
     assert not rest.startswith(b"data: [DONE]"), "the stream ended before the trip"
     assert rest.endswith(b"data: [DONE]\n\n") and b'"error"' not in rest
     conn.close()
