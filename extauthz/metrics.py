@@ -45,3 +45,37 @@ HTTP_ERRORS = Counter(
     ["cause"],
 )
 http_errors = Children(HTTP_ERRORS)
+
+# Flow control (extauthz/flow.py). `model`: one the fleet serves (else "other"); `band`: the
+# tenant's priority, 1-10; `tenant`: bounded as every tenant label (llmgw.telemetry.TENANTS).
+QUEUE_LENGTH = Gauge(
+    "llmgw_flow_queue_length", "Requests waiting in flow control's queue.", ["model", "band"]
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "llmgw_flow_queue_wait_seconds",
+    "Time each request flow control dispatched waited in its queue (0: a free seat at once).",
+    ["model", "band"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0),
+)
+DISPATCHES = Counter(
+    "llmgw_flow_dispatches_total",
+    "Requests flow control sent to the fleet, by tenant and whether they waited (queued).",
+    ["tenant", "queued"],
+)
+dispatches = Children(DISPATCHES, tenant=telemetry.TENANTS.admit)
+REFUSALS = Counter(
+    "llmgw_flow_refusals_total",
+    "Requests flow control refused or lost while queued, by tenant and reason: queue_full, "
+    "queue_timeout, cancelled (the client left).",
+    ["tenant", "reason"],
+)
+refusals = Children(REFUSALS, tenant=telemetry.TENANTS.admit)
+SERVICE_TOKENS = Gauge(
+    "llmgw_flow_service_tokens",
+    "Service each tenant received (prompt + output tokens dispatched, decayed): the order of "
+    "dispatch within a priority band, least served first.",
+    ["tenant"],
+)
+SATURATED = Gauge(
+    "llmgw_flow_saturated", "1 while no pod serving the model has a free seat.", ["model"]
+)

@@ -16,6 +16,7 @@ tiers:                        # replaces the built-in tier of the same name; new
     shadow: false                               # decide and count, never refuse
     max_output_tokens: 8192                     # the output cap the pod gets (default: extauthz's)
     breaker: {threshold: 2, cooldown_s: 30, cooldown_max_s: 240}  # llmgw/breaker.py; none: off
+    queue_timeout_s: 10                         # longest wait in flow control's queue
 tenants:                      # a tenant's overrides, merged over its tier unit by unit
   acme: {tokens: {minute: 5000000}, shadow: true}
 ```
@@ -86,6 +87,10 @@ class TierSpec(Strict):
     # The tenant breaker (llmgw/breaker.py); None: none. A tier that replaces a built-in one
     # states its own.
     breaker: BreakerSpec | None = None
+    # The longest a request of this tier waits in flow control's queue while the fleet is
+    # saturated (extauthz/flow.py), within extauthz's flow.max_wait_s; past it a 429
+    # queue_timeout.
+    queue_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class TenantSpec(Strict):
@@ -101,6 +106,7 @@ BUILTIN_TIERS: dict[str, TierSpec] = {
         tokens=PerUnit(minute=40_000),
         borrow_share=0.0,
         retry_base_s=4.0,
+        queue_timeout_s=5.0,
         # Two failures, not one (a single request never trips: one broken stream weighed 1.0
         # against 1.0 − 0.05 before); 20 mistakes in a burst.
         breaker=seed(cooldown_s=120.0, threshold=2.0, mistakes_threshold=6.0),
@@ -117,6 +123,7 @@ BUILTIN_TIERS: dict[str, TierSpec] = {
         tokens=PerUnit(minute=2_000_000),
         borrow_share=1.0,
         retry_base_s=1.0,
+        queue_timeout_s=20.0,
         # Half of standard's cool-down, and the support hook told of every trip.
         breaker=seed(cooldown_s=15.0, threshold=3.0, mistakes_threshold=12.0, alert=True),
     ),

@@ -27,6 +27,10 @@ HEADER_DATA_PARALLEL_RANK = "x-data-parallel-rank"
 # vLLM's own (0.33 reads it and lets it override the body's `priority`): extauthz sets it from
 # the tenant's priority (llmgw/priority.py), so what the pod schedules by is what we decided.
 HEADER_VLLM_PRIORITY = "x-vllm-priority"
+# To the client, on every request flow control admitted (extauthz/flow.py): the milliseconds it
+# waited in the gateway's queue for a seat on the fleet (0: it did not wait), so that a slow
+# answer can be told apart as queue, prefill or decode.
+HEADER_QUEUE_MS = "x-llmgw-queue-ms"
 
 # Dynamic metadata written by extauthz, read by Envoy's rate-limit descriptors and the router: the
 # trusted tenant context (llmgw/tenant.py; the model is a request fact).
@@ -133,6 +137,8 @@ META_STATUS = "status"
 # request body after the limiter's answer (envoy/rewrite.lua): metadata, not a header, so a
 # client has no name to forge it under.
 META_OUTPUT_CAP = "output_cap"
+# The same wait in extauthz's metadata (a number, ms), for the ledger's `queue_ms` column.
+META_QUEUE_MS = "queue_ms"
 # A response's token usage, written by Envoy on the way out and read from the access log by the
 # ledger: the pod's usage object (sse_to_metadata, json_to_metadata) when it arrived, and the
 # count of content events that reached the client (envoy/usage.lua) for streams cut short.
