@@ -13,6 +13,7 @@ from extauthz import tenants
 from extauthz.bodypool import BodyPool
 from extauthz.decision import Decider
 from extauthz.director import Director
+from extauthz.flow import FlowControl
 from extauthz.httpserver import HttpCheckServer
 from extauthz.service import register
 from extauthz.sessions import SessionCodec, Sessions
@@ -74,6 +75,9 @@ async def main(settings: Settings) -> None:
         router=router,
         limiter=limiter,
         admit_timeout_s=settings.admit_timeout_ms / 1000,
+        flow=None
+        if router is None or not settings.flow.enabled
+        else FlowControl(settings.flow, router),
     )
     watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
     checks = None

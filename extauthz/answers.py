@@ -107,6 +107,32 @@ def picked(answer: Answer, pods: tuple[PodId, ...]) -> None:
     answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pods)
 
 
+def queued(answer: Answer, waited_s: float) -> None:
+    """The wait in flow control's queue, to the client and the ledger (0: none)."""
+    ms = round(waited_s * 1000)
+    answer.client_headers.append((wire.HEADER_QUEUE_MS, str(ms)))
+    answer.metadata[wire.META_QUEUE_MS] = float(ms)
+
+
+_QUEUE_REFUSALS = {
+    "queue_full": "The queue for this model is full: the fleet is saturated. Please retry later.",
+    "queue_timeout": "The fleet stayed saturated for as long as this request could wait in the "
+    "queue. Please retry later.",
+}
+
+
+def queue_refused(allow: Allow, verdict: Verdict | None, code: str, retry_after_s: int) -> Answer:
+    """Flow control's refusal (queue_full, queue_timeout) of an admitted request, with its
+    admission in the metadata, as for any denial after one: the ledger releases its reservation
+    (a request that never ran is charged nothing)."""
+    deny = Deny(429, code, _QUEUE_REFUSALS[code], type="requests", tenant=allow.tenant)
+    meta = metadata(allow)
+    if verdict is not None:
+        meta.update(admission_metadata(verdict))
+    headers = [_JSON, ("retry-after", str(retry_after_s)), *allow.response_headers]
+    return Answer(429, meta, headers, body=deny.body())
+
+
 def too_many_bodies(tenant: str, share: int) -> Deny:
     return Deny(
         429,

@@ -28,6 +28,7 @@ class Timings:
 class RequestContext:
     allow: Allow  # authenticated and decided: who, what, the headers for the pod
     timings: Timings
+    body_bytes: int = 0  # what Envoy holds for it until it is answered
     # Admit: the reservation asked of the limiter inside, and its verdict (None: not decided,
     # the request goes on unchecked).
     admission: Admission | None = None

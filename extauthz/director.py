@@ -10,15 +10,17 @@ extauthz/service.py, HTTP: extauthz/httpserver.py).
    a denial, or the typed request (extauthz/context.py) that the next stages fill in. With a
    router, a model no pod serves is answered here, as vLLM would (404), from its view of the
    fleet (a set lookup; the fleet's list not known yet: the pod answers).
-   The flow-control queue, when it comes, is the stage after this one: `_check` marks its place.
 3. admit: with a rate limiter in this process (settings `admit`), the request's admission; a
    refusal is the denial (429, or the breaker's 503) with the limiter's body and headers.
-4. pick: with a router (settings `pick`), the request's pods, chosen and counted in flight while
-   the admission's Redis round trip is under way.
-5. hold: an admitted request goes to its pods; a refused or abandoned one gives them back.
-6. answer: the typed request written for Envoy, once (extauthz/answers.py): the limiter's
-   x-ratelimit-* headers to the client, what it decided and the pods in the metadata (the ledger,
-   envoy/rewrite.lua and Envoy's override_host read it there).
+4. queue: with flow control (extauthz/flow.py, the router inside), a request for which no pod
+   has a seat free waits, admitted, until one frees for it, or is refused (429 queue_full,
+   queue_timeout); one that need not wait goes on as below, to the pods with a seat free.
+5. pick: with a router (settings `pick`), the request's pods, chosen and counted in flight while
+   the admission's Redis round trip is under way (or at the queue's dispatch).
+6. hold: an admitted request goes to its pods; a refused or abandoned one gives them back.
+7. answer: the typed request written for Envoy, once (extauthz/answers.py): the limiter's
+   x-ratelimit-* headers to the client, what it decided, the pods and the queue's wait in the
+   metadata (the ledger, envoy/rewrite.lua and Envoy's override_host read it there).
 
 Neither admit nor pick needs an exchange of its own. Both fail open: a limiter or router that
 raises costs the admission or the pick, not the request (Redis down is the limiter's own degraded
@@ -32,6 +34,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 
 from opentelemetry import trace
 
@@ -43,12 +46,16 @@ from extauthz.answers import (
     model_not_found,
     overloaded,
     picked,
+    queue_refused,
+    queued,
     too_many_bodies,
 )
 from extauthz.bodypool import BodyPool, PoolDown
 from extauthz.budget import BodyBudget, Held
 from extauthz.context import RequestContext, Timings
 from extauthz.decision import Decider, key_entry
+from extauthz.flow import FlowControl, Refused
+from extauthz.queue import Waiter
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, Deny
 from extauthz.waits import Waits
@@ -59,6 +66,9 @@ from ratelimit import metrics as ratelimit_metrics
 from ratelimit.runtime import RateLimiter
 from router.request import from_context
 from router.runtime import Router
+from router.types import PodId
+
+DEFAULT_BAND = 5  # a tenant without a priority (the tenants file's default)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +84,7 @@ class Director:
         router: Router | None = None,
         limiter: RateLimiter | None = None,
         admit_timeout_s: float = 1.0,
+        flow: FlowControl | None = None,
     ) -> None:
         self.store = store
         self.decider = decider
@@ -85,6 +96,7 @@ class Director:
         self.router = router
         self.limiter = limiter
         self.admit_timeout_s = admit_timeout_s
+        self.flow = flow
         self.budget = BodyBudget(
             decider.settings.body_bytes_in_flight, decider.settings.tenant_body_bytes_in_flight
         )
@@ -125,7 +137,6 @@ class Director:
         request = await self.decide(headers, body, held)
         if isinstance(request, Answer):
             return request
-        # The flow-control queue's place: the request decided, not yet admitted nor picked.
         return await self.direct(request)
 
     def key(self, headers: Mapping[str, str]) -> Answer:
@@ -185,7 +196,7 @@ class Director:
         self.count(decision)
         if isinstance(decision, Deny):
             return denied(decision)
-        return RequestContext(decision, Timings(decide=took))
+        return RequestContext(decision, Timings(decide=took), len(body))
 
     def unknown_model(self, headers: Mapping[str, str], allow: Allow) -> Answer | None:
         """vLLM's 404 for a generation request naming a model the fleet does not serve, with
@@ -202,26 +213,36 @@ class Director:
         return model_not_found(allow, served if allowed is None else served & allowed)
 
     async def direct(self, request: RequestContext) -> Answer:
-        """Admit, pick, hold and answer an allowed request."""
-        router, limiter = self.router, self.limiter
-        if limiter is None:
-            answer = admitted(request.allow, None)
-            if router is not None:
-                self.pick(router, request)
-                self.hold(router, request, answer)
-            return answer
+        """Admit, pick, hold and answer an allowed request; through flow control when it holds
+        the request's model."""
+        router, limiter, flow = self.router, self.limiter, self.flow
+        model = request.facts.model
+        if router is not None and flow is not None and model is not None:
+            return await self.flowed(flow, router, request, model)
         if router is None:
-            await self.admit(limiter, request)
+            if limiter is not None:
+                await self.admit(limiter, request)
             return self.answer(request)
-        # The admission's round trip to Redis leaves first and the pod is chosen while it is
-        # under way (Redis on another core or host works meanwhile). The choice counts in flight
-        # at once, so that the checks answered meanwhile spread over the pods; the request goes
-        # to it only if admitted, else it is given back: a refused request holds no pod and
-        # teaches the router nothing.
+        return await self.go(router, request)
+
+    async def go(
+        self, router: Router, request: RequestContext, free: frozenset[PodId] | None = None
+    ) -> Answer:
+        """Admit and pick (among the `free` pods, if any) at once. The admission's round trip to
+        Redis leaves first and the pod is chosen while it is under way (Redis on another core or
+        host works meanwhile). The choice counts in flight at once, so that the checks answered
+        meanwhile spread over the pods; the request goes to it only if admitted, else it is
+        given back: a refused request holds no pod and teaches the router nothing."""
+        limiter = self.limiter
+        if limiter is None:
+            answer = self.answer(request)
+            self.pick(router, request, free)
+            self.hold(router, request, answer)
+            return answer
         admitting = asyncio.get_running_loop().create_task(self.admit(limiter, request))
         try:
             await asyncio.sleep(0)  # the admission runs to its wait for Redis: its command sent
-            self.pick(router, request)
+            self.pick(router, request, free)
             await admitting
             answer = self.answer(request)
             if answer.allowed:
@@ -230,6 +251,59 @@ class Director:
         finally:
             admitting.cancel()  # this check was cancelled (Envoy gave up on it); else a no-op
             self.give_back(router, request)
+
+    async def flowed(
+        self, flow: FlowControl, router: Router, request: RequestContext, model: str
+    ) -> Answer:
+        """Flow control's stage: at once to a pod with a seat free for it, or admitted, queued
+        until one frees for it (picked then) and answered; or refused from the queue."""
+        context = request.context
+        band = context.priority or DEFAULT_BAND
+        tokens = request.facts.token_estimate
+        free = flow.free_for(model, context.tenant)
+        if free is not None:
+            answer = await self.go(router, request, free)
+            if answer.allowed:
+                flow.dispatched(model, band, context.tenant, context.request_id, tokens)
+                self.queued(answer, 0.0)
+            return answer
+        if self.limiter is not None:
+            await self.admit(self.limiter, request)
+            verdict = request.verdict
+            if verdict is not None and verdict.refusal is not None:
+                return self.answer(request)
+        waiter = Waiter(
+            context.tenant,
+            band,
+            tokens,
+            request.body_bytes,
+            time.monotonic(),
+            partial(self.pick, router, request),
+            context.request_id,
+        )
+        tier = self.store.current.tiers.tier(context.tier)
+        try:
+            waited = await flow.wait(
+                waiter, model, min(tier.queue_timeout_s, flow.settings.max_wait_s)
+            )
+            if isinstance(waited, Refused):
+                return queue_refused(
+                    request.allow, request.verdict, waited.code, waited.retry_after_s
+                )
+            answer = self.answer(request)
+            if answer.allowed:
+                self.hold(router, request, answer)
+                self.queued(answer, waited)
+            return answer
+        finally:
+            if request.chosen is not None:  # dispatched, but it does not go (its check is gone)
+                flow.ended(context.request_id)
+            self.give_back(router, request)
+
+    def queued(self, answer: Answer, waited_s: float) -> None:
+        queued(answer, waited_s)
+        if self.tracing:
+            trace.get_current_span().set_attribute("llmgw.queue_ms", round(waited_s * 1000))
 
     async def admit(self, limiter: RateLimiter, request: RequestContext) -> None:
         """The limiter's verdict on the request, within `admit_timeout_s`; none: not decided,
@@ -257,13 +331,16 @@ class Director:
         request.timings.admit = time.perf_counter() - started
         ratelimit_metrics.DECISION_SECONDS.observe(request.timings.admit)
 
-    def pick(self, router: Router, request: RequestContext) -> None:
-        """The router's pods for the request, best first, the first counting it in flight until
-        `hold` or `give_back` (the request ID is Envoy's x-request-id, which its access log
-        carries too); none: Envoy's fallback picks."""
+    def pick(
+        self, router: Router, request: RequestContext, free: frozenset[PodId] | None = None
+    ) -> None:
+        """The router's pods for the request (among the `free` ones, if any: flow control's),
+        best first, the first counting it in flight until `hold` or `give_back` (the request ID
+        is Envoy's x-request-id, which its access log carries too); none: Envoy's fallback
+        picks."""
         try:
             asked = from_context(request.context, request.facts)
-            pick = router.choose(asked)
+            pick = router.choose(asked, subset=free or None)
         except Exception:  # a router bug costs the pick (Envoy's fallback picks), never the request
             self._pick_failed(request)
             return

@@ -51,12 +51,14 @@ http_errors = Children(HTTP_ERRORS)
 QUEUE_LENGTH = Gauge(
     "llmgw_flow_queue_length", "Requests waiting in flow control's queue.", ["model", "band"]
 )
+queue_length = Children(QUEUE_LENGTH)
 QUEUE_WAIT_SECONDS = Histogram(
     "llmgw_flow_queue_wait_seconds",
     "Time each request flow control dispatched waited in its queue (0: a free seat at once).",
     ["model", "band"],
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0),
 )
+queue_wait = Children(QUEUE_WAIT_SECONDS)
 DISPATCHES = Counter(
     "llmgw_flow_dispatches_total",
     "Requests flow control sent to the fleet, by tenant and whether they waited (queued).",
@@ -72,10 +74,14 @@ REFUSALS = Counter(
 refusals = Children(REFUSALS, tenant=telemetry.TENANTS.admit)
 SERVICE_TOKENS = Gauge(
     "llmgw_flow_service_tokens",
-    "Service each tenant received (prompt + output tokens dispatched, decayed): the order of "
-    "dispatch within a priority band, least served first.",
+    "Service each tenant received (prompt + output tokens dispatched, decayed), at its latest "
+    "dispatch: the order of dispatch within a priority band, least served first.",
     ["tenant"],
 )
+service_tokens = Children(SERVICE_TOKENS, tenant=telemetry.TENANTS.admit)
 SATURATED = Gauge(
-    "llmgw_flow_saturated", "1 while no pod serving the model has a free seat.", ["model"]
+    "llmgw_flow_saturated",
+    "1 while no pod serving the model had a seat free, at the model's latest check.",
+    ["model"],
 )
+saturated = Children(SATURATED)

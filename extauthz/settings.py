@@ -136,6 +136,33 @@ class DecisionSettings(Strict):
         return min(bounds)
 
 
+class FlowSettings(Strict):
+    """Flow control (extauthz/flow.py), with the router inside: while no pod serving a model has
+    a seat free, its admitted requests wait here, dispatched fairly as seats free."""
+
+    enabled: bool = True
+    # The longest any request waits, whatever its tier's queue_timeout_s: keep Envoy's wait for
+    # the check (tools/envoyconf.py Services.timeout) above shed_after_ms + admit_timeout_ms +
+    # this.
+    max_wait_s: float = Field(default=20.0, gt=0)
+    # The queue's bounds per replica, in requests and in the body bytes Envoy holds for them.
+    max_queued: int = Field(default=1024, ge=1)
+    tenant_max_queued: int = Field(default=256, ge=1)
+    max_queued_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    tenant_max_queued_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    # The share of a model's seats kept for tenants below their fair share of them.
+    headroom: float = Field(default=0.2, ge=0, lt=1)
+    # Each priority band's weight in the dispatches among backlogged bands; a band not named
+    # weighs its priority (band 1 against band 10: 1/11 of the dispatches).
+    band_weights: dict[Annotated[int, Field(ge=1, le=10)], Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict
+    )
+    # Service received (tokens dispatched) halves every this many seconds.
+    half_life_s: float = Field(default=60.0, gt=0)
+    # A dispatched request counts against its tenant's fair share until its outcome, or this.
+    hold_ttl_s: float = Field(default=600.0, gt=0)
+
+
 class Settings(Strict):
     serve: ServeSettings = ServeSettings()
     tracing: TracingSettings = TracingSettings()
@@ -145,6 +172,7 @@ class Settings(Strict):
     tiers_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
     reload_interval_seconds: float = Field(default=0.25, gt=0, le=0.5)
     decision: DecisionSettings = DecisionSettings()
+    flow: FlowSettings = FlowSettings()
     sessions: SessionSettings
     # What this process holds (llmgw/topology.py): the rate limiter and the router in gateway
     # and grpc-check, the router alone in rls, the rate limiter alone in epp; None: neither.

@@ -13,7 +13,7 @@ its last scrape succeeded and its health allows it (router/health.py); metrics o
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from pydantic import Field, field_validator
@@ -62,6 +62,11 @@ class FleetSettings(Strict):
     # with several replicas: Check calls are spread over them, but each Envoy worker's
     # access-log stream goes to one, so most outcomes reach a replica that did not pick.
     in_flight_ttl: float = Field(default=10.0, gt=0)
+    # A pick reaches a pod's counts (running, waiting) this long after it is made, at most
+    # (Envoy, the pod's API server): a scrape that started later shows it. Until then flow
+    # control counts it on top of the scrape (`unseen`), so that the seats one scrape shows
+    # free are not given out again at every check until the next.
+    dispatch_lag: float = Field(default=0.1, ge=0)
     # The pods' vLLM --api-key, sent with every scrape: /v1/models needs it (/metrics does not).
     pod_api_key: Secret | None = None
 
@@ -88,12 +93,17 @@ class Fleet:
         self._served: frozenset[str] | None = None
         self._served_known = False  # _served is current (the pods' model lists did not change)
         self.contexts = Contexts()
+        # Each pod's picks made too recently for its latest scrape to show (pick times).
+        self._unseen: dict[PodId, deque[float]] = {}
+        # Told the pod of every scrape stored (flow control: seats may have freed).
+        self.listeners: list[Callable[[PodId], None]] = []
 
     def set_pods(self, pods: Iterable[PodId]) -> None:
         wanted = set(pods)
         for pod in set(self.snapshots) - wanted:
             del self.snapshots[pod]
             self.in_flight.pop(pod, None)
+            self._unseen.pop(pod, None)
             self.health.forget(pod)
             self.capacity.forget(pod)
             self.speeds.forget(pod)
@@ -101,6 +111,7 @@ class Fleet:
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
+            self._unseen[pod] = deque()
         self._served_known = False
 
     def store(self, snap: PodMetrics) -> None:
@@ -115,10 +126,24 @@ class Fleet:
             self._served_known = False
         self.contexts.observe(pod, snap.contexts)
         if snap.ok:
-            self.capacity.observe(snap, self.settings.capacities.get(pod, self.settings.capacity))
+            self.capacity.observe(snap, self.capacity_of(pod))
             self.speeds.observe(snap)
             metrics.SPEED.labels(pod).set(self.speeds.current.get(pod, 1.0))
+            unseen, seen_before = self._unseen[pod], snap.at - self.settings.dispatch_lag
+            while unseen and unseen[0] < seen_before:
+                unseen.popleft()
         metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
+        for listener in self.listeners:
+            listener(pod)
+
+    def capacity_of(self, pod: PodId) -> float:
+        """The sequences the pod runs at once (its max_num_seqs, as configured): its seats."""
+        return self.settings.capacities.get(pod, self.settings.capacity)
+
+    def unseen(self, pod: PodId) -> int:
+        """The pod's picks its latest scrape may not show yet."""
+        found = self._unseen.get(pod)
+        return 0 if found is None else len(found)
 
     def report(self, pod: PodId, status: int) -> None:
         """A reply of a known pod, for its health."""
@@ -174,7 +199,7 @@ class Fleet:
             snap.ok and self._usable(pod, now),
             snap.ok and now - snap.at <= self.settings.stale_after,
             self.in_flight[pod],
-            self.settings.capacities.get(pod, self.settings.capacity),
+            self.capacity_of(pod),
             self.speeds.current.get(pod, 1.0),
         )
 
@@ -187,6 +212,7 @@ class Fleet:
         self.in_flight[pod] += 1
         metrics.in_flight(pod).inc()
         now = self.clock()
+        self._unseen[pod].append(now)
         self.health.picked(pod, now)
         if request_id:
             self._flights[request_id] = (pod, now)
@@ -207,6 +233,12 @@ class Fleet:
                 return
             del self._flights[request_id]
             self.release(pod)
+
+    def withdraw(self, pod: PodId) -> None:
+        """A pick given back before it went to the pod: it will never show in its counts."""
+        unseen = self._unseen.get(pod)
+        if unseen:
+            unseen.pop()
 
     def release(self, pod: PodId) -> None:
         if self.in_flight.get(pod, 0) > 0:

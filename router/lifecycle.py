@@ -15,6 +15,7 @@ answered it with a 2xx, on that pod.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -23,6 +24,8 @@ from llmgw.telemetry import recording
 from router import metrics
 from router.engine import Engine, NoPod
 from router.fleet import Fleet
+from router.plugins.not_saturated import NotSaturated
+from router.saturation import Bounds
 from router.types import Candidate, Pick, PickRequest, PodId
 
 # Picks waiting for their outcome before the plugins learn from them; the oldest are dropped
@@ -38,6 +41,16 @@ class Lifecycle:
         self.tracer = tracer
         self.recording = recording(tracer)
         self._unserved: OrderedDict[str, PickRequest] = OrderedDict()
+        # Told the request ID of every request that ended (flow control: its seat is free).
+        self.end_listeners: list[Callable[[str], None]] = []
+
+    @property
+    def bounds(self) -> Bounds:
+        """Saturation as the pick's not-saturated filter has it (its defaults without one)."""
+        for f in self.engine.profile.filters:
+            if isinstance(f, NotSaturated):
+                return f.bounds
+        return Bounds()
 
     def pick(
         self,
@@ -90,6 +103,7 @@ class Lifecycle:
     def give_back(self, req: PickRequest, chosen: Pick) -> None:
         """The request will not go to the chosen pod (refused, or its check abandoned): it no
         longer counts in flight there, and nothing learns from it."""
+        self.fleet.withdraw(chosen.pods[0])
         if req.request_id is None:
             self.fleet.release(chosen.pods[0])
         else:
@@ -109,6 +123,9 @@ class Lifecycle:
         the picked one; and a pod that answered with a 2xx learns the request, as the pick's
         observers would have (`hold`)."""
         held = self.fleet.finish(request_id) if request_id else None
+        if request_id:
+            for listener in self.end_listeners:
+                listener(request_id)
         if request_id is None and picked is not None:
             self.fleet.release(picked)
         picked = picked or held

@@ -8,28 +8,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmgw.config import Strict
 from router.plugins.base import parse_params
+from router.saturation import Bounds
 from router.types import Candidate, PickRequest
 
 TYPE = "not-saturated"
 
 
-class Params(Strict):
-    kv_max: float = 0.95  # KV-cache usage at or above this is saturated
-    queue_max: float = 8.0  # waiting requests at or above this is saturated
-
-
 class NotSaturated:
-    def __init__(self, name: str, params: Params) -> None:
+    def __init__(self, name: str, bounds: Bounds) -> None:
         self.name = name
-        self.kv_max = params.kv_max
-        self.queue_max = params.queue_max
+        self.bounds = bounds  # flow control's too (router/saturation.py)
 
     def filter(self, req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
-        kept = [c for c in cands if c.fresh and c.kv < self.kv_max and c.queue < self.queue_max]
+        saturated = self.bounds.saturated
+        kept = [c for c in cands if not saturated(c)]
         return kept or cands
 
 
 def factory(name: str, params: Mapping[str, Any]) -> NotSaturated:
-    return NotSaturated(name, parse_params(Params, name, params))
+    return NotSaturated(name, parse_params(Bounds, name, params))

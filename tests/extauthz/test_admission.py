@@ -242,9 +242,9 @@ async def test_the_pod_is_chosen_while_the_admission_is_under_way(
         admitting_now["done"] = True
         return verdict
 
-    def observed_choose(*args: Any) -> Any:
+    def observed_choose(*args: Any, **kwargs: Any) -> Any:
         seen.append((admitting_now["started"], admitting_now["done"]))
-        return choose(*args)
+        return choose(*args, **kwargs)
 
     monkeypatch.setattr(limiter, "admit", timed_admit)
     monkeypatch.setattr(router, "choose", observed_choose)

@@ -1,0 +1,272 @@
+"""Flow control's rules (extauthz/flow.py, extauthz/queue.py, router/saturation.py) over a real
+fleet datastore and pick lifecycle, with scrapes written by hand: seats, the dispatch order
+(bands by weight, least-served tenant within a band), headroom, deadlines, bounds, a client
+leaving. Through real Envoy: tests/e2e/test_flow_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+
+from extauthz.flow import FlowControl, Refused
+from extauthz.queue import ModelQueue, Waiter
+from extauthz.settings import FlowSettings
+from router.engine import Engine
+from router.fleet import Fleet, FleetSettings
+from router.lifecycle import Lifecycle
+from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
+from router.saturation import Bounds, seats
+from router.types import PickRequest, PodId, PodMetrics
+
+POD = "10.0.0.1:8000"
+MODEL = "m"
+
+
+def lifecycle(capacity: float = 4, pods: tuple[str, ...] = (POD,)) -> Lifecycle:
+    fleet = Fleet(FleetSettings(capacity=capacity, stale_after=60, dispatch_lag=0.0))
+    fleet.set_pods(pods)
+    for pod in pods:
+        fleet.store(PodMetrics(pod, fleet.clock(), ok=True, models=frozenset({MODEL})))
+    engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
+    return Lifecycle(fleet, engine, trace.get_tracer("test"))
+
+
+def scrape(router: Lifecycle, running: int, waiting: int = 0, pod: str = POD, **kw: Any) -> None:
+    """A scrape taken now: it shows every pick made before it."""
+    router.fleet.store(
+        PodMetrics(
+            pod,
+            router.fleet.clock() + 1e-6,
+            ok=True,
+            running=running,
+            waiting=waiting,
+            models=frozenset({MODEL}),
+            **kw,
+        )
+    )
+
+
+class Client:
+    """Requests as the director sends them: each dispatch picks, and is recorded in order."""
+
+    def __init__(self, router: Lifecycle, flow: FlowControl) -> None:
+        self.router, self.flow = router, flow
+        self.order: list[str] = []
+        self.ids = 0
+
+    def waiter(self, tenant: str, band: int = 5, tokens: int = 100, body: int = 10) -> Waiter:
+        self.ids += 1
+        rid = f"{tenant}-{self.ids}"
+
+        def pick(free: frozenset[PodId]) -> None:
+            req = PickRequest(model=MODEL, tenant=tenant, request_id=rid)
+            chosen = self.router.choose(req, subset=free)
+            assert chosen is not None and chosen.pods[0] in free
+            self.router.hold(req, chosen)
+            self.order.append(tenant)
+
+        return Waiter(tenant, band, tokens, body, self.flow.clock(), pick, rid)
+
+    def send(self, w: Waiter, deadline: float = 30.0) -> asyncio.Task[Refused | float]:
+        return asyncio.get_running_loop().create_task(self.flow.wait(w, MODEL, deadline))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_seats_count_running_waiting_and_picks_the_scrape_cannot_show() -> None:
+    router = lifecycle(capacity=4)
+    scrape(router, running=2)
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 2}
+    router.fleet.acquire(POD, "r1")  # made after the scrape: not in its counts
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 1}
+    scrape(router, running=3)  # the next scrape shows it
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 1}
+    scrape(router, running=1, waiting=1)  # anything waiting at queue_max 1: no seat
+    assert seats(router.fleet, Bounds(queue_max=1), MODEL).free == {}
+    scrape(router, running=0, kv_usage=0.96)
+    assert seats(router.fleet, Bounds(), MODEL).free == {}
+    assert seats(router.fleet, Bounds(), "another-model").free == {}
+
+
+def test_a_late_scrape_is_unknown_not_saturated_and_bounded_by_its_seats() -> None:
+    router = lifecycle(capacity=3)
+    scrape(router, running=3)
+    assert seats(router.fleet, Bounds(), MODEL).free == {}
+    router.fleet.settings = router.fleet.settings.model_copy(update={"stale_after": 0.0})
+    # Late: counted free, less the picks made since its last scrape.
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 3}
+    router.fleet.acquire(POD, "r1")
+    router.fleet.acquire(POD, "r2")
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 1}
+
+
+async def test_a_request_goes_at_once_while_a_seat_is_free_and_waits_when_none_is() -> None:
+    router = lifecycle(capacity=2)
+    flow = FlowControl(FlowSettings(), router)
+    assert flow.free_for(MODEL, "a") == {POD}
+    scrape(router, running=2)
+    assert flow.free_for(MODEL, "a") is None
+    client = Client(router, flow)
+    task = client.send(client.waiter("a"))
+    await settle()
+    assert not task.done() and flow.length == 1
+    assert flow.free_for(MODEL, "b") is None  # someone waits: nobody jumps the queue
+    scrape(router, running=1)  # a stream ended: the scrape frees a seat, the waiter goes
+    waited = await asyncio.wait_for(task, 5)
+    assert isinstance(waited, float) and client.order == ["a"] and flow.length == 0
+    assert router.fleet.in_flight[POD] == 1
+
+
+async def test_bands_share_dispatches_by_weight_and_none_starves() -> None:
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(band_weights={9: 3.0, 2: 1.0}, headroom=0), router)
+    client = Client(router, flow)
+    scrape(router, running=1)
+    tasks = [client.send(client.waiter(f"low{i}", band=2)) for i in range(8)]
+    tasks += [client.send(client.waiter(f"high{i}", band=9)) for i in range(8)]
+    await settle()
+    for _ in range(8):  # a seat frees eight times
+        scrape(router, running=0)
+        await settle()
+        scrape(router, running=1)
+    bands = ["high" if t.startswith("high") else "low" for t in client.order]
+    assert Counter(bands) == {"high": 6, "low": 2}, bands  # 3:1, the low band served
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert flow.length == 0
+
+
+async def test_within_a_band_the_least_served_tenant_goes_next_by_tokens_not_requests() -> None:
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(headroom=0), router)
+    client = Client(router, flow)
+    scrape(router, running=1)
+    # Both backlogged; "long" sends prompts ten times larger.
+    tasks = [client.send(client.waiter("long", tokens=1000)) for _ in range(12)]
+    tasks += [client.send(client.waiter("short", tokens=100)) for _ in range(12)]
+    await settle()
+    for _ in range(11):
+        scrape(router, running=0)
+        await settle()
+        scrape(router, running=1)
+    counts = Counter(client.order)
+    assert counts["short"] == 10 and counts["long"] == 1, client.order  # equal tokens served
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_last_seats_are_kept_for_tenants_below_their_fair_share() -> None:
+    router = lifecycle(capacity=10)
+    flow = FlowControl(FlowSettings(headroom=0.2), router)
+
+    def dispatch(tenant: str, rid: str) -> None:
+        assert flow.free_for(MODEL, tenant) is not None
+        router.fleet.acquire(POD, rid)
+        flow.dispatched(MODEL, 5, tenant, rid, 100)
+
+    for i in range(10):  # alone, a tenant may take every seat
+        dispatch("flood", f"f{i}")
+    for i in range(10):
+        flow.ended(f"f{i}")
+    scrape(router, running=0)
+    dispatch("light", "l0")
+    for i in range(7):
+        dispatch("flood", f"g{i}")
+    # 2 seats left, the headroom (20 % of 10): not for the flood, above its half share...
+    assert flow.free_for(MODEL, "flood") is None
+    assert flow.free_for(MODEL, "light") == {POD}  # ... for those below theirs
+    assert flow.free_for(MODEL, "newcomer") == {POD}
+    for i in range(3):
+        flow.ended(f"g{i}")
+    assert flow.free_for(MODEL, "flood") is not None  # its outcomes: 4 held, below half
+
+
+async def test_a_request_past_its_deadline_is_refused_and_leaves_the_queue() -> None:
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(), router)
+    client = Client(router, flow)
+    scrape(router, running=1)
+    refused = await client.send(client.waiter("a"), deadline=0.05)
+    assert isinstance(refused, Refused) and refused.code == "queue_timeout"
+    assert refused.retry_after_s >= 1 and flow.length == 0 and flow.bytes == 0
+
+
+async def test_a_full_queue_refuses_at_once_per_tenant_and_in_bytes() -> None:
+    router = lifecycle(capacity=1)
+    settings = FlowSettings(tenant_max_queued=2, max_queued_bytes=1000)
+    flow = FlowControl(settings, router)
+    client = Client(router, flow)
+    scrape(router, running=1)
+    tasks = [client.send(client.waiter("a")) for _ in range(2)]
+    await settle()
+    third = await client.send(client.waiter("a"))
+    assert isinstance(third, Refused) and third.code == "queue_full"
+    big = await client.send(client.waiter("b", body=995))  # 20 + 995 > 1000
+    assert isinstance(big, Refused) and big.code == "queue_full"
+    other = client.send(client.waiter("b"))  # another tenant still fits
+    await settle()
+    assert not other.done() and flow.length == 3
+    for t in [*tasks, other]:
+        t.cancel()
+    await asyncio.gather(*tasks, other, return_exceptions=True)
+    assert (flow.length, flow.bytes, flow.tenant_length) == (0, 0, {})
+
+
+async def test_a_client_that_leaves_leaves_the_queue_and_the_next_goes() -> None:
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(), router)
+    client = Client(router, flow)
+    scrape(router, running=1)
+    first = client.send(client.waiter("gone"))
+    second = client.send(client.waiter("stays"))
+    await settle()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert flow.length == 1
+    scrape(router, running=0)
+    assert isinstance(await asyncio.wait_for(second, 5), float)
+    assert client.order == ["stays"]
+
+
+async def test_an_outcome_frees_a_hold_and_wakes_the_queue() -> None:
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(), router)
+    client = Client(router, flow)
+    scrape(router, running=0)
+    first = client.send(client.waiter("a"))  # nobody waits: the pump dispatches it at once
+    assert isinstance(await asyncio.wait_for(first, 5), float)
+    assert flow.holds.of(MODEL, "a") == 1
+    router.ended("a-1", POD, 200)  # the access log: it ended
+    assert flow.holds.of(MODEL, "a") == 0
+
+
+def test_a_band_that_was_empty_cannot_claim_the_turns_it_missed() -> None:
+    queue = ModelQueue(float)
+    loop = asyncio.new_event_loop()
+    try:
+
+        def waiter(tenant: str, band: int) -> Waiter:
+            fut: asyncio.Future[None] = loop.create_future()
+            return Waiter(tenant, band, 1, 0, 0.0, lambda free: None, None, fut)
+
+        for _ in range(20):
+            queue.push(waiter("low", 1))
+        for _ in range(10):
+            assert queue.pop(lambda t: True, lambda t: 0.0) is not None
+        for _ in range(4):
+            queue.push(waiter("high", 3))
+        popped = [queue.pop(lambda t: True, lambda t: 0.0) for _ in range(4)]
+        tenants = [w.tenant for w in popped if w is not None]
+        assert tenants.count("high") == 3  # 3:1 from now on, not 4 in a row and more
+    finally:
+        loop.close()
