@@ -47,6 +47,7 @@ UPSTREAM_PREFIXES = (wire.HEADER_PREFIX,)
 # read two session IDs joined by a comma.
 CLIENT_ON_SUCCESS = (
     wire.HEADER_SESSION,
+    wire.HEADER_QUEUE_MS,
     *(n for names in wire.RATE_HEADERS.values() for n in names),
 )
 CLIENT_EXACT = (
@@ -83,6 +84,7 @@ NUMBERS = frozenset(
         wire.META_BORROWED_REQUESTS,
         wire.META_BORROWED_TOKENS,
         wire.META_OUTPUT_CAP,
+        wire.META_QUEUE_MS,
     }
 )
 FLAGS = frozenset(

@@ -113,7 +113,13 @@ class Services(Strict):
     # one core (tests/e2e/test_burst.py). extauthz fails closed (503), and bounds its own admission
     # below this (its admit_timeout_ms); the rate limiter apart fails open, so a timeout that
     # fired while it was merely busy would admit unchecked.
-    timeout: str = "2s"
+    timeout: str = Field(default="2s", pattern=r"^\d+(\.\d+)?m?s$")
+    # With the router inside extauthz, flow control holds a check while its request waits for a
+    # seat (extauthz's flow.max_wait_s; 0: flow control off): Envoy waits this much longer.
+    queue_wait_s: float = Field(default=20.0, ge=0)
+    # The checks flow control may hold at once (its flow.max_queued, times the replicas): each
+    # keeps its connection to extauthz's HTTP port, so Envoy opens this many more.
+    queued_checks: int = Field(default=1024, ge=0)
     ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
     log_flush: str = "0.2s"  # access-log batches to the ledger and the router, at least this often
@@ -141,6 +147,19 @@ class Services(Strict):
         if self.routed and self.topology is Topology.EPP and self.router is None:
             raise ValueError("epp: needs the router's address (router)")
         return self
+
+    @property
+    def check_timeout(self) -> str:
+        """Envoy's wait for extauthz's check: its own bound, and flow control's queue's."""
+        ms = self.timeout.endswith("ms")
+        own = float(self.timeout.removesuffix("ms")) / 1000 if ms else float(self.timeout[:-1])
+        return f"{own + (self.queue_wait_s if self.router_inside else 0):g}s"
+
+    @property
+    def check_connections(self) -> int:
+        """Envoy's connections to extauthz's HTTP port: 64 checks at once gain nothing more on
+        one event loop (a burst would make it handshake each new one), and the queued ones."""
+        return 64 + (self.queued_checks if self.router_inside and self.queue_wait_s else 0)
 
     @property
     def check_over_http(self) -> bool:

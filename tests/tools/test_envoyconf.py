@@ -149,9 +149,16 @@ def test_each_topology_renders_its_shape(
     assert pick_sources(config) == [{"metadata": {"key": namespace, "path": endpoint}}]
     router_log = "router" if topology is Topology.EPP else "extauthz"
     assert grpc_loggers(config) == {"router": router_log}
-    clusters = {c["name"] for c in config["static_resources"]["clusters"]}
-    assert {"extauthz", "extauthz_keys"} <= clusters
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert {"extauthz", "extauthz_keys"} <= set(clusters)
     assert ("extauthz_http" in clusters) == (topology is Topology.GATEWAY)
+    # Flow control holds checks (up to 20 s) only where the router is inside extauthz.
+    service = authz.get("http_service", authz.get("grpc_service"))
+    timeout = service["server_uri"]["timeout"] if "server_uri" in service else service["timeout"]
+    assert timeout == ("2s" if topology is Topology.EPP else "22s")
+    if topology is Topology.GATEWAY:
+        (limits,) = clusters["extauthz_http"]["circuit_breakers"]["thresholds"]
+        assert limits["max_connections"] == 64 + 1024  # the queued checks keep theirs
 
 
 def test_a_topology_refuses_what_it_runs_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
@@ -313,10 +320,11 @@ def test_every_header_the_check_sets_reaches_its_place() -> None:
         retry_after_ms=1000,
         shadow=False,
     )
-    to_client = [name for name, _ in rate_headers(verdict)] + [wire.HEADER_SESSION]
+    to_client = [name for name, _ in rate_headers(verdict)]
+    to_client += [wire.HEADER_SESSION, wire.HEADER_QUEUE_MS]
     for name in to_client:
         assert name in authzhttp.CLIENT_ON_SUCCESS, name
-        if name != wire.HEADER_SESSION:
+        if name not in (wire.HEADER_SESSION, wire.HEADER_QUEUE_MS):
             assert not matches(name, authzhttp.UPSTREAM_EXACT, authzhttp.UPSTREAM_PREFIXES)
     for refusal in ("rate_limited", "circuit_open", "too_large", "insufficient_quota"):
         headers, _ = response.refusal(dataclasses.replace(verdict, refusal=refusal))
