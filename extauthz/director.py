@@ -287,9 +287,11 @@ class Director:
                 waiter, model, min(tier.queue_timeout_s, flow.settings.max_wait_s)
             )
             if isinstance(waited, Refused):
-                return queue_refused(
+                refused = queue_refused(
                     request.allow, request.verdict, waited.code, waited.retry_after_s
                 )
+                self.queued(refused, time.monotonic() - waiter.at)  # the ledger releases it
+                return refused
             answer = self.answer(request)
             if answer.allowed:
                 self.hold(router, request, answer)

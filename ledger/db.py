@@ -67,6 +67,7 @@ COLUMN_TYPES: dict[str, str] = {
     "borrowed_requests": "int4",
     "borrowed_tokens": "int8",
     "quota_checked": "bool",
+    "queue_ms": "float8",
     "ttft_ms": "float8",
     "duration_ms": "float8",
     "bytes_in": "int8",

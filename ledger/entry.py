@@ -94,6 +94,11 @@ def _int(meta: Mapping[str, Any], key: str) -> int | None:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else None
 
 
+def _number(meta: Mapping[str, Any], key: str) -> float | None:
+    v = meta.get(key)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else None
+
+
 def kind_of(status: int, codes: list[str], pod: str, stream_failed: bool = False) -> OutcomeKind:
     if _CLIENT_GONE.intersection(codes) or status == 0:
         return "aborted"
@@ -212,6 +217,7 @@ def outcome_of(entry: Entry) -> Outcome | None:
         borrowed_requests=_int(admission, wire.META_BORROWED_REQUESTS) or 0,
         borrowed_tokens=_int(admission, wire.META_BORROWED_TOKENS) or 0,
         quota_checked=admission.get(wire.META_DECIDED) is True,
+        queue_ms=_number(authz, wire.META_QUEUE_MS),
         ttft_ms=entry.ttft_ms,
         duration_ms=entry.duration_ms,
         bytes_in=entry.bytes_in,

@@ -169,7 +169,7 @@ class Recorder:
         charges = {
             i: Charge(o.tenant, o.request_id, o.prompt_tokens + o.completion_tokens)
             for i, o in enumerate(batch)
-            if o.tenant and not o.by_gateway
+            if o.tenant and o.reserved
         }
         if not charges:
             return {}
@@ -197,7 +197,7 @@ class Recorder:
                 if self.watch is not None:
                     self.watch.unchecked(o)
             if result is None:  # unsettled or no tenant: what admission reserved stays charged
-                charged = o.reserved_tokens if o.tenant and not o.by_gateway else 0
+                charged = o.reserved_tokens if o.tenant and o.reserved else 0
             else:
                 metrics.settlements(_RESULTS.get(result.state, "unknown")).inc()
                 # A duplicate was charged when first settled: what it used.

@@ -50,6 +50,9 @@ class Outcome(BaseModel):
     borrowed_tokens: int = 0
     # The rate limiter decided the admission; False with a pod reached: it failed open.
     quota_checked: bool = False
+    # How long flow control held it in its queue before its dispatch, or its refusal there
+    # (extauthz/flow.py; 0: it went at once); None: it did not pass through flow control.
+    queue_ms: float | None = None
     ttft_ms: float | None = None  # first byte to the client; None when none was sent
     duration_ms: float = 0.0
     bytes_in: int = 0
@@ -63,6 +66,12 @@ class Outcome(BaseModel):
         answer: quota_checked is unset then)."""
         flags = self.flags.split(",")
         return "RL" in flags or ("UAEX" in flags and self.quota_checked)
+
+    @property
+    def reserved(self) -> bool:
+        """Admission reserved its tokens: anything but the limiter's own refusal, which reserved
+        nothing. Flow control refuses (queue_full, queue_timeout) after admission."""
+        return not self.by_gateway or (self.status == 429 and self.queue_ms is not None)
 
 
 # The columns `llmgw usage --json` prints, in this order (any others may follow).

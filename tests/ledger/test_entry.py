@@ -26,6 +26,7 @@ def entry(
     request_id: str = "r1",
     authenticated: bool = True,
     path: str = "/v1/chat/completions",
+    authz: dict[str, Any] | None = None,
 ) -> accesslog_pb2.HTTPAccessLogEntry:
     e = accesslog_pb2.HTTPAccessLogEntry()
     common = e.common_properties
@@ -43,7 +44,7 @@ def entry(
             rpm=60,
         )
         common.metadata.filter_metadata[wire.EXTAUTHZ_NAMESPACE].update(
-            {**context.to_metadata(), **request_facts.to_metadata()}
+            {**context.to_metadata(), **request_facts.to_metadata(), **(authz or {})}
         )
     else:
         e.request.request_id = request_id
@@ -224,3 +225,17 @@ def test_a_stream_left_before_the_pod_reported_usage_is_charged_the_prompt_bound
     authz.update({wire.META_PROMPT_BOUND: 61.0})
     o = to_outcome(left)
     assert o is not None and (o.prompt_tokens, o.completion_tokens) == (45, 0)
+
+
+@pytest.mark.parametrize(("queue_ms", "reserved"), [(None, False), (1500.0, True), (0.0, True)])
+def test_flow_controls_refusal_had_a_reservation_the_limiters_had_none(
+    queue_ms: float | None, reserved: bool
+) -> None:
+    """Both are the gateway's 429 (UAEX, the limiter decided): the limiter's refusal reserved
+    nothing, flow control's (queue_full, queue_timeout: its wait in the metadata) came after
+    the admission that reserved its tokens, which settlement must release."""
+    waited = {} if queue_ms is None else {wire.META_QUEUE_MS: queue_ms}
+    checked = {wire.META_DECIDED: True}
+    o = to_outcome(entry(429, pod=None, admission=checked, flags=("unauthorized",), authz=waited))
+    assert o is not None and o.by_gateway and o.queue_ms == queue_ms
+    assert o.reserved is reserved
