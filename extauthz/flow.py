@@ -14,6 +14,8 @@ between admit and pick (extauthz/director.py).
   and the queue holds at most `max_queued` requests and `max_queued_bytes` of bodies (per tenant:
   `tenant_max_queued`, `tenant_max_queued_bytes`); past either the request is refused at once,
   429 `queue_timeout` / `queue_full`, with a retry-after from the model's measured drain rate.
+- No pod usable (every pod serving the model down or erroring): nothing to wait for; requests
+  go on as without flow control, to the router's pick or Envoy's fallback.
 - Wake-ups: a scrape stored (every scrape_interval, each replica scrapes every pod) and an
   outcome (the access log, batched every log_flush) are when seats free; the first usually
   comes first, so dispatch lags a freed seat by about one scrape interval plus `dispatch_lag`.
@@ -122,12 +124,16 @@ class FlowControl:
     # The director's view.
 
     def free_for(self, model: str, tenant: str) -> frozenset[PodId] | None:
-        """The pods with a seat free for the tenant's request now; None: it must wait (nobody
-        may go before those waiting, and no seat is free for it)."""
+        """The pods with a seat free for the tenant's request now (empty: no pod serving the
+        model is usable, every one down or erroring, and the request goes on as without flow
+        control); None: it must wait (nobody may go before those waiting, and no seat is free
+        for it)."""
         queue = self.queues.get(model)
         if queue is not None and queue.length:
             return None
         found = self._seats(model)
+        if not found.total:  # no pod usable: not for the queue to wait out (Envoy's fallback)
+            return frozenset()
         metrics.saturated(self._label(model)).set(0.0 if found.free else 1.0)
         if not found.free or not self._may_take(model, tenant, found):
             return None
@@ -193,7 +199,7 @@ class FlowControl:
         for model, queue in self.queues.items():
             while queue.length:
                 found = self._seats(model)
-                if not found.free:
+                if found.total and not found.free:
                     break
                 w = queue.pop(
                     partial(self._may_take, model, found=found),
@@ -239,7 +245,7 @@ class FlowControl:
     def _may_take(self, model: str, tenant: str, found: Seats) -> bool:
         """The headroom rule: the last seats only for a tenant below its fair share."""
         reserve = math.ceil(self.settings.headroom * found.total)
-        if found.free_total > reserve:
+        if not found.total or found.free_total > reserve:
             return True
         queue = self.queues.get(model)
         active = self.holds.tenants(model) | (queue.tenants() if queue else set())

@@ -63,6 +63,9 @@ class Client:
         rid = f"{tenant}-{self.ids}"
 
         def pick(free: frozenset[PodId]) -> None:
+            if not free:  # no pod usable: the director's pick is the router's or Envoy's
+                self.order.append(tenant)
+                return
             req = PickRequest(model=MODEL, tenant=tenant, request_id=rid)
             chosen = self.router.choose(req, subset=free)
             assert chosen is not None and chosen.pods[0] in free
@@ -270,3 +273,19 @@ def test_a_band_that_was_empty_cannot_claim_the_turns_it_missed() -> None:
         assert tenants.count("high") == 3  # 3:1 from now on, not 4 in a row and more
     finally:
         loop.close()
+
+
+async def test_with_no_pod_usable_nothing_waits_for_one() -> None:
+    """Every pod down (or erroring, in the router's health): not saturation, nothing frees a seat
+    for the queue to wait for; requests go on as without flow control (Envoy's fallback)."""
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(), router)
+    client = Client(router, flow)
+    scrape(router, running=1)
+    waiting = client.send(client.waiter("a"))
+    await settle()
+    assert flow.length == 1
+    router.fleet.store(PodMetrics(POD, router.fleet.clock() + 1e-6, ok=False))  # down
+    assert isinstance(await asyncio.wait_for(waiting, 5), float)
+    assert flow.length == 0 and client.order == ["a"]
+    assert flow.free_for(MODEL, "b") == frozenset()
