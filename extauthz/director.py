@@ -97,6 +97,7 @@ class Director:
         self.limiter = limiter
         self.admit_timeout_s = admit_timeout_s
         self.flow = flow
+        self._releases: set[asyncio.Task[bool]] = set()  # referenced until done
         self.budget = BodyBudget(
             decider.settings.body_bytes_in_flight, decider.settings.tenant_body_bytes_in_flight
         )
@@ -297,10 +298,26 @@ class Director:
                 self.hold(router, request, answer)
                 self.queued(answer, waited)
             return answer
+        except asyncio.CancelledError:
+            self.release(request)
+            raise
         finally:
             if request.chosen is not None:  # dispatched, but it does not go (its check is gone)
                 flow.ended(context.request_id)
             self.give_back(router, request)
+
+    def release(self, request: RequestContext) -> None:
+        """The client left while its admitted request waited: its reservation given back now
+        (Envoy logs the request without the check's metadata, so the ledger cannot)."""
+        verdict, limiter = request.verdict, self.limiter
+        if limiter is None or verdict is None or verdict.refusal is not None:
+            return
+        context = request.context
+        task = asyncio.get_running_loop().create_task(
+            limiter.release(context.tenant, context.request_id)
+        )
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def queued(self, answer: Answer, waited_s: float) -> None:
         queued(answer, waited_s)

@@ -20,11 +20,11 @@ from typing import Protocol
 from ledger import metrics
 from ledger.breaker import Breakers, Transition
 from ledger.settings import SettleSettings
-from ledger.settlement import Charge, Settled, settle
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.resp import RespError
 from llmgw.serve import finish
+from llmgw.settlement import Charge, Settled, settle
 
 log = logging.getLogger("ledger.recorder")
 

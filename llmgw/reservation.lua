@@ -1,6 +1,6 @@
 -- A tenant's counters in Redis, and the reservation admission leaves for settlement to find
 -- (llmgw/reservation.py): prepended to ratelimit/admit.lua and ratelimit/replay.lua, which
--- write them, and to ledger/settle.lua, which settles them. Every key starts with the tenant's
+-- write them, and to llmgw/settle.lua, which settles them. Every key starts with the tenant's
 -- prefix p (llmgw.wire.tenant_prefix: one hash tag, one Redis Cluster slot):
 --   p:<check>:<bucket index>  a window's bucket (check: "tokens:minute"), its count
 --   p:res:<request id>        a reservation, a hash: n = tokens reserved, s = the windows

@@ -1,6 +1,6 @@
 """A tenant's counters in Redis and the reservation admission leaves for settlement: their keys
 and encoding, one Lua prelude (llmgw/reservation.lua) before each script that touches them —
-ratelimit/admit.lua and ratelimit/replay.lua, which write them, and ledger/settle.lua, which
+ratelimit/admit.lua and ratelimit/replay.lua, which write them, and llmgw/settle.lua, which
 settles them — so the two sides cannot name a key differently (as llmgw/breaker.lua is before
 both of the breaker's scripts).
 """

@@ -151,7 +151,7 @@ META_STREAM_FAILED = "stream_failed"  # the pod sent an error event after its 20
 
 
 # Counters in Redis, one key prefix per tenant; the keys under it are llmgw/reservation.lua's,
-# prepended to ratelimit/admit.lua and ledger/settle.lua. The `{tenant}` hash tag keeps a
+# prepended to ratelimit/admit.lua and llmgw/settle.lua. The `{tenant}` hash tag keeps a
 # tenant's keys in one Redis Cluster slot.
 def tenant_prefix(tenant: str) -> str:
     """The key prefix of a tenant; braces in the ID are escaped so the hash tag stays intact."""

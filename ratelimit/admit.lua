@@ -99,7 +99,7 @@ if ok or shadow then
   end
   if #taken > 0 then
     local spec = table.concat(taken, ' ')
-    -- The reservation, for the ledger's settlement (ledger/settle.lua). Never given back by
+    -- The reservation, for the ledger's settlement (llmgw/settle.lua). Never given back by
     -- itself: one that is never settled stays charged as reserved.
     if rid ~= '' then rs_reserve(p, rid, amount, spec, ttl) end
     -- The tenant's token windows, for settling usage that had no reservation (admitted while

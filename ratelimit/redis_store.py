@@ -1,7 +1,7 @@
 """Counters in Redis: one EVALSHA per decision (admit.lua), at Redis's own time.
 
 Keys (prefix `llmgw.wire.tenant_prefix`): each window's buckets, token reservations (settled by
-the ledger, ledger/settle.lua) and the tenant's token windows, named once in
+the ledger, llmgw/settle.lua) and the tenant's token windows, named once in
 llmgw/reservation.lua, which both sides prepend to their scripts. The `{tenant}` hash tag keeps
 one tenant's keys in one Redis Cluster slot, so each script touches a single slot; a replay
 (replay.lua) is one script per tenant, all sent at once. `llmgw:rl:replicas` is the replicas'

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from llmgw import wire
 from llmgw.config import reveal
 from llmgw.reload import Reloading
+from llmgw.resp import RespError
+from llmgw.settlement import Charge, settle
 from llmgw.tiers import TierTable, watched_tiers
 from ratelimit.failover import Failover
 from ratelimit.fleet import FleetView
@@ -75,6 +77,21 @@ class RateLimiter:
             self._tasks.append(
                 asyncio.create_task(self.tiers.watch(self.settings.reload_interval_s))
             )
+
+    async def release(self, tenant: str, request_id: str) -> bool:
+        """Give back the reservation of an admitted request that will never run (its client
+        left while it was queued): settled at 0 tokens, once (settle.lua's done key). False:
+        Redis unreachable, and the reservation stays charged until it expires."""
+        redis = self.store.redis
+        if redis is None:
+            return False
+        done_ttl_ms = int(self.settings.reservation_ttl_s * 1000)
+        try:
+            async with asyncio.timeout(self.settings.failover.deadline_ms / 1000):
+                await settle(redis.client, [Charge(tenant, request_id, 0)], done_ttl_ms)
+        except (ConnectionError, TimeoutError, OSError, RespError):
+            return False
+        return True
 
     async def stop(self) -> None:
         for task in self._tasks:

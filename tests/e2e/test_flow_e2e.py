@@ -228,14 +228,23 @@ def test_a_request_past_its_tiers_deadline_is_refused_and_charged_nothing(
     eventually(released, 20, "the refused request's tokens stay reserved")
 
 
-def test_a_client_that_hangs_up_while_queued_leaves_the_queue(flow_stack: Stack) -> None:
+def test_a_client_that_hangs_up_while_queued_leaves_the_queue_and_its_reservation(
+    flow_stack: Stack,
+) -> None:
+    tenant = "flow-leaver"
+    key = add_tenant(flow_stack, tenant, "free", PerMinuteLimits(rpm=1000, tpm=100_000_000))
     cancelled = flow_metric(flow_stack, "llmgw_flow_refusals_total", 'reason="cancelled"')
     order: list[str] = []
     with blockers(flow_stack, api_key(flow_stack, "standard")) as held:
-        leaver = send(flow_stack, api_key(flow_stack, "free"), 2)
+        leaver = send(flow_stack, key, 2)
         eventually_queued(flow_stack, 1)
+        assert counter(flow_stack, tenant) > 0  # admitted while it waits: its tokens reserved
         leaver.close()
         eventually_queued(flow_stack, 0)
+        # Envoy logs it without the check's metadata (the check never answered): extauthz
+        # gives the reservation back itself.
+        released = lambda: counter(flow_stack, tenant) == 0 and not reservations(flow_stack, tenant)  # noqa: E731
+        eventually(released, 10, "the leaver's tokens stay reserved")
         left = lambda: flow_metric(flow_stack, "llmgw_flow_refusals_total", 'reason="cancelled"')  # noqa: E731
         eventually(lambda: left() == cancelled + 1, 10, "the hang-up was not counted")
         stayer = Caller(flow_stack, api_key(flow_stack, "platinum"), "stayer", order)

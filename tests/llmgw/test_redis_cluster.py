@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from ledger.settlement import Charge, settle
 from llmgw.cluster import Addr, Cluster, command_slot, key_slot
 from llmgw.resp import AuthError, Client, Resp, RespError
+from llmgw.settlement import Charge, settle
 from llmgw.wire import FLEET_LOAD_KEY, tenant_prefix
 from ratelimit.failover import Failover
 from ratelimit.redis_store import RedisStore
@@ -287,7 +287,7 @@ async def test_admissions_across_three_masters_match_one_node(
 
 
 async def test_a_batch_of_settlements_on_every_master(cluster: Cluster, single: Resp) -> None:
-    """ledger/settle.lua for many tenants in one pipelined batch, with every master's script
+    """llmgw/settle.lua for many tenants in one pipelined batch, with every master's script
     cache empty (NOSCRIPT everywhere: SCRIPT LOAD must reach every master)."""
     tenants = [f"payer-{i}" for i in range(40)]
     now_ms = 1_800_000_000_000

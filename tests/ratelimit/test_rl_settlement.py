@@ -1,4 +1,4 @@
-"""Settlement (ledger/settle.lua) against the reservations admission makes (ratelimit/admit.lua),
+"""Settlement (llmgw/settle.lua) against the reservations admission makes (ratelimit/admit.lua),
 on a real redis-server in real time: both scripts read Redis's TIME, so windows are small where
 a test needs buckets to pass."""
 
@@ -13,13 +13,12 @@ from pathlib import Path
 
 from rl_redis import redis_port, start_redis
 
-from ledger import settlement
 from ledger.recorder import Recorder
-from ledger.settlement import Charge, Settled, settle
-from llmgw import breaker, reservation
+from llmgw import breaker, reservation, settlement
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.resp import Resp
+from llmgw.settlement import Charge, Settled, settle
 from llmgw.wire import tenant_prefix
 from ratelimit.redis_store import ADMIT, REPLAY, RedisStore
 from ratelimit.types import Check, Unit, Window

@@ -1,4 +1,6 @@
-"""Settlement: each outcome's tokens against the reservation ratelimit made (ledger/settle.lua).
+"""Settlement: each outcome's tokens against the reservation ratelimit made (llmgw/settle.lua):
+the ledger's, from the access log; and extauthz's release (0 tokens) of a request whose client
+left while flow control held it, which Envoy logs without the check's metadata.
 
 A batch is settled in one Redis round trip: every EVALSHA is written before any reply is awaited
 (llmgw/resp.py pipelines), and each script touches one tenant's keys only (one Cluster slot).
@@ -19,7 +21,7 @@ from llmgw.reservation import with_prelude
 from llmgw.resp import Client, RespError, evalsha_each
 from llmgw.wire import tenant_prefix
 
-SOURCE = with_prelude(resources.files("ledger").joinpath("settle.lua").read_text())
+SOURCE = with_prelude(resources.files("llmgw").joinpath("settle.lua").read_text())
 SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
 
 
