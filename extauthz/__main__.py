@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from extauthz import tenants
 from extauthz.bodypool import BodyPool
 from extauthz.decision import Decider
 from extauthz.director import Director
+from extauthz.fairness import Sharing
 from extauthz.flow import FlowControl
 from extauthz.httpserver import HttpCheckServer
 from extauthz.service import register
@@ -67,6 +67,18 @@ async def main(settings: Settings) -> None:
     decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings), contexts)
     bodies = BodyPool(decider, settings.decision.pool_from_bytes)
     await bodies.start()
+    flow = None
+    tasks = [asyncio.create_task(store.watch(settings.reload_interval_seconds))]
+    if router is not None and settings.flow.enabled:
+        flow = FlowControl(settings.flow, router)
+        if limiter is not None:  # its Redis: the replicas' service counts merged there
+            redis = limiter.store
+            sharing = Sharing(
+                flow.served,
+                lambda: None if redis.redis is None else redis.redis.client,
+                settings.flow.share_interval_s,
+            )
+            tasks.append(asyncio.create_task(sharing.run()))
     director = Director(
         store,
         decider,
@@ -75,11 +87,8 @@ async def main(settings: Settings) -> None:
         router=router,
         limiter=limiter,
         admit_timeout_s=settings.admit_timeout_ms / 1000,
-        flow=None
-        if router is None or not settings.flow.enabled
-        else FlowControl(settings.flow, router),
+        flow=flow,
     )
-    watcher = asyncio.create_task(store.watch(settings.reload_interval_seconds))
     checks = None
     if settings.http_port is not None:
         # A body larger than a tenant's share can never be held: refused at its head.
@@ -101,9 +110,9 @@ async def main(settings: Settings) -> None:
     async def stop() -> None:
         if checks is not None:
             await checks.stop(settings.serve.grace_seconds)
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if router is not None:
             await router.stop()
         if limiter is not None:

@@ -5,24 +5,26 @@ between admit and pick (extauthz/director.py).
 - Seats (router/saturation.py): a request goes at once when a pod serving its model has a seat
   free for it and nobody waits before it; else it waits in the model's queue (extauthz/queue.py:
   weighted priority bands, least-served tenant first within a band).
-- Headroom: the last `headroom` share of a model's seats are only for tenants holding fewer than
-  their fair share of them (its seats / the tenants holding or waiting for one), so a tenant
-  that floods the fleet leaves seats free for a newcomer's first request, instead of making it
-  wait for one of the flood's streams to end. A tenant's holds are this replica's dispatches not
-  yet ended (the router's outcome feed; `hold_ttl_s` at most).
+- Headroom: the last `headroom` share of a model's seats are only for tenants below their fair
+  share of them, in seats (its seats / the tenants holding or waiting for one) or in service
+  (below their mean), so a tenant that floods the fleet leaves seats free for a newcomer's first
+  request, instead of making it wait for one of the flood's streams to end. A tenant's holds
+  are this replica's dispatches not yet ended (the router's outcome feed; `hold_ttl_s` at most).
 - Deadlines and bounds: a request waits at most its tier's queue_timeout_s (within `max_wait_s`)
   and the queue holds at most `max_queued` requests and `max_queued_bytes` of bodies (per tenant:
   `tenant_max_queued`, `tenant_max_queued_bytes`); past either the request is refused at once,
   429 `queue_timeout` / `queue_full`, with a retry-after from the model's measured drain rate.
 - No pod usable (every pod serving the model down or erroring): nothing to wait for; requests
   go on as without flow control, to the router's pick or Envoy's fallback.
-- Wake-ups: a scrape stored (every scrape_interval, each replica scrapes every pod) and an
-  outcome (the access log, batched every log_flush) are when seats free; the first usually
-  comes first, so dispatch lags a freed seat by about one scrape interval plus `dispatch_lag`.
+- Wake-ups: an outcome of a request this replica picked (the router's access log, batched
+  every router_log_flush, 20 ms: its seat is free at once) and a scrape stored (every
+  scrape_interval, each replica scrapes every pod: anyone's seats) are when seats free; a pick
+  holds its seat on top of the scrapes until one shows it arrived (router/fleet.py `unseen`).
 
 Per replica: each replica queues and counts holds alone; seats are the fleet's, read from the
 same scrapes by all, so replicas that dispatch into the same free seat within one scrape interval
-overfill it by at most one request each (the pod's own queue takes it).
+overfill it by at most one request each (the pod's own queue takes it). The service counts that
+order a band are merged through Redis (extauthz/fairness.py `Sharing`).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class FlowControl:
         if not found.total:  # no pod usable: not for the queue to wait out (Envoy's fallback)
             return frozenset()
         metrics.saturated(self._label(model)).set(0.0 if found.free else 1.0)
-        if not found.free or not self._may_take(model, tenant, found):
+        if not found.free or not self._headroom(model, found)(tenant):
             return None
         return frozenset(found.free)
 
@@ -153,7 +155,7 @@ class FlowControl:
         if queue is None:
             queue = self.queues[model] = ModelQueue(self._weight)
         now = self.clock()
-        if not queue.waiting(w.tenant):
+        if not queue.waiting(w.tenant) and not self.holds.of(model, w.tenant):  # back from idle
             floor = queue.least_served(w.band, lambda t: self.served.of(t, now))
             if floor is not None:
                 self.served.lift(w.tenant, floor, now)
@@ -201,10 +203,7 @@ class FlowControl:
                 found = self._seats(model)
                 if found.total and not found.free:
                     break
-                w = queue.pop(
-                    partial(self._may_take, model, found=found),
-                    partial(self.served.of, now=now),
-                )
+                w = queue.pop(self._headroom(model, found), partial(self.served.of, now=now))
                 if w is None:
                     break
                 self._joined(w, model, -1)
@@ -242,15 +241,28 @@ class FlowControl:
     def _seats(self, model: str) -> Seats:
         return seats(self.router.fleet, self.router.bounds, model or None)
 
-    def _may_take(self, model: str, tenant: str, found: Seats) -> bool:
-        """The headroom rule: the last seats only for a tenant below its fair share."""
+    def _headroom(self, model: str, found: Seats) -> Callable[[str], bool]:
+        """The headroom rule, for one dispatch: the last seats only for a tenant below its fair
+        share, in seats (the model's seats / the tenants holding or waiting for one) or in
+        service (below their mean). By seats alone two backlogged tenants would split the fleet
+        evenly, whatever their prompts; by service, the one whose requests are smaller may hold
+        more seats until its tokens served catch up."""
         reserve = math.ceil(self.settings.headroom * found.total)
         if not found.total or found.free_total > reserve:
-            return True
+            return lambda tenant: True
         queue = self.queues.get(model)
         active = self.holds.tenants(model) | (queue.tenants() if queue else set())
-        active.add(tenant)
-        return self.holds.of(model, tenant) < found.total / len(active)
+        now = self.clock()
+        total = sum(self.served.of(t, now) for t in active)
+
+        def below(tenant: str) -> bool:
+            tenants, served = len(active), total
+            mine = self.served.of(tenant, now)
+            if tenant not in active:  # a newcomer
+                tenants, served = tenants + 1, served + mine
+            return self.holds.of(model, tenant) < found.total / tenants or mine < served / tenants
+
+        return below
 
     def _weight(self, band: int) -> float:
         return self.settings.band_weights.get(band, float(band))

@@ -161,6 +161,9 @@ class FlowSettings(Strict):
     half_life_s: float = Field(default=60.0, gt=0)
     # A dispatched request counts against its tenant's fair share until its outcome, or this.
     hold_ttl_s: float = Field(default=600.0, gt=0)
+    # How often a replica merges its service counts with the others' in Redis (with the rate
+    # limiter in this process; else each replica counts its own).
+    share_interval_s: float = Field(default=1.0, gt=0)
 
 
 class Settings(Strict):

@@ -163,6 +163,8 @@ def breaker_key(tenant: str) -> str:
     return tenant_prefix(tenant) + ":cb"
 
 
+# Flow control's service counts per tenant, merged by every extauthz replica (extauthz/served.lua).
+FLOW_SERVED_KEY = "llmgw:flow:served"
 # Fleet load published by the router for quota borrowing (Redis).
 FLEET_LOAD_KEY = "llmgw:fleet:load"
 # The fleet's borrowing pool (ratelimit/pool.py): its own hash tag, one Redis Cluster slot.

@@ -65,7 +65,9 @@ class FleetSettings(Strict):
     # A pick reaches a pod's counts (running, waiting) this long after it is made, at most
     # (Envoy, the pod's API server): a scrape that started later shows it. Until then flow
     # control counts it on top of the scrape (`unseen`), so that the seats one scrape shows
-    # free are not given out again at every check until the next.
+    # free are not given out again at every check until the next. Sooner when a scrape shows
+    # that requests arrived since the one before (running + waiting grew by more than the
+    # requests that finished): that many of the oldest picks made before it are seen.
     dispatch_lag: float = Field(default=0.1, ge=0)
     # The pods' vLLM --api-key, sent with every scrape: /v1/models needs it (/metrics does not).
     pod_api_key: Secret | None = None
@@ -95,6 +97,8 @@ class Fleet:
         self.contexts = Contexts()
         # Each pod's picks made too recently for its latest scrape to show (pick times).
         self._unseen: dict[PodId, deque[float]] = {}
+        # Each pod's requests whose outcome arrived after its latest scrape (arrival times).
+        self._ended: dict[PodId, deque[float]] = {}
         # Told the pod of every scrape stored (flow control: seats may have freed).
         self.listeners: list[Callable[[PodId], None]] = []
 
@@ -104,6 +108,7 @@ class Fleet:
             del self.snapshots[pod]
             self.in_flight.pop(pod, None)
             self._unseen.pop(pod, None)
+            self._ended.pop(pod, None)
             self.health.forget(pod)
             self.capacity.forget(pod)
             self.speeds.forget(pod)
@@ -112,6 +117,7 @@ class Fleet:
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
             self._unseen[pod] = deque()
+            self._ended[pod] = deque()
         self._served_known = False
 
     def store(self, snap: PodMetrics) -> None:
@@ -130,8 +136,13 @@ class Fleet:
             self.speeds.observe(snap)
             metrics.SPEED.labels(pod).set(self.speeds.current.get(pod, 1.0))
             unseen, seen_before = self._unseen[pod], snap.at - self.settings.dispatch_lag
-            while unseen and unseen[0] < seen_before:
+            arrived = _arrivals(old, snap)
+            while unseen and (unseen[0] < seen_before or (arrived > 0 and unseen[0] < snap.at)):
                 unseen.popleft()
+                arrived -= 1
+            ended = self._ended[pod]
+            while ended and ended[0] < snap.at:  # this scrape shows them
+                ended.popleft()
         metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
         for listener in self.listeners:
             listener(pod)
@@ -141,9 +152,19 @@ class Fleet:
         return self.settings.capacities.get(pod, self.settings.capacity)
 
     def unseen(self, pod: PodId) -> int:
-        """The pod's picks its latest scrape may not show yet."""
-        found = self._unseen.get(pod)
-        return 0 if found is None else len(found)
+        """The pod's picks its latest scrape may not show yet, less the requests that ended
+        there since (their outcomes arrived after it): the seats that scrape shows taken
+        wrongly, negative when more ended than it can show."""
+        found, ended = self._unseen.get(pod), self._ended.get(pod)
+        return (0 if found is None else len(found)) - (0 if ended is None else len(ended))
+
+    def ended(self, pod: PodId) -> None:
+        """A request this pod ran has ended (its outcome): its seat is free before the next
+        scrape shows it. One whose end that scrape already showed counts twice until the one
+        after (a seat given out once too often, which the pod's own queue takes)."""
+        ended = self._ended.get(pod)
+        if ended is not None:
+            ended.append(self.clock())
 
     def report(self, pod: PodId, status: int) -> None:
         """A reply of a known pod, for its health."""
@@ -244,3 +265,14 @@ class Fleet:
         if self.in_flight.get(pod, 0) > 0:
             self.in_flight[pod] -= 1
             metrics.in_flight(pod).dec()
+
+
+def _arrivals(old: PodMetrics, new: PodMetrics) -> int:
+    """Requests that reached the pod between two scrapes: its running and waiting counts' growth
+    plus the requests it finished; 0 where unknown (no earlier scrape, no finished counter)."""
+    if not old.ok or old.requests_served is None or new.requests_served is None:
+        return 0
+    finished = new.requests_served - old.requests_served
+    if finished < 0:  # its counters restarted
+        return 0
+    return int(new.running + new.waiting - old.running - old.waiting + finished)

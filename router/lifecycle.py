@@ -123,6 +123,8 @@ class Lifecycle:
         the picked one; and a pod that answered with a 2xx learns the request, as the pick's
         observers would have (`hold`)."""
         held = self.fleet.finish(request_id) if request_id else None
+        if held is not None and answered is not None:  # it ran there: its seat is free now
+            self.fleet.ended(held)
         if request_id:
             for listener in self.end_listeners:
                 listener(request_id)

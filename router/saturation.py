@@ -5,7 +5,9 @@ their model has a seat.
 
 A pod's seats are its capacity (max_num_seqs, as configured: router/fleet.py `capacity_of`). Its
 free seats: capacity − running − waiting − the picks its latest scrape cannot show yet (made
-within `dispatch_lag` of it); none when its waiting queue or KV-cache usage is at `Bounds`.
+after it, or shortly before it and not among the arrivals its counts show) + the requests whose
+outcomes arrived since it (ended: their seats free before the next scrape shows it); none when
+its waiting queue or KV-cache usage is at `Bounds`.
 A pod whose scrape is late is unknown, not saturated: its seats count as free, less the picks
 made since its last scrape, so that one slow scrape neither queues every request nor lets the
 queue flush into that pod. A pod that is down (its last scrape failed, or in its health's
@@ -54,7 +56,7 @@ def seats(fleet: Fleet, bounds: Bounds, model: str | None) -> Seats:
             continue
         total += c.capacity
         if not c.fresh:
-            room = int(c.capacity) - fleet.unseen(c.pod)
+            room = int(c.capacity) - max(0, fleet.unseen(c.pod))
         elif c.kv >= bounds.kv_max or c.queue >= bounds.queue_max:
             continue
         else:

@@ -200,6 +200,17 @@ def test_a_tenant_below_its_share_goes_before_a_flood_that_holds_the_seats(
     assert order[1] == "light", order  # ("over" was first, refused)
     assert all(c.status == 200 for c in (light, *flood))
 
+    def shared() -> tuple[float, float]:
+        with flow_stack.redis_client() as r:
+            counts = r.hgetall(wire.FLOW_SERVED_KEY)
+        flood, light = (
+            counts.get(t, b"0:0").split(b":")[0] for t in (b"flow-flood", b"flow-light")
+        )
+        return float(flood), float(light)  # a count (and when, "count:at_ms"; served.lua)
+
+    # What each tenant was served reaches Redis, for every replica's order (fairness.py).
+    eventually(lambda: min(shared()) > 0, 10, lambda: f"shared: {shared()}")
+
 
 def test_a_request_past_its_tiers_deadline_is_refused_and_charged_nothing(
     flow_stack: Stack,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,6 +24,7 @@ from extauthz.store import tenants_store
 from extauthz.types import PerMinuteLimits, Tenant, TenantsFile
 from llmgw.fleetload import ModelContexts
 from llmgw.tiers import PerUnit, TierSpec, TierTable
+from tools.procs import Process, bin_path, free_port, redis_ping
 
 SECRET = b"9f2c41e8a7b3d6055f1e2a9c0b7d64e3"  # varied: settings refuse "ssss…"
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -131,3 +132,14 @@ def kill_worker(pool: BodyPool) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("the executor never saw its worker die")
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[int]:
+    """A redis-server of the test's own: its port."""
+    port = free_port()
+    argv = [bin_path("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(tmp_path)]
+    proc = Process("redis", argv, redis_ping("127.0.0.1", port), tmp_path / "redis.log").start()
+    yield port
+    proc.stop()

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +47,10 @@ from tests.extauthz.test_service import (
     header_map,
     make_router,
 )
-from tools.procs import Process, bin_path, free_port, redis_ping
+from tools.procs import free_port
 
 # The custom tier "gold" (globex) at 3 requests a minute: the fourth is refused.
 LIMITS = "tiers:\n  gold: {requests: {minute: 3}, tokens: {minute: 900000}}\n"
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[int]:
-    port = free_port()
-    argv = [bin_path("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    argv += ["--appendonly", "no", "--dir", str(tmp_path)]
-    proc = Process("redis", argv, redis_ping("127.0.0.1", port), tmp_path / "redis.log").start()
-    yield port
-    proc.stop()
 
 
 class Admitting:

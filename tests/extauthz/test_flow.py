@@ -98,6 +98,22 @@ def test_seats_count_running_waiting_and_picks_the_scrape_cannot_show() -> None:
     assert seats(router.fleet, Bounds(), "another-model").free == {}
 
 
+def test_a_scrape_that_shows_arrivals_sees_the_picks_made_before_it() -> None:
+    """Picks count on top of the scrapes until one shows them: by the pod's counts (running +
+    waiting grew, plus what finished), not only by `dispatch_lag`, here too long to matter."""
+    router = lifecycle(capacity=4)
+    router.fleet.settings = router.fleet.settings.model_copy(update={"dispatch_lag": 60.0})
+    scrape(router, running=2, requests_served=10)
+    router.fleet.acquire(POD, "r1")
+    router.fleet.acquire(POD, "r2")
+    scrape(router, running=2, requests_served=10)  # not there yet: still counted
+    assert seats(router.fleet, Bounds(), MODEL).free == {}
+    scrape(router, running=3, requests_served=11)  # both arrived, and one request finished
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 1}
+    router.fleet.acquire(POD, "r3")  # made after that scrape: counted until one shows it
+    assert seats(router.fleet, Bounds(), MODEL).free == {}
+
+
 def test_a_late_scrape_is_unknown_not_saturated_and_bounded_by_its_seats() -> None:
     router = lifecycle(capacity=3)
     scrape(router, running=3)
@@ -193,6 +209,34 @@ async def test_the_last_seats_are_kept_for_tenants_below_their_fair_share() -> N
     assert flow.free_for(MODEL, "flood") is not None  # its outcomes: 4 held, below half
 
 
+async def test_the_last_seats_go_by_service_too_so_smaller_requests_get_more_seats() -> None:
+    """Both backlogged, each holding half the seats: the tenant whose requests are ten times
+    smaller has received a tenth of the tokens, so the seats that free in the headroom go to it
+    (by seats alone, half each, it could never take one)."""
+    router = lifecycle(capacity=10)
+    flow = FlowControl(FlowSettings(headroom=0.2), router)
+    client = Client(router, flow)
+    for i in range(5):
+        for tenant, tokens in (("long", 1000), ("short", 100)):
+            router.fleet.acquire(POD, f"{tenant}{i}")
+            flow.dispatched(MODEL, 5, tenant, f"{tenant}{i}", tokens)
+    scrape(router, running=10)
+    tasks = [client.send(client.waiter("long", tokens=1000)) for _ in range(3)]
+    tasks += [client.send(client.waiter("short", tokens=100)) for _ in range(3)]
+    await settle()
+    for i in range(3):  # one of long's streams ends: the one seat free is in the headroom
+        flow.ended(f"long{i}")
+        router.fleet.finish(f"long{i}")
+        scrape(router, running=9)
+        await settle()
+        scrape(router, running=10)
+    assert client.order == ["short"] * 3
+    assert flow.holds.of(MODEL, "short") == 8 > flow.holds.of(MODEL, "long")
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_a_request_past_its_deadline_is_refused_and_leaves_the_queue() -> None:
     router = lifecycle(capacity=1)
     flow = FlowControl(FlowSettings(), router)
@@ -251,6 +295,26 @@ async def test_an_outcome_frees_a_hold_and_wakes_the_queue() -> None:
     assert flow.holds.of(MODEL, "a") == 1
     router.ended("a-1", POD, 200)  # the access log: it ended
     assert flow.holds.of(MODEL, "a") == 0
+
+
+async def test_an_outcome_frees_its_seat_before_the_next_scrape_shows_it() -> None:
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(), router)
+    client = Client(router, flow)
+    first = client.send(client.waiter("a"))
+    assert isinstance(await asyncio.wait_for(first, 5), float)
+    scrape(router, running=1)  # it runs
+    second = client.send(client.waiter("b"))
+    await settle()
+    assert not second.done()
+    router.ended("a-1", POD, 200)  # its outcome, before any scrape shows the seat free
+    assert isinstance(await asyncio.wait_for(second, 5), float)
+    assert client.order == ["a", "b"]
+    assert flow.free_for(MODEL, "c") is None  # b took the seat
+    scrape(router, running=1)  # the scrape that shows a's end and b's start: one seat, taken
+    assert flow.free_for(MODEL, "c") is None
+    scrape(router, running=0, requests_served=2)  # b ended too
+    assert flow.free_for(MODEL, "c") == {POD}
 
 
 def test_a_band_that_was_empty_cannot_claim_the_turns_it_missed() -> None:
