@@ -87,6 +87,7 @@ JSON_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "charged_tokens",
+    "queue_ms",
     "ttft_ms",
     "duration_ms",
 )

@@ -42,6 +42,8 @@ TOTAL_COLUMNS = (
     "base_tokens",
     "borrowed_tokens",
     "borrowed_requests",
+    "queue_p50_ms",
+    "queue_p90_ms",
     "ttft_p50_ms",
     "ttft_p90_ms",
 )
@@ -57,6 +59,7 @@ SESSION_COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "charged_tokens",
+    "queue_ms",
     "ttft_ms",
     "duration_ms",
 )
@@ -119,6 +122,9 @@ def totals_sql(by: By, filters: Filters) -> str:
         " sum(greatest(charged_tokens - borrowed_tokens, 0))::bigint AS base_tokens,"
         " sum(least(borrowed_tokens, charged_tokens))::bigint AS borrowed_tokens,"
         " sum(borrowed_requests)::bigint AS borrowed_requests,"
+        # The wait in flow control's queue (none: not held; 0: went at once), then the pod's.
+        " percentile_cont(0.5) WITHIN GROUP (ORDER BY queue_ms) AS queue_p50_ms,"
+        " percentile_cont(0.9) WITHIN GROUP (ORDER BY queue_ms) AS queue_p90_ms,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_ms) AS ttft_p50_ms,"
         " percentile_cont(0.9) WITHIN GROUP (ORDER BY ttft_ms) AS ttft_p90_ms"
         f" FROM outcomes {filters.where} GROUP BY {key} ORDER BY requests DESC, {key}"

@@ -463,6 +463,8 @@ def exported(text: str) -> set[str]:
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(maxsplit=3)
             names.add(name)
+            if kind.strip() == "counter":  # sampled as NAME_total, and none before an increment
+                names.add(f"{name}_total")
             if kind.strip() in ("histogram", "summary"):
                 names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
         elif line and not line.startswith("#"):

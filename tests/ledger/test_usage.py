@@ -30,14 +30,14 @@ def rec(n: int, **fields: object) -> Outcome:
 
 DATASET = [
     rec(1, ts=BASE + timedelta(seconds=3), tenant="acme", session="s1", model="m1", pod="p1",
-        prompt_tokens=10, completion_tokens=20, charged_tokens=30, ttft_ms=100.0,
-        borrowed_requests=1, borrowed_tokens=12),
+        prompt_tokens=10, completion_tokens=20, charged_tokens=30, queue_ms=0.0,
+        ttft_ms=100.0, borrowed_requests=1, borrowed_tokens=12),
     rec(2, ts=BASE + timedelta(seconds=1), tenant="acme", session="s1", model="m1", pod="p2",
         status=503, outcome="upstream_error", prompt_tokens=10, borrowed_requests=1,
         borrowed_tokens=40),  # drawn at admission, then refunded: no borrowed use
     rec(3, ts=BASE + timedelta(seconds=2), tenant="acme", session="s1", model="m2", pod="p1",
         status=0, outcome="aborted", prompt_tokens=10, completion_tokens=5, charged_tokens=15,
-        ttft_ms=300.0),
+        queue_ms=800.0, ttft_ms=300.0),
     rec(4, ts=BASE + timedelta(seconds=4), tenant="beta", session="s2", model="m1", pod="p1",
         prompt_tokens=7, completion_tokens=8, charged_tokens=15, ttft_ms=200.0),
     rec(5, ts=BASE + timedelta(seconds=5), tenant="beta", model="m2", status=429,
@@ -78,8 +78,10 @@ async def test_totals_by_tenant(ledger_db: str) -> None:
         "tenant": "acme", "requests": "4", "errors": "1", "refused": "0", "aborted": "1",
         "prompt_tokens": "130", "completion_tokens": "125", "charged_tokens": "245",
         "base_tokens": "233", "borrowed_tokens": "12", "borrowed_requests": "2",
+        "queue_p50_ms": "400.0", "queue_p90_ms": "720.0",  # two held; the others not
         "ttft_p50_ms": "300.0", "ttft_p90_ms": "460.0",
     }  # fmt: skip
+    assert (rows["beta"]["queue_p50_ms"], rows["beta"]["queue_p90_ms"]) == ("-", "-")
     assert rows["beta"]["refused"] == "1" and rows["beta"]["ttft_p50_ms"] == "200.0"
 
 
@@ -113,6 +115,8 @@ async def test_a_session_in_time_order(ledger_db: str) -> None:
     assert lines[0].split()[:2] == ["TS", "REQUEST_ID"]
     assert [line.split()[1] for line in lines[1:]] == ["req-2", "req-3", "req-1"]
     assert [line.split()[5] for line in lines[1:]] == ["upstream_error", "aborted", "ok"]
+    queue = lines[0].split().index("QUEUE_MS")
+    assert [line.split()[queue] for line in lines[1:]] == ["-", "800.0", "0.0"]
 
 
 async def test_json_records_keep_the_field_order(ledger_db: str) -> None:
@@ -124,6 +128,7 @@ async def test_json_records_keep_the_field_order(ledger_db: str) -> None:
     first = records[-1]
     assert datetime.fromisoformat(first["ts"]) == BASE + timedelta(seconds=3)
     assert (first["ttft_ms"], first["charged_tokens"], first["stream"]) == (100.0, 30, False)
+    assert (first["queue_ms"], records[1]["queue_ms"]) == (0.0, None)
     assert (first["borrowed_requests"], first["borrowed_tokens"]) == (1, 12)  # the record's draw
     assert records[1]["ttft_ms"] is None
 
