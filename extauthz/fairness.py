@@ -41,8 +41,8 @@ class Served:
         self.half_life_s = half_life_s
         self.rate = math.log(2) / half_life_s
         self._counts: dict[str, tuple[float, float]] = {}  # tenant: (count, when)
-        # Not yet in a batch: tenant: (tokens dispatched, decayed; the floor it was lifted to)
-        self._unsent: dict[str, tuple[float, float, float]] = {}  # ... and when
+        # Not yet in a batch: tenant: (tokens dispatched, the floor it was lifted to, as of when)
+        self._unsent: dict[str, tuple[float, float, float]] = {}
 
     def _decayed(self, count: float, at: float, now: float) -> float:
         return count * math.exp(-self.rate * (now - at)) if now > at else count
@@ -53,33 +53,42 @@ class Served:
 
     def add(self, tenant: str, tokens: float, now: float) -> None:
         self._counts[tenant] = (self.of(tenant, now) + tokens, now)
-        sent, floor, at = self._unsent.get(tenant, (0.0, 0.0, now))
-        self._unsent[tenant] = (self._decayed(sent, at, now) + tokens, floor, now)
+        sent, floor = self._pending(tenant, now)
+        self._unsent[tenant] = (sent + tokens, floor, now)
 
     def lift(self, tenant: str, floor: float, now: float) -> None:
         """The tenant's count at least `floor`."""
         if self.of(tenant, now) < floor:
             self._counts[tenant] = (floor, now)
-            sent, _, at = self._unsent.get(tenant, (0.0, 0.0, now))
-            self._unsent[tenant] = (self._decayed(sent, at, now), floor, now)
+            sent, lifted = self._pending(tenant, now)
+            self._unsent[tenant] = (sent, max(floor, lifted), now)
+
+    def _pending(self, tenant: str, now: float) -> tuple[float, float]:
+        """What the tenant's batch holds (tokens, floor), decayed to `now`."""
+        found = self._unsent.get(tenant)
+        if found is None:
+            return 0.0, 0.0
+        sent, floor, at = found
+        return self._decayed(sent, at, now), self._decayed(floor, at, now)
 
     def batch(self, now: float) -> list[tuple[str, float, float]]:
         """What this replica added since its last batch (tenant, tokens, floor), taken."""
-        unsent, self._unsent = self._unsent, {}
-        return [(t, self._decayed(sent, at, now), floor) for t, (sent, floor, at) in unsent.items()]
+        out = [(tenant, *self._pending(tenant, now)) for tenant in self._unsent]
+        self._unsent = {}
+        return out
 
     def unsend(self, batch: list[tuple[str, float, float]], now: float) -> None:
         """A batch that did not reach Redis, for the next one."""
         for tenant, tokens, floor in batch:
-            sent, lifted, at = self._unsent.get(tenant, (0.0, 0.0, now))
-            self._unsent[tenant] = (self._decayed(sent, at, now) + tokens, max(floor, lifted), now)
+            sent, lifted = self._pending(tenant, now)
+            self._unsent[tenant] = (sent + tokens, max(floor, lifted), now)
 
     def merge(self, shared: dict[str, float], now: float) -> None:
         """Every replica's counts (a batch's answer), with what this one added since."""
         counts = {t: (c, now) for t, c in shared.items()}
-        for tenant, (sent, floor, at) in self._unsent.items():
-            base = max(shared.get(tenant, 0.0), floor)
-            counts[tenant] = (base + self._decayed(sent, at, now), now)
+        for tenant in self._unsent:
+            sent, floor = self._pending(tenant, now)
+            counts[tenant] = (max(shared.get(tenant, 0.0), floor) + sent, now)
         self._counts = counts
 
     def forget(self, keep: set[str]) -> None:

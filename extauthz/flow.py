@@ -48,6 +48,9 @@ from router.types import PodId
 DRAIN_SAMPLES = 64  # dispatches per model the drain rate is measured over
 UNKNOWN_DRAIN_S = 5  # retry-after when no dispatch was measured yet
 MAX_RETRY_S = 60
+# Below its fair share in service means below this share of the mean: a tenant back from idle
+# starts level with the least served, and a hair's difference must not decide the headroom.
+SERVICE_BELOW = 0.9
 
 
 def _went(w: Waiter) -> bool:
@@ -260,7 +263,8 @@ class FlowControl:
             mine = self.served.of(tenant, now)
             if tenant not in active:  # a newcomer
                 tenants, served = tenants + 1, served + mine
-            return self.holds.of(model, tenant) < found.total / tenants or mine < served / tenants
+            fair_seats, fair_service = found.total / tenants, served / tenants
+            return self.holds.of(model, tenant) < fair_seats or mine < fair_service * SERVICE_BELOW
 
         return below
 

@@ -69,6 +69,10 @@ class FleetSettings(Strict):
     # that requests arrived since the one before (running + waiting grew by more than the
     # requests that finished): that many of the oldest picks made before it are seen.
     dispatch_lag: float = Field(default=0.1, ge=0)
+    # An outcome reaches the router at most this long after its request ended (Envoy's
+    # router_log_flush, 20 ms, and the way): one that arrives sooner after a scrape may be shown
+    # by it already, and frees no seat before the next (else that seat counts twice).
+    outcome_lag: float = Field(default=0.03, ge=0)
     # The pods' vLLM --api-key, sent with every scrape: /v1/models needs it (/metrics does not).
     pod_api_key: Secret | None = None
 
@@ -160,11 +164,10 @@ class Fleet:
 
     def ended(self, pod: PodId) -> None:
         """A request this pod ran has ended (its outcome): its seat is free before the next
-        scrape shows it. One whose end that scrape already showed counts twice until the one
-        after (a seat given out once too often, which the pod's own queue takes)."""
-        ended = self._ended.get(pod)
-        if ended is not None:
-            ended.append(self.clock())
+        scrape shows it, unless the latest scrape may show it already (`outcome_lag`)."""
+        ended, snap, now = self._ended.get(pod), self.snapshots.get(pod), self.clock()
+        if ended is not None and snap is not None and snap.at < now - self.settings.outcome_lag:
+            ended.append(now)
 
     def report(self, pod: PodId, status: int) -> None:
         """A reply of a known pod, for its health."""

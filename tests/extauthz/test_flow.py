@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import pytest
@@ -299,22 +300,31 @@ async def test_an_outcome_frees_a_hold_and_wakes_the_queue() -> None:
 
 async def test_an_outcome_frees_its_seat_before_the_next_scrape_shows_it() -> None:
     router = lifecycle(capacity=1)
+    lag = router.fleet.settings.outcome_lag
     flow = FlowControl(FlowSettings(), router)
     client = Client(router, flow)
-    first = client.send(client.waiter("a"))
-    assert isinstance(await asyncio.wait_for(first, 5), float)
-    scrape(router, running=1)  # it runs
-    second = client.send(client.waiter("b"))
-    await settle()
-    assert not second.done()
-    router.ended("a-1", POD, 200)  # its outcome, before any scrape shows the seat free
-    assert isinstance(await asyncio.wait_for(second, 5), float)
-    assert client.order == ["a", "b"]
-    assert flow.free_for(MODEL, "c") is None  # b took the seat
-    scrape(router, running=1)  # the scrape that shows a's end and b's start: one seat, taken
-    assert flow.free_for(MODEL, "c") is None
-    scrape(router, running=0, requests_served=2)  # b ended too
-    assert flow.free_for(MODEL, "c") == {POD}
+    for tenant in "ab":
+        first = client.send(client.waiter(tenant))
+        assert isinstance(await asyncio.wait_for(first, 5), float)
+        scrape(router, running=1)  # it runs
+        after = client.waiter("next")
+        waiting = client.send(after)
+        await settle()
+        assert not waiting.done()
+        if tenant == "a":  # its outcome just after a scrape, which may have shown its end
+            router.ended("a-1", POD, 200)
+            await settle()
+            assert not waiting.done()  # no seat until the next scrape
+            scrape(router, running=0)
+        else:  # its outcome later than any scrape that started before its end
+            router.fleet.clock = partial(float, router.fleet.clock() + lag + 0.01)
+            router.ended("b-3", POD, 200)
+        assert isinstance(await asyncio.wait_for(waiting, 5), float)
+        assert flow.free_for(MODEL, "c") is None  # the waiter took the seat
+        assert after.request_id is not None
+        router.ended(after.request_id, POD, 200)  # and is done
+        scrape(router, running=0)
+    assert client.order == ["a", "next", "b", "next"]
 
 
 def test_a_band_that_was_empty_cannot_claim_the_turns_it_missed() -> None:
