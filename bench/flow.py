@@ -1,14 +1,21 @@
 """Flow control's isolation benchmark: queue off against queue on, one run, one table.
 
-Two stacks in turn (`LLMGW_EXTAUTHZ__FLOW__ENABLED` false, then true), each on `--pods`
-simulated pods of `--seats` seats (the sim's --max-num-seqs and the router's fleet capacity), at
-`--time-scale`, small enough that this machine saturates them. Each stack runs the same phases,
-every request a distinct stream (a random first block: no prefix-cache hits), answers exactly
-`max_tokens` long (ignore_eos), closed loops unless said otherwise:
+Two stacks, both up for the whole run (`LLMGW_EXTAUTHZ__FLOW__ENABLED` false in one, true in the
+other), each on `--pods` simulated pods of `--seats` seats (the sim's --max-num-seqs and the
+router's fleet capacity), at `--time-scale`, small enough that this machine saturates them. Only
+one stack has load at a time; the other idles meanwhile (its services' few % of CPU at rest, as
+printed last). Each stack runs the same phases, every request a distinct stream (a random first
+block: no prefix-cache hits), answers exactly `max_tokens` long (ignore_eos), closed loops unless
+said otherwise:
 
-- steady: the fleet NOT saturated: `--steady-rate` short streams a second (open loop) for
-  `--steady-seconds`; CPU seconds of extauthz (the check, with the limiter and router inside) and
-  of Envoy, each with its threads and children, divided by the requests.
+- steady: the fleet NOT saturated: `--steady-rate` short streams a second (open loop); CPU
+  seconds of extauthz (the check, with the limiter and router inside) and of Envoy, each with its
+  threads and children, divided by the requests. The one phase where the arms take turns:
+  `--steady-rounds` rounds of `--steady-seconds` s per arm, in ABBA order (off on, on off, off
+  on, ...), so that the machine's drift (other work on a shared box, a minute apart between two
+  arms run one after the other: on/off ratios of 0.86 to 1.39 for the same work) weighs on both
+  arms alike. CPU and requests are summed per arm over its rounds, the on/off ratio taken of the
+  sums; the spread of the ratios of each round's pair (min to max) shows the noise left.
 - alone: the light tenant (`--light` streams) and the priority tenant (platinum, priority 9,
   `--light` streams) without the flood: their baseline TTFT (a few seats of many: neither waits
   for the other).
@@ -19,15 +26,19 @@ every request a distinct stream (a random first block: no prefix-cache hits), an
   prompts `--long-factor` times longer; Jain's index of their tokens served (prompt + output;
   output only too) over `--window` s after `--ramp` s.
 
+The steady rounds come first (after each stack's warm-up and CPU at rest); then the other phases,
+every one of the off arm's, then the on arm's.
+
 Tokens served: per request, its output tokens as they stream within the phase's window and its
 prompt's (from usage) if its first token came within it: requests cut at a window's end count
 what they got. 5xx answers other than shedding (503 `overloaded`) are counted over every phase.
-Also printed: each phase's tenants in detail, how many seats the pods ran (sampled), the
-services' CPU at rest, and, with the queue on, extauthz's flow metrics per phase: dispatches at
-once or through the queue (queued="true": it found others waiting or no seat, however briefly
-it then waited) and the queue-wait histogram per priority band.
+Also printed: the steady rounds one by one, each phase's tenants in detail, how many seats the
+pods ran (sampled), the services' CPU at rest, and, with the queue on, extauthz's flow metrics per
+phase: dispatches at once or through the queue (queued="true": it found others waiting or no
+seat, however briefly it then waited) and the queue-wait histogram per priority band.
 
     python -m bench.flow [--pods 2] [--seats 8] [--time-scale 0.5] [--window 15] [--flood 48]
+                         [--steady-rounds 6] [--steady-seconds 4]
 """
 
 from __future__ import annotations
@@ -79,6 +90,9 @@ LOAD_TIMEOUT_S = 10.0  # extauthz has the new tenants
 SAMPLE_EVERY_S = 0.5  # the pods' running and waiting gauges
 SHED = (503, "overloaded")
 IDLE_S = 2.0  # the services' CPU without load, before the phases
+# After a steady round's last answer: its access-log entries (flushed every 20 ms to the router,
+# every 200 ms to Envoy's file) are handled within the round, counted in its arm.
+SETTLE_S = 0.5
 
 
 def tenant_id(name: str) -> str:
@@ -453,10 +467,13 @@ class Run:
     def group(self, tenant: str, concurrency: int, prompt: int, out: int) -> Group:
         return Group(tenant, self.keys[tenant], concurrency, prompt, out)
 
-    async def measured(self, name: str, body: Callable[[Phase], Awaitable[None]]) -> Phase:
-        """The phase's load (`body`), with the stack's metrics, CPU and seats around it."""
+    async def measured(
+        self, name: str, body: Callable[[Phase], Awaitable[None]]
+    ) -> dict[str, float]:
+        """The phase's load (`body`), with the stack's metrics, CPU and seats around it; a phase
+        measured again (a steady round) adds to what it has. Returns this time's CPU seconds."""
         await self.drain()
-        phase = Phase(name)
+        phase = self.phases.setdefault(name, Phase(name))
         flow0, cpu0, client0 = self.flow(), cpu_seconds(self.roots), time.process_time()
         start = time.perf_counter()
         sampler = asyncio.create_task(self.sample(phase))
@@ -464,13 +481,15 @@ class Run:
             await body(phase)
         finally:
             await cancel([sampler])
-        phase.wall_s = time.perf_counter() - start
-        cpu = cpu_seconds(self.roots)
-        phase.cpu_s = {k: cpu[k] - cpu0[k] for k in cpu0}
-        phase.client_cpu_s = time.process_time() - client0
-        phase.flow = delta(self.flow(), flow0)
-        self.phases[name] = phase
-        return phase
+        phase.wall_s += time.perf_counter() - start
+        cpu1 = cpu_seconds(self.roots)
+        cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+        for k, v in cpu.items():
+            phase.cpu_s[k] = phase.cpu_s.get(k, 0.0) + v
+        phase.client_cpu_s += time.process_time() - client0
+        for sample, v in delta(self.flow(), flow0).items():
+            phase.flow[sample] = phase.flow.get(sample, 0.0) + v
+        return cpu
 
     def flow(self) -> Samples:
         return {k: v for k, v in scrape(self.stack.metrics["extauthz"]).items() if "flow" in k[0]}
@@ -506,11 +525,24 @@ class Run:
             *(self.client.loop(self.short(t, 2), stop, Window(now, stop), out) for t in TENANTS)
         )
 
+    async def rest(self) -> None:
+        """The services' CPU without load (the other stack idle too)."""
+        cpu0 = cpu_seconds(self.roots)
+        await asyncio.sleep(IDLE_S)
+        self.idle_cpu = {k: (v - cpu0[k]) / IDLE_S for k, v in cpu_seconds(self.roots).items()}
+
+    async def steady_round(self) -> Round:
+        """One round of the steady phase: its requests, the CPU they cost."""
+        before = len(self.phases["steady"].outcomes) if "steady" in self.phases else 0
+        cpu = await self.measured("steady", self.steady)
+        return Round(len(self.phases["steady"].outcomes) - before, cpu)
+
     async def steady(self, phase: Phase) -> None:
         a = self.args
-        phase.window_s = a.steady_seconds
+        phase.window_s += a.steady_seconds
         g = self.short("steady", 1)
         await self.client.paced(g, a.steady_rate, a.steady_seconds, phase.outcomes)
+        await asyncio.sleep(SETTLE_S)
 
     async def alone(self, phase: Phase) -> None:
         a = self.args
@@ -561,28 +593,58 @@ class Run:
         finally:
             await cancel(loops)  # the streams under way end at the window's end
 
-    async def all(self) -> dict[str, Phase]:
-        await self.warm()
-        await self.drain()
-        cpu0 = cpu_seconds(self.roots)
-        await asyncio.sleep(IDLE_S)
-        self.idle_cpu = {k: (v - cpu0[k]) / IDLE_S for k, v in cpu_seconds(self.roots).items()}
-        bodies = {
-            "steady": self.steady,
-            "alone": self.alone,
-            "flood": self.flood,
-            "fairness": self.fairness,
-        }
+    async def rest_of_phases(self) -> None:
+        """Every phase but steady's, one after the other."""
+        bodies = {"alone": self.alone, "flood": self.flood, "fairness": self.fairness}
         for name in PHASES:
-            await self.measured(name, bodies[name])
-        return self.phases
+            if name in bodies:
+                await self.measured(name, bodies[name])
 
 
-def run_arm(
-    arm: str, args: argparse.Namespace, root: Path
-) -> tuple[dict[str, Phase], dict[str, float]]:
-    """The arm's phases, and its services' CPU at rest (seconds a second)."""
-    tiers = root / "tiers.yaml"
+@dataclass(frozen=True)
+class Round:
+    """One arm's turn in one steady round."""
+
+    requests: int
+    cpu_s: dict[str, float]  # extauthz, envoy
+
+    def ms(self, process: str) -> float:
+        """CPU ms per request."""
+        return 1e3 * ratio(self.cpu_s[process], self.requests)
+
+
+async def interleaved(runs: dict[str, Run], rounds: int) -> dict[str, list[Round]]:
+    """The steady phase, the arms taking turns: round r runs off then on if r is even, else on
+    then off (ABBA): a drift of the machine's speed over the rounds weighs on both arms alike."""
+    out: dict[str, list[Round]] = {arm: [] for arm in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for arm in order:
+            out[arm].append(await runs[arm].steady_round())
+    return out
+
+
+async def bench(
+    runs: dict[str, Run], args: argparse.Namespace, started: float
+) -> dict[str, list[Round]]:
+    """Both stacks up; one stack's load at a time. Returns the steady rounds per arm."""
+    for run in runs.values():
+        await run.warm()
+        await run.drain()
+        await run.rest()
+    rounds = await interleaved(runs, args.steady_rounds)
+    print(f"steady rounds: done at {time.monotonic() - started:.0f} s", flush=True)
+    for arm, run in runs.items():
+        await run.rest_of_phases()
+        print(f"queue {arm}: done at {time.monotonic() - started:.0f} s", flush=True)
+    return rounds
+
+
+@contextlib.contextmanager
+def arm_stack(arm: str, args: argparse.Namespace, root: Path) -> Iterator[Run]:
+    """The arm's stack with the benchmark's tenants, up until the block ends (stopped however it
+    ends)."""
+    tiers = root / f"tiers-{arm}.yaml"
     tiers.write_text(tiers_yaml())
     settings = StackSettings(
         listen=Address(port=0),
@@ -597,9 +659,7 @@ def run_arm(
     with contextlib.ExitStack() as running:
         with environ(env):  # only the services started here see it
             stack = running.enter_context(Stack(settings, root / arm))
-        keys = add_tenants(stack)
-        run = Run(stack, args, keys)
-        return uvloop.run(run.all()), run.idle_cpu
+        yield Run(stack, args, add_tenants(stack))
 
 
 # The report.
@@ -623,7 +683,13 @@ class Row:
     fmt: str = "{:.2f}"
 
 
-def rows(arms: dict[str, dict[str, Phase]]) -> list[Row]:
+def pair_ratios(rounds: dict[str, list[Round]], process: str) -> list[float]:
+    """Each steady round's on/off ratio of CPU per request."""
+    pairs = zip(rounds["off"], rounds["on"], strict=True)
+    return [ratio(on.ms(process), off.ms(process)) for off, on in pairs]
+
+
+def rows(arms: dict[str, dict[str, Phase]], rounds: dict[str, list[Round]]) -> list[Row]:
     def per_arm(f: Callable[[dict[str, Phase]], float]) -> tuple[float, float]:
         return f(arms["off"]), f(arms["on"])
 
@@ -665,23 +731,51 @@ def rows(arms: dict[str, dict[str, Phase]]) -> list[Row]:
     for process in ("extauthz", "envoy"):
         ms = per_arm(cpu_ms(process))
         r = ratio(ms[1], ms[0])
+        pairs = pair_ratios(rounds, process)
+        spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
         out.append(Row(f"{process} CPU ms/request (steady)", *ms, "-", None, "{:.3f}"))
         out.append(
-            Row(f"{process} CPU/request, on / off", None, r, "0.95-1.05", abs(r - 1) <= 0.05,
-                "{:.3f}")
+            Row(f"{process} CPU/request, on / off (round pairs {spread})", None, r, "0.95-1.05",
+                abs(r - 1) <= 0.05, "{:.3f}")
         )  # fmt: skip
     return out
 
 
-def table(arms: dict[str, dict[str, Phase]]) -> str:
+def table(arms: dict[str, dict[str, Phase]], rounds: dict[str, list[Round]]) -> str:
     lines = ["| metric | off | on | target | met |", "|---|---|---|---|---|"]
-    for r in rows(arms):
+    for r in rows(arms, rounds):
         met = "-" if r.met is None else ("yes" if r.met else "**no**")
         off = "-" if r.off is None else r.fmt.format(r.off)
         lines.append(f"| {r.metric} | {off} | {r.fmt.format(r.on)} | {r.target} | {met} |")
     lines.append("")
     lines.append("`met` judges the `on` column (the queue); the ratios are each arm against its")
-    lines.append("own `alone` phase; CPU ratios divide `on` by `off`.")
+    lines.append("own `alone` phase; CPU ratios divide `on` by `off`, summed over the steady")
+    lines.append("rounds; in brackets, the lowest and highest ratio of one round's pair.")
+    return "\n".join(lines)
+
+
+def rounds_table(rounds: dict[str, list[Round]]) -> str:
+    """Each steady round: both arms' CPU ms per request and their ratio."""
+    lines = [
+        "| round | order | extauthz off | extauthz on | on / off | envoy off | envoy on | "
+        "on / off | requests off / on |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, (off, on) in enumerate(zip(rounds["off"], rounds["on"], strict=True)):
+        cells = [str(i + 1), " ".join(ARMS if i % 2 == 0 else reversed(ARMS))]
+        for process in ("extauthz", "envoy"):
+            a, b = off.ms(process), on.ms(process)
+            cells += [f"{a:.3f}", f"{b:.3f}", f"{ratio(b, a):.3f}"]
+        cells.append(f"{off.requests} / {on.requests}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for process in ("extauthz", "envoy"):
+        pairs = pair_ratios(rounds, process)
+        if pairs:
+            lines.append(
+                f"- {process}: on / off per round pair: min {min(pairs):.3f}, median "
+                f"{statistics.median(pairs):.3f}, max {max(pairs):.3f}"
+            )
     return "\n".join(lines)
 
 
@@ -815,34 +909,43 @@ def main() -> None:
     add("--long-factor", type=int, default=10, help="the long fair tenant's prompts: x longer")
     add("--fair-tokens", type=int, default=128, help="both fair tenants' output tokens")
     add("--steady-rate", type=float, default=40.0, help="steady: requests per second")
-    add("--steady-seconds", type=float, default=10.0)
+    add("--steady-rounds", type=int, default=6, help="steady: rounds, each arm in turn")
+    add("--steady-seconds", type=float, default=4.0, help="steady: seconds per round per arm")
     add("--seed", type=int, default=1)
     args = parser.parse_args()
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     )
+    if args.steady_rounds < 1:
+        parser.error("--steady-rounds: at least 1")
     started = time.monotonic()
-    arms: dict[str, dict[str, Phase]] = {}
-    idle: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for arm in ARMS:
-            arms[arm], idle[arm] = run_arm(arm, args, Path(tmp))
-            print(f"queue {arm}: done at {time.monotonic() - started:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stacks:
+        runs = {arm: stacks.enter_context(arm_stack(arm, args, Path(tmp))) for arm in ARMS}
+        print(f"both stacks up at {time.monotonic() - started:.0f} s", flush=True)
+        rounds = uvloop.run(bench(runs, args, started))
+    arms = {arm: run.phases for arm, run in runs.items()}
+    idle = {arm: run.idle_cpu for arm, run in runs.items()}
     print(
         f"\nflow: {args.pods} pods x {args.seats} seats, time-scale {args.time_scale}; flood "
         f"{args.flood} x ({args.flood_prompt} in, {args.flood_tokens} out), light and priority "
         f"{args.light} each x ({args.short_prompt} in, {args.short_tokens} out), fairness "
         f"{args.fair} + {args.fair} x ({args.fair_prompt} or {args.fair_prompt * args.long_factor}"
-        f" in, {args.fair_tokens} out), steady {args.steady_rate:g}/s; windows {args.window:g} s\n"
+        f" in, {args.fair_tokens} out), steady {args.steady_rate:g}/s, {args.steady_rounds} "
+        f"rounds of {args.steady_seconds:g} s per arm (ABBA); windows {args.window:g} s\n"
     )
-    print(table(arms))
+    print(table(arms, rounds))
+    print(
+        f"\nSteady rounds (CPU ms/request; both stacks up, one loaded at a time; "
+        f"{args.steady_rate:g}/s for {args.steady_seconds:g} s per arm and round):\n"
+    )
+    print(rounds_table(rounds))
     print("\nTokens served per phase (prompt + output within the window; out: output only):\n")
     print(throughput(arms))
     print("\nPer tenant (ms; q: the gateway's x-llmgw-queue-ms; tokens within the window):\n")
     print(details(arms))
     print("\nextauthz flow metrics, queue on:\n")
     print(flow_report(arms["on"]))
-    print(f"\nCPU at rest ({IDLE_S:g} s without load, before the phases):")
+    print(f"\nCPU at rest ({IDLE_S:g} s without load, both stacks up, before the phases):")
     for arm, cpu in idle.items():
         print(
             f"  queue {arm}: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in sorted(cpu.items()))
