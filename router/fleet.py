@@ -69,9 +69,9 @@ class FleetSettings(Strict):
     # that requests arrived since the one before (running + waiting grew by more than the
     # requests that finished): that many of the oldest picks made before it are seen.
     dispatch_lag: float = Field(default=0.1, ge=0)
-    # An outcome reaches the router at most this long after its request ended (Envoy's
-    # router_log_flush, 20 ms, and the way): one that arrives sooner after a scrape may be shown
-    # by it already, and frees no seat before the next (else that seat counts twice).
+    # An outcome that does not say when its request ended (ext_proc's) reaches the router at
+    # most this long after: one that arrives sooner after a scrape may be shown by it already,
+    # and frees no seat before the next (else that seat counts twice).
     outcome_lag: float = Field(default=0.03, ge=0)
     # The pods' vLLM --api-key, sent with every scrape: /v1/models needs it (/metrics does not).
     pod_api_key: Secret | None = None
@@ -162,12 +162,16 @@ class Fleet:
         found, ended = self._unseen.get(pod), self._ended.get(pod)
         return (0 if found is None else len(found)) - (0 if ended is None else len(ended))
 
-    def ended(self, pod: PodId) -> None:
-        """A request this pod ran has ended (its outcome): its seat is free before the next
-        scrape shows it, unless the latest scrape may show it already (`outcome_lag`)."""
+    def ended(self, pod: PodId, at: float | None = None) -> None:
+        """A request this pod ran has ended (its outcome), `at` then on this clock (None: not
+        known): its seat is free until a scrape that started later shows it. A scrape that
+        started after the end shows it already; without `at`, one that started within
+        `outcome_lag` before the outcome arrived may."""
         ended, snap, now = self._ended.get(pod), self.snapshots.get(pod), self.clock()
-        if ended is not None and snap is not None and snap.at < now - self.settings.outcome_lag:
-            ended.append(now)
+        if at is None:
+            at = now - self.settings.outcome_lag
+        if ended is not None and snap is not None and snap.at < at:
+            ended.append(min(at, now))
 
     def report(self, pod: PodId, status: int) -> None:
         """A reply of a known pod, for its health."""

@@ -115,16 +115,18 @@ class Lifecycle:
         answered: PodId | None,
         status: int,
         picked: PodId | None = None,
+        at: float | None = None,
     ) -> None:
         """How a request ended: `answered` by that pod (None: by none, e.g. refused before any
         pod) with `status` (0: unknown). Its hold is released: by request ID, or the `picked`
         pod's when the adapter that saw the pick end held it without one. The picked pod's
         health learns how it did, a request Envoy retried on another pod counting as a 503 of
         the picked one; and a pod that answered with a 2xx learns the request, as the pick's
-        observers would have (`hold`)."""
+        observers would have (`hold`). `at`: when its last byte left the pod (on the fleet's
+        clock), if known."""
         held = self.fleet.finish(request_id) if request_id else None
         if held is not None and answered is not None:  # it ran there: its seat is free now
-            self.fleet.ended(held)
+            self.fleet.ended(held, at)
         if request_id:
             for listener in self.end_listeners:
                 listener(request_id)

@@ -4,6 +4,7 @@ adapter picks: ext_proc (`python -m router`) or extauthz."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,17 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from router.lifecycle import Lifecycle
 from router.types import PodId
+
+
+def ended_at(entry: accesslog_pb2.HTTPAccessLogEntry, wall_to_clock: float) -> float | None:
+    """When Envoy received the pod's last byte, on the clock `wall_to_clock` converts Envoy's
+    wall clock to (added to it); None: the entry does not say (no upstream answer)."""
+    common = entry.common_properties
+    if not common.HasField("time_to_last_upstream_rx_byte") or not common.HasField("start_time"):
+        return None
+    start: float = common.start_time.ToNanoseconds() / 1e9
+    took: float = common.time_to_last_upstream_rx_byte.ToNanoseconds() / 1e9
+    return start + took + wall_to_clock
 
 
 def answered_by(entry: accesslog_pb2.HTTPAccessLogEntry) -> PodId | None:
@@ -33,8 +45,17 @@ class OutcomeService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mis
         request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
+        fleet = self.lifecycle.fleet
         async for message in request_iterator:
+            # Envoy's times are its host's wall clock: on the fleet's (monotonic) clock, as far
+            # as the two hosts' clocks agree.
+            wall_to_clock = fleet.clock() - time.time()
             for entry in message.http_logs.log_entry:
                 status = entry.response.response_code.value
-                self.lifecycle.ended(entry.request.request_id, answered_by(entry), status)
+                self.lifecycle.ended(
+                    entry.request.request_id,
+                    answered_by(entry),
+                    status,
+                    at=ended_at(entry, wall_to_clock),
+                )
         return als_pb2.StreamAccessLogsResponse()

@@ -327,6 +327,27 @@ async def test_an_outcome_frees_its_seat_before_the_next_scrape_shows_it() -> No
     assert client.order == ["a", "next", "b", "next"]
 
 
+async def test_an_outcome_that_says_when_it_ended_frees_its_seat_unless_a_scrape_showed_it() -> (
+    None
+):
+    router = lifecycle(capacity=1)
+    flow = FlowControl(FlowSettings(), router)
+    client = Client(router, flow)
+    first = client.send(client.waiter("a"))
+    assert isinstance(await asyncio.wait_for(first, 5), float)
+    ended = router.fleet.clock()  # a's last byte left the pod
+    scrape(router, running=0)  # a scrape that started after: it shows the seat free
+    second = client.send(client.waiter("b"))
+    assert isinstance(await asyncio.wait_for(second, 5), float)  # b took it
+    late = router.fleet.clock() + router.fleet.settings.outcome_lag + 0.01
+    router.fleet.clock = partial(float, late)
+    router.ended("a-1", POD, 200, at=ended)  # a's outcome, late: not a second free seat
+    assert flow.free_for(MODEL, "c") is None
+    scrape(router, running=1)
+    router.ended("b-2", POD, 200, at=late + 0.001)  # b ended after that scrape
+    assert flow.free_for(MODEL, "c") == {POD}
+
+
 def test_a_band_that_was_empty_cannot_claim_the_turns_it_missed() -> None:
     queue = ModelQueue(float)
     loop = asyncio.new_event_loop()

@@ -6,8 +6,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
 
-from router.collectors import scrape
+from router.collectors import outcomes, scrape
 from router.collectors.resolver import Resolver
 from router.collectors.scrape import parse_metrics
 from router.collectors.scraper import Scraper
@@ -155,3 +156,13 @@ async def test_one_pods_unreadable_page_stops_no_scrape(
     async with aiohttp.ClientSession() as session:
         await scraper.scrape_once(session)
     assert {p: s.ok for p, s in fleet.snapshots.items()} == {a.pod: True, b.pod: False, c.pod: True}
+
+
+def test_an_outcome_says_when_the_pods_last_byte_arrived_on_the_fleets_clock() -> None:
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    assert outcomes.ended_at(entry, 0.0) is None  # no answer from a pod: not known
+    common = entry.common_properties
+    common.start_time.FromNanoseconds(1_700_000_000_250_000_000)
+    common.time_to_last_upstream_rx_byte.FromMilliseconds(1500)
+    found = outcomes.ended_at(entry, -1_699_999_000.0)  # Envoy's wall clock → the fleet's
+    assert found == pytest.approx(1001.75)
