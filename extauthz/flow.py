@@ -17,9 +17,10 @@ between admit and pick (extauthz/director.py).
 - No pod usable (every pod serving the model down or erroring): nothing to wait for; requests
   go on as without flow control, to the router's pick or Envoy's fallback.
 - Wake-ups: an outcome of a request this replica picked (the router's access log, batched
-  every router_log_flush, 20 ms: its seat is free at once) and a scrape stored (every
-  scrape_interval, each replica scrapes every pod: anyone's seats) are when seats free; a pick
-  holds its seat on top of the scrapes until one shows it arrived (router/fleet.py `unseen`).
+  every router_log_flush, 20 ms: its seat is free at once, unless a scrape that started after
+  its last byte left the pod shows it already) and a scrape stored (every scrape_interval, each
+  replica scrapes every pod: anyone's seats) are when seats free; a pick holds its seat on top
+  of the scrapes until one shows it arrived (router/fleet.py `unseen`, `ended`).
 
 Per replica: each replica queues and counts holds alone; seats are the fleet's, read from the
 same scrapes by all, so replicas that dispatch into the same free seat within one scrape interval
