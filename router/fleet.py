@@ -101,7 +101,7 @@ class Fleet:
         self.contexts = Contexts()
         # Each pod's picks made too recently for its latest scrape to show (pick times).
         self._unseen: dict[PodId, deque[float]] = {}
-        # Each pod's requests whose outcome arrived after its latest scrape (arrival times).
+        # Each pod's requests that ended after its latest scrape started (their end times).
         self._ended: dict[PodId, deque[float]] = {}
         # Told the pod of every scrape stored (flow control: seats may have freed).
         self.listeners: list[Callable[[PodId], None]] = []
@@ -145,8 +145,8 @@ class Fleet:
                 unseen.popleft()
                 arrived -= 1
             ended = self._ended[pod]
-            while ended and ended[0] < snap.at:  # this scrape shows them
-                ended.popleft()
+            if ended:  # those that ended before this scrape started: it shows them
+                self._ended[pod] = deque(t for t in ended if t >= snap.at)
         metrics.PICKABLE.labels(pod).set(1.0 if self.pickable(pod, self.clock()) else 0.0)
         for listener in self.listeners:
             listener(pod)
@@ -168,9 +168,12 @@ class Fleet:
         started after the end shows it already; without `at`, one that started within
         `outcome_lag` before the outcome arrived may."""
         ended, snap, now = self._ended.get(pod), self.snapshots.get(pod), self.clock()
+        if ended is None or snap is None or not snap.ok:
+            return
         if at is None:
             at = now - self.settings.outcome_lag
-        if ended is not None and snap is not None and snap.at < at:
+        # At most a pod's seats (its scrapes may stop while it still answers).
+        if snap.at < at and len(ended) < self.capacity_of(pod):
             ended.append(min(at, now))
 
     def report(self, pod: PodId, status: int) -> None:

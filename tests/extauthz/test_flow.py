@@ -348,6 +348,17 @@ async def test_an_outcome_that_says_when_it_ended_frees_its_seat_unless_a_scrape
     assert flow.free_for(MODEL, "c") == {POD}
 
 
+def test_outcomes_free_at_most_a_pods_seats_between_scrapes() -> None:
+    router = lifecycle(capacity=2)
+    scrape(router, running=2)
+    for i in range(100):  # outcomes whose scrapes never come (its /metrics broke)
+        router.fleet.acquire(POD, f"r{i}")
+        router.ended(f"r{i}", POD, 200, at=router.fleet.clock() + 1)
+    assert router.fleet.unseen(POD) == 100 - 2
+    scrape(router, running=0)
+    assert seats(router.fleet, Bounds(), MODEL).free == {POD: 2}
+
+
 def test_a_band_that_was_empty_cannot_claim_the_turns_it_missed() -> None:
     queue = ModelQueue(float)
     loop = asyncio.new_event_loop()
