@@ -66,6 +66,7 @@ import numpy as np
 import uvloop
 
 from bench.cpu import cpu_seconds
+from bench.loadgen import Head
 from extauthz import tenants
 from extauthz.types import Tenant, TenantsFile
 from llmgw import wire
@@ -234,23 +235,14 @@ class Conn:
         """Send one request, fill `o` as the answer comes; False: the connection is done."""
         o.start = time.perf_counter()
         self.writer.write(request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        o.status = int(head[9:12])
-        length, chunked, keep = -1, False, True
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            name, value = name.strip().lower(), value.strip()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                chunked = True
-            elif name == b"connection" and b"close" in value.lower():
-                keep = False
-            elif name == wire.HEADER_QUEUE_MS.encode():
-                with contextlib.suppress(ValueError):
-                    o.queue_ms = float(value)
+        head = await Head.read(self.reader)
+        o.status, length, keep = head.status, head.length, head.keep
+        queue_ms = head.headers.get(wire.HEADER_QUEUE_MS.encode())
+        if queue_ms is not None:
+            with contextlib.suppress(ValueError):
+                o.queue_ms = float(queue_ms)
         body = bytearray()
-        if chunked:
+        if head.chunked:
             while True:
                 size = int((await self.reader.readline()).split(b";", 1)[0], 16)
                 if size == 0:

@@ -59,6 +59,34 @@ class Samples:
         return self.count - self.statuses.get(200, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class Head:
+    """An HTTP/1.1 response's head, as the load generators read it."""
+
+    status: int
+    length: int  # -1: none (chunked, or to the connection's close)
+    chunked: bool
+    keep: bool  # the connection may carry another request
+    headers: dict[bytes, bytes]  # lower-case names
+
+    @classmethod
+    async def read(cls, reader: asyncio.StreamReader) -> Head:
+        raw = await reader.readuntil(b"\r\n\r\n")
+        headers: dict[bytes, bytes] = {}
+        for line in raw.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name:
+                headers[name.strip().lower()] = value.strip()
+        length = headers.get(b"content-length")
+        return cls(
+            int(raw[9:12]),
+            int(length) if length is not None else -1,
+            b"chunked" in headers.get(b"transfer-encoding", b"").lower(),
+            b"close" not in headers.get(b"connection", b"").lower(),
+            headers,
+        )
+
+
 class Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -76,20 +104,10 @@ class Conn:
         """(status, seconds to first content, seconds to the end, connection still usable)."""
         start = time.perf_counter()
         self.writer.write(request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        length, chunked, keep = -1, False, True
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                chunked = True
-            elif name == b"connection" and b"close" in value.lower():
-                keep = False
+        head = await Head.read(self.reader)
+        status, length, keep = head.status, head.length, head.keep
         first = 0.0
-        if chunked:
+        if head.chunked:
             while True:
                 size = int((await self.reader.readline()).split(b";", 1)[0], 16)
                 if size == 0:
