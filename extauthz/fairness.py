@@ -91,11 +91,6 @@ class Served:
             counts[tenant] = (max(shared.get(tenant, 0.0), floor) + sent, now)
         self._counts = counts
 
-    def forget(self, keep: set[str]) -> None:
-        """Only the tenants in `keep` (those the tenants file still has) remembered."""
-        for tenant in [t for t in self._counts if t not in keep]:
-            del self._counts[tenant]
-
 
 class Sharing:
     """`served` merged with every replica's through Redis, every `interval_s`."""
