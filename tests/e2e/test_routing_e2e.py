@@ -62,7 +62,10 @@ def upstreams(stack: Stack, request_ids: list[str]) -> list[str]:
     found: dict[str, str] = {}
     for _ in range(100):
         if stack.access_log.exists():
-            for line in stack.access_log.read_text().splitlines():
+            # Whole lines only: Envoy may be writing the last one as it is read.
+            for line in stack.access_log.read_text().splitlines(keepends=True):
+                if not line.endswith("\n"):
+                    break
                 entry = json.loads(line)
                 found[entry["request_id"]] = entry["upstream"]
         if all(r in found for r in request_ids):

@@ -12,6 +12,7 @@ import hashlib
 import http.client
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,18 +67,25 @@ def noise(seed: str, chars: int) -> str:
 @contextmanager
 def streaming(stack: Stack, key: str, max_tokens: int) -> Iterator[http.client.HTTPResponse]:
     """A stream through the gateway that never stops by itself (vLLM's ignore_eos), its headers
-    read; leaving the block hangs up, finished or not."""
-    conn = http.client.HTTPConnection(stack.listen.host, stack.listen.port, timeout=120)
-    try:
-        body = {"model": model(stack), "messages": HI, "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
-        reply = conn.getresponse()
-        assert reply.status == 200, reply.read()
-        yield reply
-    finally:
-        conn.close()
+    read; leaving the block hangs up, finished or not. A check shed on a busy machine (503
+    `overloaded`, the gateway's answer to overload, not what these tests look at) is sent again
+    after its retry-after, at most five times."""
+    body = {"model": model(stack), "messages": HI, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    for attempt in range(5):
+        conn = http.client.HTTPConnection(stack.listen.host, stack.listen.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+            reply = conn.getresponse()
+            if reply.status == 503 and b'"overloaded"' in (text := reply.read()) and attempt < 4:
+                time.sleep(float(reply.headers.get("retry-after", "1")))
+                continue
+            assert reply.status == 200, text if reply.status == 503 else reply.read()
+            yield reply
+            return
+        finally:
+            conn.close()
 
 
 def events(reply: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
