@@ -1,13 +1,13 @@
 """Flow control's isolation benchmark: queue off against queue on, one run, one table.
 
 Two stacks, both up for the whole run (`LLMGW_EXTAUTHZ__FLOW__ENABLED` false in one, true in the
-other; the one without the queue as the gateway was before it, Envoy flushing the router's outcomes
-every 0.2 s, not 20 ms), each on `--pods` simulated pods of `--seats` seats (the sim's
---max-num-seqs and the router's fleet capacity), at `--time-scale`, small enough that this machine
-saturates them. Only one stack has load at a time; the other idles meanwhile (its services' few % of
-CPU at rest, as printed last). Each stack runs the same phases, every request a distinct stream (a
-random first block: no prefix-cache hits), answers exactly `max_tokens` long (ignore_eos), closed
-loops unless said otherwise:
+other; the one without the queue as the gateway was before it: no request asks for its outcome at
+once, so Envoy batches them all every 0.2 s), each on `--pods` simulated pods of `--seats` seats
+(the sim's --max-num-seqs and the router's fleet capacity), at `--time-scale`, small enough that
+this machine saturates them. Only one stack has load at a time; the other idles meanwhile (its
+services' few % of CPU at rest, as printed last). Each stack runs the same phases, every request a
+distinct stream (a random first block: no prefix-cache hits), answers exactly `max_tokens` long
+(ignore_eos), closed loops unless said otherwise:
 
 - steady: the fleet NOT saturated: `--steady-rate` short streams a second (open loop); CPU
   seconds of extauthz (the check, with the limiter and router inside) and of Envoy, each with its
@@ -644,9 +644,6 @@ def arm_stack(arm: str, args: argparse.Namespace, root: Path) -> Iterator[Run]:
         pods=args.pods,
         sim_args=("--time-scale", str(args.time_scale), "--max-num-seqs", str(args.seats)),
         tiers_file=tiers,
-        # The queue off is the gateway as it was: the router's outcomes flushed every 0.2 s
-        # (the queue frees seats by them, every 20 ms).
-        router_log_flush=None if ARMS[arm] else "0.2s",
     )
     env = {
         "LLMGW_EXTAUTHZ__FLOW__ENABLED": str(ARMS[arm]).lower(),

@@ -107,11 +107,14 @@ def picked(answer: Answer, pods: tuple[PodId, ...]) -> None:
     answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pods)
 
 
-def queued(answer: Answer, waited_s: float) -> None:
-    """The wait in flow control's queue, to the client and the ledger (0: none)."""
+def queued(answer: Answer, waited_s: float, soon: bool) -> None:
+    """The wait in flow control's queue, to the client and the ledger (0: none); `soon`: the
+    request's outcome wanted at once (Envoy's prompt router log)."""
     ms = round(waited_s * 1000)
     answer.client_headers.append((wire.HEADER_QUEUE_MS, str(ms)))
     answer.metadata[wire.META_QUEUE_MS] = float(ms)
+    if soon:
+        answer.metadata[wire.META_OUTCOME_SOON] = True
 
 
 _QUEUE_REFUSALS = {

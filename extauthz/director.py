@@ -263,10 +263,10 @@ class Director:
         tokens = request.facts.token_estimate
         free = flow.free_for(model, context.tenant)
         if free is not None:
-            answer = await self.go(router, request, free)
+            answer = await self.go(router, request, free.pods)
             if answer.allowed:
                 flow.dispatched(model, band, context.tenant, context.request_id, tokens)
-                self.queued(answer, 0.0)
+                self.queued(answer, 0.0, free.soon)
             return answer
         if self.limiter is not None:
             await self.admit(self.limiter, request)
@@ -291,12 +291,12 @@ class Director:
                 refused = queue_refused(
                     request.allow, request.verdict, waited.code, waited.retry_after_s
                 )
-                self.queued(refused, time.monotonic() - waiter.at)  # the ledger releases it
+                self.queued(refused, time.monotonic() - waiter.at, False)  # the ledger releases it
                 return refused
             answer = self.answer(request)
             if answer.allowed:
                 self.hold(router, request, answer)
-                self.queued(answer, waited)
+                self.queued(answer, waited, True)
             return answer
         except asyncio.CancelledError:
             self.release(request)
@@ -319,8 +319,8 @@ class Director:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    def queued(self, answer: Answer, waited_s: float) -> None:
-        queued(answer, waited_s)
+    def queued(self, answer: Answer, waited_s: float, soon: bool) -> None:
+        queued(answer, waited_s, soon)
         if self.tracing:
             trace.get_current_span().set_attribute("llmgw.queue_ms", round(waited_s * 1000))
 

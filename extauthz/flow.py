@@ -16,11 +16,13 @@ between admit and pick (extauthz/director.py).
   429 `queue_timeout` / `queue_full`, with a retry-after from the model's measured drain rate.
 - No pod usable (every pod serving the model down or erroring): nothing to wait for; requests
   go on as without flow control, to the router's pick or Envoy's fallback.
-- Wake-ups: an outcome of a request this replica picked (the router's access log, batched
-  every router_log_flush, 20 ms: its seat is free at once, unless a scrape that started after
-  its last byte left the pod shows it already) and a scrape stored (every scrape_interval, each
-  replica scrapes every pod: anyone's seats) are when seats free; a pick holds its seat on top
-  of the scrapes until one shows it arrived (router/fleet.py `unseen`, `ended`).
+- Wake-ups: an outcome of a request this replica picked (the router's access log: its seat is
+  free at once, unless a scrape that started after its last byte left the pod shows it already;
+  batched every 20 ms for a request dispatched from the queue or into a fleet whose seats were
+  taken from `outcome_soon_from` on, else with the rest every 0.2 s: `Free.soon`) and a scrape
+  stored (every scrape_interval, each replica scrapes every pod: anyone's seats) are when seats
+  free; a pick holds its seat on top of the scrapes until one shows it arrived (router/fleet.py
+  `unseen`, `ended`).
 
 Per replica: each replica queues and counts holds alone; seats are the fleet's, read from the
 same scrapes by all, so replicas that dispatch into the same free seat within one scrape interval
@@ -57,6 +59,16 @@ SERVICE_BELOW = 0.9
 def _went(w: Waiter) -> bool:
     """Dispatched, though its wait ended (its deadline, its client) before it saw it."""
     return w.dispatched.done() and not w.dispatched.cancelled()
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Where a request may go at once: the pods with a seat free for it (empty: no pod is usable,
+    and it goes on as without flow control), and whether its outcome is wanted at once (the
+    model's seats are taken from `outcome_soon_from` on)."""
+
+    pods: frozenset[PodId]
+    soon: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,21 +141,20 @@ class FlowControl:
 
     # The director's view.
 
-    def free_for(self, model: str, tenant: str) -> frozenset[PodId] | None:
-        """The pods with a seat free for the tenant's request now (empty: no pod serving the
-        model is usable, every one down or erroring, and the request goes on as without flow
-        control); None: it must wait (nobody may go before those waiting, and no seat is free
-        for it)."""
+    def free_for(self, model: str, tenant: str) -> Free | None:
+        """Where the tenant's request may go now; None: it must wait (nobody may go before those
+        waiting, and no seat is free for it)."""
         queue = self.queues.get(model)
         if queue is not None and queue.length:
             return None
         found = self._seats(model)
         if not found.total:  # no pod usable: not for the queue to wait out (Envoy's fallback)
-            return frozenset()
+            return Free(frozenset(), soon=False)
         metrics.saturated(self._label(model)).set(0.0 if found.free else 1.0)
         if not found.free or not self._headroom(model, found)(tenant):
             return None
-        return frozenset(found.free)
+        taken = found.total - found.free_total + 1
+        return Free(frozenset(found.free), taken >= self.settings.outcome_soon_from * found.total)
 
     def dispatched(self, model: str, band: int, tenant: str, request_id: str, tokens: int) -> None:
         """A request that went at once: its tenant's service and hold."""

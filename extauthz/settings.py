@@ -164,6 +164,12 @@ class FlowSettings(Strict):
     # How often a replica merges its service counts with the others' in Redis (with the rate
     # limiter in this process; else each replica counts its own).
     share_interval_s: float = Field(default=1.0, gt=0)
+    # The share of a model's seats taken (this dispatch's included) from which a dispatch asks
+    # Envoy for its outcome at once (its router_log_flush, 20 ms) rather than batched with the
+    # rest (0.2 s): a late outcome only delays its seat's reuse, which matters once seats may run
+    # out, and each prompt batch costs this process a gRPC message (bench/flow.py's steady CPU).
+    # A request dispatched from the queue always asks.
+    outcome_soon_from: float = Field(default=0.5, ge=0, le=1)
 
 
 class Settings(Strict):

@@ -94,6 +94,7 @@ FLAGS = frozenset(
         wire.META_FIRST_TURN,
         wire.META_DECIDED,
         wire.META_CIRCUIT_OPEN,
+        wire.META_OUTCOME_SOON,
     }
 )
 STRINGS = frozenset(

@@ -139,6 +139,14 @@ META_STATUS = "status"
 META_OUTPUT_CAP = "output_cap"
 # The same wait in extauthz's metadata (a number, ms), for the ledger's `queue_ms` column.
 META_QUEUE_MS = "queue_ms"
+# true on a request whose outcome flow control wants at once (extauthz/flow.py `Free.soon`):
+# Envoy's router access log for these flushes every router_log_flush (20 ms), the other one, for
+# the rest, every log_flush (0.2 s) (envoy/envoy.yaml.j2); the value is not read, only its
+# presence (over HTTP it arrives as the string "true").
+META_OUTCOME_SOON = "outcome_soon"
+# The router's two access logs (their log_name), each a stream to the outcome feed.
+ROUTER_LOG = "router"
+ROUTER_LOG_SOON = "router_soon"
 # A response's token usage, written by Envoy on the way out and read from the access log by the
 # ledger: the pod's usage object (sse_to_metadata, json_to_metadata) when it arrived, and the
 # count of content events that reached the client (envoy/usage.lua) for streams cut short.

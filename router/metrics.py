@@ -24,6 +24,12 @@ PLUGIN_SECONDS = Histogram(
     buckets=_FAST,
 )
 SCRAPE_AGE = Gauge("llmgw_router_scrape_age_seconds", "Age of the last good scrape", ["pod"])
+OUTCOMES = Counter(
+    "llmgw_router_outcomes_total",
+    "Outcomes from Envoy's router access logs, by feed: soon (flushed every 20 ms, the requests "
+    "flow control wants at once) or batched (every 0.2 s)",
+    ["feed"],
+)
 SCRAPE_ERRORS = Counter("llmgw_router_scrape_errors_total", "Failed scrapes", ["pod"])
 IN_FLIGHT = Gauge("llmgw_router_in_flight", "Requests picked and not finished", ["pod"])
 SPEED = Gauge("llmgw_router_pod_speed", "Decode speed relative to the fastest pod", ["pod"])

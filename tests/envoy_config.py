@@ -31,6 +31,24 @@ def grpc_loggers(config: Config) -> dict[str, str]:
     }
 
 
+def soon_filters(config: Config) -> dict[str, bool]:
+    """Each router access log's name → whether it takes only the entries marked outcome_soon
+    (else only the others): each entry goes to exactly one."""
+    out = {}
+    for log in _manager(config)["access_log"]:
+        name = log["typed_config"].get("common_config", {}).get("log_name", "")
+        if not name.startswith("router"):
+            continue
+        found = log["filter"]["metadata_filter"]
+        assert found["matcher"]["filter"] == "envoy.filters.http.ext_authz"
+        assert found["matcher"]["path"] == [{"key": "outcome_soon"}]
+        only = found["matcher"]["value"] == {"present_match": True}
+        assert found["match_if_key_not_found"] is not only
+        assert only or found["matcher"]["value"] == {"null_match": {}}
+        out[name] = only
+    return out
+
+
 def pick_sources(config: Config) -> list[Any]:
     """Where the pods cluster's override_host policy reads the pick."""
     pods = next(c for c in config["static_resources"]["clusters"] if c["name"] == "pods")

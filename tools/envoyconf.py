@@ -123,7 +123,8 @@ class Services(Strict):
     ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
     log_flush: str = "0.2s"  # access-log batches to the ledger, at least this often
-    # The router's, sooner: an ended request frees its seat for flow control's queue when its
+    # The router's, sooner, for the requests flow control wants the outcome of at once (seats may
+    # run out: wire.META_OUTCOME_SOON): an ended request frees its seat for the queue when its
     # entry arrives, before the next scrape shows it (router/fleet.py `ended`).
     router_log_flush: str = "0.02s"
     # Entries Envoy holds per logger and worker while the service reads slower than it logs (a

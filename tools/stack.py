@@ -87,9 +87,6 @@ class StackSettings(Strict):
     # run in its state directory: only Envoy reports outcomes. Off only to measure what it costs.
     tls: bool = True
     envoy: EnvoySettings = EnvoySettings()
-    # How often Envoy flushes the router's access-log batches (tools/envoyconf.py Services);
-    # None: its default. Only to measure what a faster flush costs (bench/flow.py).
-    router_log_flush: str | None = None
     start_timeout: float = 60.0
 
     @model_validator(mode="before")
@@ -333,11 +330,6 @@ class Stack:
                 "topology": topology,
                 "extauthz_http": http,
                 "routed": "router" in names,
-                **(
-                    {"router_log_flush": self.settings.router_log_flush}
-                    if self.settings.router_log_flush
-                    else {}
-                ),
             }
         )
         for name in held:  # their metrics are served by the process that holds them

@@ -12,6 +12,8 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from llmgw import wire
+from router import metrics
 from router.lifecycle import Lifecycle
 from router.types import PodId
 
@@ -46,11 +48,17 @@ class OutcomeService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mis
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         fleet = self.lifecycle.fleet
+        feed = None
         async for message in request_iterator:
+            if feed is None:  # a stream's first message names its log
+                soon = message.identifier.log_name == wire.ROUTER_LOG_SOON
+                feed = metrics.OUTCOMES.labels("soon" if soon else "batched")
+            entries = message.http_logs.log_entry
+            feed.inc(len(entries))
             # Envoy's times are its host's wall clock: on the fleet's (monotonic) clock, as far
             # as the two hosts' clocks agree.
             wall_to_clock = fleet.clock() - time.time()
-            for entry in message.http_logs.log_entry:
+            for entry in entries:
                 status = entry.response.response_code.value
                 self.lifecycle.ended(
                     entry.request.request_id,

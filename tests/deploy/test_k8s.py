@@ -127,7 +127,8 @@ def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_pa
     assert "router" not in {c["name"] for c in config["static_resources"]["clusters"]}
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
-    assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
+    loggers = {"ledger": "ledger", "router": "extauthz", "router_soon": "extauthz"}
+    assert grpc_loggers(config) == loggers
     check_admin_private(config)
     # Every cluster but the admin (Envoy's own loopback) names a Service of the manifests.
     services = {d["metadata"]["name"]: d for d in docs() if d["kind"] == "Service"}

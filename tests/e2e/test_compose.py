@@ -233,7 +233,8 @@ def test_compose_envoy_config_is_current_has_every_filter_and_validates(
     # pick ended) goes to extauthz, which holds the router.
     sources = pick_sources(config)
     assert [src["metadata"]["key"] for src in sources] == [wire.EXTAUTHZ_NAMESPACE]
-    assert grpc_loggers(config) == {"ledger": "ledger", "router": "extauthz"}
+    loggers = {"ledger": "ledger", "router": "extauthz", "router_soon": "extauthz"}
+    assert grpc_loggers(config) == loggers
     # Mutual TLS to each of ours, the HTTP check port included; the collector is not ours.
     for name, cluster in clusters.items():
         tls = cluster.get("transport_socket", {}).get("typed_config", {})

@@ -37,6 +37,9 @@ TIERS = (
 ENV = {
     "LLMGW_ROUTER__FLEET__CAPACITY": str(SEATS),
     "LLMGW_EXTAUTHZ__FLOW__TENANT_MAX_QUEUED": str(TENANT_MAX_QUEUED),
+    # Outcomes wanted at once only from the last seat taken on (the default, half, is every
+    # dispatch into two seats): a request into an idle pod has its outcome batched.
+    "LLMGW_EXTAUTHZ__FLOW__OUTCOME_SOON_FROM": "1",
 }
 
 
@@ -264,3 +267,50 @@ def test_a_client_that_hangs_up_while_queued_leaves_the_queue_and_its_reservatio
         held[0].close()  # the freed seat goes to the one still waiting
         finish(stayer)
     assert stayer.status == 200 and stayer.queued_ms() > 0
+
+
+def access_log(stack: Stack) -> list[dict[str, object]]:
+    """Envoy's file access log, whole lines only (Envoy may be writing the last one)."""
+    text = stack.access_log.read_text() if stack.access_log.exists() else ""
+    lines = text.splitlines(keepends=True)
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
+def marked_soon(entry: dict[str, object]) -> bool:
+    authz = entry.get("envoy.filters.http.ext_authz")
+    return isinstance(authz, dict) and wire.META_OUTCOME_SOON in authz
+
+
+def test_outcomes_come_at_once_only_for_requests_dispatched_when_seats_may_run_out(
+    flow_stack: Stack,
+) -> None:
+    """A request into an idle pod is marked for the batched router log (0.2 s), one dispatched
+    from the queue for the prompt one (20 ms); Envoy's two router logs take every request once
+    between them, each its own: the outcome feed's counts per log match the marks of every
+    request in Envoy's file log, this module's other tests' included."""
+    order: list[str] = []
+    alone = Caller(flow_stack, api_key(flow_stack, "free"), "alone", order)
+    alone.run()
+    assert alone.status == 200 and alone.queued_ms() == 0, alone.reply
+    with blockers(flow_stack, api_key(flow_stack, "standard")) as held:
+        waiter = Caller(flow_stack, api_key(flow_stack, "free"), "waiter", order)
+        waiter.start()
+        eventually_queued(flow_stack, 1)
+        held[0].close()
+        finish(waiter)
+    assert waiter.status == 200 and waiter.queued_ms() > 0, waiter.reply
+
+    def feeds() -> tuple[list[dict[str, object]], float, float]:
+        soon = flow_metric(flow_stack, "llmgw_router_outcomes_total", 'feed="soon"')
+        batched = flow_metric(flow_stack, "llmgw_router_outcomes_total", 'feed="batched"')
+        return access_log(flow_stack), soon, batched
+
+    def agree() -> bool:
+        entries, soon, batched = feeds()
+        marked = sum(marked_soon(e) for e in entries)
+        return (soon, batched) == (marked, len(entries) - marked)
+
+    eventually(agree, 20, lambda: f"feeds (soon, batched) and the log disagree: {feeds()[1:]}")
+    by_id = {e["request_id"]: e for e in access_log(flow_stack)}
+    assert not marked_soon(by_id[alone.headers["x-request-id"]])
+    assert marked_soon(by_id[waiter.headers["x-request-id"]])

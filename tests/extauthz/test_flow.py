@@ -79,6 +79,11 @@ class Client:
         return asyncio.get_running_loop().create_task(self.flow.wait(w, MODEL, deadline))
 
 
+def free_pods(flow: FlowControl, tenant: str) -> frozenset[PodId] | None:
+    free = flow.free_for(MODEL, tenant)
+    return None if free is None else free.pods
+
+
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -130,7 +135,8 @@ def test_a_late_scrape_is_unknown_not_saturated_and_bounded_by_its_seats() -> No
 async def test_a_request_goes_at_once_while_a_seat_is_free_and_waits_when_none_is() -> None:
     router = lifecycle(capacity=2)
     flow = FlowControl(FlowSettings(), router)
-    assert flow.free_for(MODEL, "a") == {POD}
+    free = flow.free_for(MODEL, "a")
+    assert free is not None and free.pods == {POD}
     scrape(router, running=2)
     assert flow.free_for(MODEL, "a") is None
     client = Client(router, flow)
@@ -142,6 +148,24 @@ async def test_a_request_goes_at_once_while_a_seat_is_free_and_waits_when_none_i
     waited = await asyncio.wait_for(task, 5)
     assert isinstance(waited, float) and client.order == ["a"] and flow.length == 0
     assert router.fleet.in_flight[POD] == 1
+
+
+def test_a_dispatch_asks_for_its_outcome_at_once_only_once_seats_may_run_out() -> None:
+    """Half of a model's seats taken, this dispatch's included (outcome_soon_from), on: its
+    outcome is wanted at once (Envoy's 20 ms router log); below, batched (0.2 s)."""
+    router = lifecycle(capacity=4, pods=(POD, "10.0.0.2:8000"))  # 8 seats
+    flow = FlowControl(FlowSettings(headroom=0), router)
+    soon = []
+    for running in range(5):
+        scrape(router, running=running)  # the other pod idle
+        free = flow.free_for(MODEL, "a")
+        assert free is not None
+        soon.append(free.soon)
+    assert soon == [False, False, False, True, True]  # 1, 2, 3 of 8 taken; then 4, 5
+    always = FlowControl(FlowSettings(headroom=0, outcome_soon_from=0), router)
+    scrape(router, running=0)
+    free = always.free_for(MODEL, "a")
+    assert free is not None and free.soon
 
 
 async def test_bands_share_dispatches_by_weight_and_none_starves() -> None:
@@ -203,8 +227,8 @@ async def test_the_last_seats_are_kept_for_tenants_below_their_fair_share() -> N
         dispatch("flood", f"g{i}")
     # 2 seats left, the headroom (20 % of 10): not for the flood, above its half share...
     assert flow.free_for(MODEL, "flood") is None
-    assert flow.free_for(MODEL, "light") == {POD}  # ... for those below theirs
-    assert flow.free_for(MODEL, "newcomer") == {POD}
+    assert free_pods(flow, "light") == {POD}  # ... for those below theirs
+    assert free_pods(flow, "newcomer") == {POD}
     for i in range(3):
         flow.ended(f"g{i}")
     assert flow.free_for(MODEL, "flood") is not None  # its outcomes: 4 held, below half
@@ -345,7 +369,7 @@ async def test_an_outcome_that_says_when_it_ended_frees_its_seat_unless_a_scrape
     assert flow.free_for(MODEL, "c") is None
     scrape(router, running=1)
     router.ended("b-2", POD, 200, at=late + 0.001)  # b ended after that scrape
-    assert flow.free_for(MODEL, "c") == {POD}
+    assert free_pods(flow, "c") == {POD}
 
 
 def test_outcomes_free_at_most_a_pods_seats_between_scrapes() -> None:
@@ -394,4 +418,4 @@ async def test_with_no_pod_usable_nothing_waits_for_one() -> None:
     router.fleet.store(PodMetrics(POD, router.fleet.clock() + 1e-6, ok=False))  # down
     assert isinstance(await asyncio.wait_for(waiting, 5), float)
     assert flow.length == 0 and client.order == ["a"]
-    assert flow.free_for(MODEL, "b") == frozenset()
+    assert free_pods(flow, "b") == frozenset()

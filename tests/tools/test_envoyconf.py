@@ -14,7 +14,13 @@ from llmgw.topology import Topology
 from ratelimit import response
 from ratelimit.response import rate_headers
 from ratelimit.types import KindState, Unit, Verdict
-from tests.envoy_config import check_admin_private, grpc_loggers, http_filters, pick_sources
+from tests.envoy_config import (
+    check_admin_private,
+    grpc_loggers,
+    http_filters,
+    pick_sources,
+    soon_filters,
+)
 from tests.http import call
 from tools import cli, envoyconf
 from tools.envoyconf import Address, EnvoySettings
@@ -147,8 +153,11 @@ def test_each_topology_renders_its_shape(
     endpoint = [{"key": "x-gateway-destination-endpoint"}]
     namespace = "envoy.lb" if topology is Topology.EPP else "envoy.filters.http.ext_authz"
     assert pick_sources(config) == [{"metadata": {"key": namespace, "path": endpoint}}]
-    router_log = "router" if topology is Topology.EPP else "extauthz"
-    assert grpc_loggers(config) == {"router": router_log}
+    if topology is Topology.EPP:  # no flow control: every outcome batched
+        assert grpc_loggers(config) == {"router": "router"}
+    else:
+        assert grpc_loggers(config) == {"router": "extauthz", "router_soon": "extauthz"}
+        assert soon_filters(config) == {"router": False, "router_soon": True}
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert {"extauthz", "extauthz_keys"} <= set(clusters)
     assert ("extauthz_http" in clusters) == (topology is Topology.GATEWAY)
