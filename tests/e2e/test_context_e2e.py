@@ -5,8 +5,8 @@ The pods run with `--max-model-len 1200` (as vLLM pods often do, to save memory)
 extauthz: the router reads the context from the pods' /v1/models. The tiers keep their default
 output cap, 4,096, which every pod would refuse above its context (before: 0 of 30 SDK-default
 streams served, by simulated pods and by a real vLLM 0.32 pod alike). Simulated pods, and a real
-vLLM pod where its environment is installed (tools/engine.py; LLMGW_STACK__VLLM__VENV and
-friends choose it, as for tests/sim/test_fidelity.py).
+vLLM pod in the real-vLLM tier (tests/e2e/realpods.py: under `make test` it waits for the
+environment, installed meanwhile; LLMGW_STACK__VLLM__VENV and friends choose it).
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from llmgw.config import load
 from tests.e2e.conftest import FAST_PODS, api_key, stack_settings
+from tests.e2e.realpods import MARKS, vllm_settings_or_skip
 from tests.http import call
-from tools.engine import STAMP
-from tools.stack import Stack, StackSettings
+from tools.stack import Stack
 
 CONTEXT = 1200
 STREAMS = 30
 
 
-@pytest.fixture(scope="module", params=["sim", "vllm"])
+# The real pod with the real-vLLM tier (last: its environment may still be installing).
+@pytest.fixture(scope="module", params=["sim", pytest.param("vllm", marks=MARKS)])
 def short_context_stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
@@ -35,11 +35,8 @@ def short_context_stack(
         update={"sim_args": (*FAST_PODS, "--max-model-len", str(CONTEXT))}
     )
     if request.param == "vllm":
-        vllm = load(StackSettings, None, "LLMGW_STACK").vllm
-        if not (vllm.venv / STAMP).exists():
-            pytest.skip(f"no vLLM environment: {vllm.venv / STAMP} is missing")
         # One pod: a real one takes a core and ~1.25 GB.
-        vllm = vllm.model_copy(update={"max_model_len": CONTEXT})
+        vllm = vllm_settings_or_skip().model_copy(update={"max_model_len": CONTEXT})
         settings = stack_settings(pods=1).model_copy(update={"engine": "vllm", "vllm": vllm})
     with Stack(settings, tmp_path_factory.mktemp("short-context") / "stack") as stack:
         yield stack
