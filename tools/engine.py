@@ -181,6 +181,7 @@ def main() -> int:
     """`python -m tools.engine` (`make vllm`): install the environment and make the model."""
     settings = configured()
     try:
+        ensure_venv(settings)  # also where the model was made before (another environment's)
         model = ensure_model(settings)
     except InstallError as exc:
         print(exc, file=sys.stderr)

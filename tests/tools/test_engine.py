@@ -80,3 +80,22 @@ def test_the_environment_is_the_one_the_stack_reads_from_its_environment() -> No
     settings = engine.configured(environ)
     assert settings.venv == Path("/opt/vllm")
     assert settings == load(StackSettings, None, "LLMGW_STACK", environ).vllm
+
+
+def test_make_vllm_installs_the_environment_where_the_model_exists_already(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model is per checkout and the environment may be shared (VLLM_VENV): a checkout whose
+    model was made with another environment still installs its own, in the background of `make
+    test`, not at the first real pod's start."""
+    models = tmp_path / "models"
+    (models / "tiny-llama").mkdir(parents=True)
+    (models / "tiny-llama" / "config.json").write_text("{}")
+    venv = tmp_path / "venv"
+    script = f"mkdir -p {venv}"
+    monkeypatch.setattr(engine, "install_commands", lambda _: [["sh", "-c", script]])
+    monkeypatch.setattr(
+        engine, "configured", lambda: engine.VllmSettings(venv=venv, models_dir=models)
+    )
+    assert engine.main() == 0
+    assert engine.installed(engine.VllmSettings(venv=venv))
