@@ -22,7 +22,10 @@ between admit and pick (extauthz/director.py).
   taken from `outcome_soon_from` on, else with the rest every 0.2 s: `Free.soon`) and a scrape
   stored (every scrape_interval, each replica scrapes every pod: anyone's seats) are when seats
   free; a pick holds its seat on top of the scrapes until one shows it arrived (router/fleet.py
-  `unseen`, `ended`).
+  `unseen`, `ended`). The mark is decided at dispatch: a stream that began below the mark's
+  bound and ends in a saturated fleet frees its seat by the next scrape (75 ms) or its batch
+  (0.2 s), and so do the checks of a burst into an idle fleet that were decided at once (they
+  saw the same seats).
 
 Per replica: each replica queues and counts holds alone; seats are the fleet's, read from the
 same scrapes by all, so replicas that dispatch into the same free seat within one scrape interval

@@ -45,6 +45,10 @@ def soon_filters(config: Config) -> dict[str, bool]:
         only = found["matcher"]["value"] == {"present_match": True}
         assert found["match_if_key_not_found"] is not only
         assert only or found["matcher"]["value"] == {"null_match": {}}
+        # Those wanted at once flushed at router_log_flush, the rest with the ledger's batches.
+        flush = log["typed_config"]["common_config"]["buffer_flush_interval"]
+        services = envoyconf.Services()
+        assert flush == (services.router_log_flush if only else services.log_flush), name
         out[name] = only
     return out
 

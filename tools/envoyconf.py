@@ -122,7 +122,9 @@ class Services(Strict):
     queued_checks: int = Field(default=1024, ge=0)
     ratelimit_timeout: str = "2s"
     router_timeout: str = "0.2s"  # fail open: Envoy's fallback picks
-    log_flush: str = "0.2s"  # access-log batches to the ledger, at least this often
+    # Access-log batches to the ledger, and to the router those it does not want at once, at
+    # least this often.
+    log_flush: str = "0.2s"
     # The router's, sooner, for the requests flow control wants the outcome of at once (seats may
     # run out: wire.META_OUTCOME_SOON): an ended request frees its seat for the queue when its
     # entry arrives, before the next scrape shows it (router/fleet.py `ended`).
@@ -211,8 +213,10 @@ class UpstreamTls(Strict):
     # of 200 checks on a loaded 2-core box, 162 of 242 connections timed out at 0.25 s; one of
     # 1,000 (flow control lets a connection per check be open) timed out at 1 s under CI's load
     # and three CPU burners here. Past the shed's 1 s, a check that connects late is answered
-    # 503 overloaded by extauthz (a decision, with retry-after), not timed out by Envoy; a
-    # service that is down refuses the connection at once, so this is no slower to notice it.
+    # 503 overloaded by extauthz (a decision, with retry-after), not timed out by Envoy (the
+    # key question's own 2 s ends sooner: 503 overloaded too). A service that is down refuses
+    # the connection at once on loopback or where the network rejects it; where packets to it
+    # are dropped, each new connection waits this long (health checks then mark it down).
     connect_timeout: str = "5s"
 
 

@@ -162,6 +162,10 @@ def test_a_dispatch_asks_for_its_outcome_at_once_only_once_seats_may_run_out() -
         assert free is not None
         soon.append(free.soon)
     assert soon == [False, False, False, True, True]  # 1, 2, 3 of 8 taken; then 4, 5
+    fractional = lifecycle(capacity=1.5, pods=(POD, "10.0.0.2:8000", "10.0.0.3:8000"))
+    assert seats(fractional.fleet, Bounds(), MODEL).total == 3  # whole seats: one a pod
+    free = FlowControl(FlowSettings(headroom=0), fractional).free_for(MODEL, "a")
+    assert free is not None and not free.soon  # 1 of 3 taken: an idle fleet stays batched
     always = FlowControl(FlowSettings(headroom=0, outcome_soon_from=0), router)
     scrape(router, running=0)
     free = always.free_for(MODEL, "a")
