@@ -13,14 +13,18 @@ from extauthz.fairness import Served, Sharing
 from llmgw import wire
 from llmgw.resp import Client, Resp
 
-HALF_LIFE_S = 3600.0  # no decay worth counting within a test
+# No decay worth counting within a test: Redis decays by its own clock, and a busy machine takes
+# seconds between two replicas' batches (at 3,600 s, 5 ms already made 1,000 tokens 999.999).
+HALF_LIFE_S = 1e9
+# Each batch's deadline (the interval is also the Redis call's timeout): a busy machine's.
+INTERVAL_S = 10.0
 NOW = 100.0
 
 
 class Replica:
     def __init__(self, client: Callable[[], Client | None]) -> None:
         self.served = Served(HALF_LIFE_S)
-        self.sharing = Sharing(self.served, client, 1.0, clock=lambda: NOW)
+        self.sharing = Sharing(self.served, client, INTERVAL_S, clock=lambda: NOW)
 
     def of(self, tenant: str) -> float:
         return round(self.served.of(tenant, NOW), 3)
@@ -80,7 +84,7 @@ async def test_a_batch_that_did_not_reach_redis_goes_with_the_next(resp: Resp) -
 
 async def test_counts_decay_in_redis_and_vanish_below_a_token(resp: Resp) -> None:
     fast = Served(0.05)  # half-life 50 ms: a 1,000-token count is below one within 0.5 s
-    sharing = Sharing(fast, lambda: resp, 1.0)
+    sharing = Sharing(fast, lambda: resp, INTERVAL_S)
     fast.add("t", 1000, time.monotonic())
     assert await sharing.share()
     assert await resp.call("HEXISTS", wire.FLOW_SERVED_KEY, "t") == 1
