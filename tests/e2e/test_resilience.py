@@ -16,9 +16,9 @@ from tools.stack import Stack
 
 REQUESTS = 36
 CONCURRENCY = 12
-# Each request in flight for ~2.4 s (600 tokens at time-scale 0.5): the kill finds the victim's
+# Each request in flight for ~1 s (600 tokens at time-scale 0.5): the kill finds the victim's
 # still running however long a busy machine takes between reading its metrics and the SIGKILL
-# (at the suite's 0.05, 0.24 s: once, on a machine running two suites, they had all ended and
+# (at the suite's 0.05, ~0.1 s: once, on a machine running two suites, they had all ended and
 # nothing needed a retry).
 MAX_TOKENS = 600
 SLOW_PODS = ("--time-scale", "0.5")
