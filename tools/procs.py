@@ -11,6 +11,7 @@ EngineCore, 1.2 GB) goes with it, even when the child itself was killed first.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -18,9 +19,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -37,27 +40,47 @@ class StartError(RuntimeError):
 # Listening ports are chosen below the kernel's ephemeral range (Linux: 32768-60999). A port
 # the kernel hands out for bind(0) is free only until the child binds it, and in between any
 # process's outgoing connection may take it as its source port: with a second test suite
-# beside this one, children failed to bind. Below the range, only another listener can.
+# beside this one, children failed to bind. Below the range, only another listener can: another
+# process of ours that chose the same port and has not started its child yet (a second suite's
+# extauthz found its metrics port taken). So each port handed out is leased, across processes,
+# by an flock on a file of its name that this process holds until LEASES later ones (long
+# bound by their children by then, or given up).
 _LISTEN_PORTS = range(20000, 32768)
-_handed_out: set[int] = set()
+_LEASE_DIR = Path(tempfile.gettempdir()) / f"llmgw-ports-{os.getuid()}"
+LEASES = 1024
+_leases: deque[tuple[int, BinaryIO]] = deque()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` nobody listens on, not handed out before by this process."""
+    """A port on `host` nobody listens on, not handed out lately by this process or another."""
     for _ in range(100):  # a bound, not a speed: nearly every try succeeds
         port = random.choice(_LISTEN_PORTS)
-        if port in _handed_out:
+        if not _lease(port):
             continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
-                continue
-        _handed_out.add(port)
+                continue  # leased (as long as its listener lives, nobody else will try it)
         return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _lease(port: int) -> bool:
+    """The port's lease taken by this process; False: this process or another holds it."""
+    _LEASE_DIR.mkdir(exist_ok=True)
+    lease = (_LEASE_DIR / str(port)).open("ab")
+    try:
+        fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not re-entrant: ours is refused too
+    except OSError:
+        lease.close()
+        return False
+    _leases.append((port, lease))
+    if len(_leases) > LEASES:
+        _leases.popleft()[1].close()  # closing the file releases the lock
+    return True
 
 
 def bin_path(name: str) -> str:

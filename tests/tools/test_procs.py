@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.eventually import eventually
+from tools import procs
 from tools.procs import Process, free_port
 
 
@@ -23,6 +26,44 @@ def test_free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice() -
     assert all(p < ephemeral_low for p in ports)
     with socket.socket() as s:  # each is bindable
         s.bind(("127.0.0.1", ports[-1]))
+
+
+# Another process (a second test suite) that leases ports as free_port does, prints them and
+# waits, its children not started yet: nothing listens on them.
+LEASER = """
+import sys
+from tools import procs
+procs.random.seed(int(sys.argv[1]))
+print(" ".join(str(procs.free_port()) for _ in range(300)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_ports_another_process_handed_out_are_never_handed_out_here() -> None:
+    """Until its child binds it, a port another process chose is free to bind: only its lease
+    keeps this process from choosing it too (two suites side by side: a child found its port
+    taken). The same random choices here as there: without the lease, all 300 would repeat."""
+    root = Path(__file__).resolve().parents[2]
+    other = subprocess.Popen(
+        [sys.executable, "-c", LEASER, "7"],
+        cwd=root,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout is not None
+        theirs = set(map(int, other.stdout.readline().split()))
+        assert len(theirs) == 300
+        procs.random.seed(7)
+        ours = {free_port() for _ in range(300)}
+        assert not ours & theirs
+    finally:
+        other.kill()
+        other.wait()
+        for stream in (other.stdin, other.stdout):
+            if stream is not None:
+                stream.close()
 
 
 # A child that forks a grandchild deaf to SIGTERM (as vLLM's API server spawns its EngineCore),
