@@ -10,6 +10,7 @@ EngineCore, 1.2 GB) goes with it, even when the child itself was killed first.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -66,6 +67,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@atexit.register
+def _release_leases() -> None:
+    while _leases:
+        _leases.popleft()[1].close()
 
 
 def _lease(port: int) -> bool:
