@@ -49,7 +49,7 @@ class StartError(RuntimeError):
 _LISTEN_PORTS = range(20000, 32768)
 _LEASE_DIR = Path(tempfile.gettempdir()) / f"llmgw-ports-{os.getuid()}"
 LEASES = 1024
-_leases: deque[tuple[int, BinaryIO]] = deque()
+_leases: deque[BinaryIO] = deque()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,7 +72,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 @atexit.register
 def _release_leases() -> None:
     while _leases:
-        _leases.popleft()[1].close()
+        _leases.popleft().close()
 
 
 def _lease(port: int) -> bool:
@@ -84,9 +84,9 @@ def _lease(port: int) -> bool:
     except OSError:
         lease.close()
         return False
-    _leases.append((port, lease))
+    _leases.append(lease)
     if len(_leases) > LEASES:
-        _leases.popleft()[1].close()  # closing the file releases the lock
+        _leases.popleft().close()  # closing the file releases the lock
     return True
 
 
