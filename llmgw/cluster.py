@@ -118,8 +118,8 @@ class Cluster:
             return reply
         try:
             addr = self._route(args)
-        except RespError as exc:
-            reply.set_exception(exc)
+        except RespError as exc:  # a map refreshed mid-failover may lack the slot: retried
+            self._failed(reply, args, 0, exc)
             return reply
         node = self._nodes.get(addr)
         if node is None or node.closed:

@@ -326,6 +326,16 @@ async def test_a_moved_slot_is_followed(cluster: Cluster, redis_cluster: RedisCl
     assert cluster.node_of(slot) == (HOST, target)
 
 
+async def test_a_slot_missing_from_a_map_read_mid_failover_is_retried(cluster: Cluster) -> None:
+    """CLUSTER SLOTS read during a failover can lack a slot for a moment; a call for it waits
+    for the next map instead of failing (as a CLUSTERDOWN from the node itself does)."""
+    key = tenant_prefix("t-unmapped") + ":n"
+    slot = key_slot(key.encode())
+    cluster._slots[slot] = None
+    assert await cluster.call("INCR", key) == 1
+    assert cluster.node_of(slot) is not None
+
+
 async def test_an_ask_during_a_migration_is_followed(
     cluster: Cluster, redis_cluster: RedisCluster
 ) -> None:
