@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from extauthz.settings import DecisionSettings
-from llmgw import facts
+from llmgw import facts, kvblocks
 from llmgw.facts import RequestFacts
 
 _MODEL_NAME = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: safe as a header value
@@ -35,13 +35,25 @@ class Body:
     # Not yet the tenant's: prefix not hashed, output capped only by the client (`for_tenant`).
     facts: RequestFacts = field(default_factory=RequestFacts)
     prefix_text: str = ""  # the rendered prompt's leading part that the prefix blocks cover
+    # The leading token IDs that the pods' KV blocks cover (where the model has a tokenizer).
+    prefix_tokens: tuple[int, ...] = ()
 
-    def for_tenant(self, cache_group: str, max_blocks: int, max_output: int) -> RequestFacts:
-        """The facts with the prefix hashed for this cache group (tenants' prefixes differ) and
-        the output cap lowered to this tenant's `max_output`."""
-        blocks = facts.block_hashes(self.prefix_text, max_blocks, cache_group)
+    def for_tenant(
+        self, cache_group: str, salt: str, settings: DecisionSettings, max_output: int
+    ) -> RequestFacts:
+        """The facts with the prefix hashed for this cache group (tenants' prefixes differ; the
+        pods' blocks with its `cache_salt`) and the output cap lowered to `max_output`."""
+        blocks = facts.block_hashes(self.prefix_text, settings.max_prefix_blocks, cache_group)
+        hashing = settings.kv_hashing
+        kv = kvblocks.block_hashes(self.prefix_tokens, hashing, salt) if self.prefix_tokens else ()
         cap = min(self.facts.max_output, max_output)
-        return dataclasses.replace(self.facts, prefix_blocks=blocks, max_output=cap)
+        return dataclasses.replace(
+            self.facts,
+            prefix_blocks=blocks,
+            kv_blocks=kv,
+            kv_block_size=hashing.block_size if kv else 0,
+            max_output=cap,
+        )
 
 
 def read(raw: bytes, settings: DecisionSettings) -> Body:
@@ -64,8 +76,10 @@ def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
     name = request.get("model")
     model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
     size = facts.prompt_size(request, settings.chars_per_token, settings.image_tokens)
-    if size.bound <= settings.tokenize_max_bytes:
-        size = dataclasses.replace(size, counted=settings.prompt_count(request, model))
+    prompt = settings.prompt(request, model) if size.bound <= settings.tokenize_max_bytes else None
+    if prompt is not None:
+        size = dataclasses.replace(size, counted=prompt.tokens)
+    kv = settings.kv_hashing
     parsed = facts.from_body(
         request,
         chars_per_token=settings.chars_per_token,
@@ -86,4 +100,5 @@ def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
         completion_cap=request.get("max_completion_tokens") is not None,
         facts=parsed,
         prefix_text=facts.render(request)[: settings.max_prefix_blocks * facts.BLOCK_CHARS],
+        prefix_tokens=prompt.ids[: kv.max_blocks * kv.block_size] if prompt is not None else (),
     )

@@ -184,7 +184,8 @@ class Decider:
         if path != wire.EMBEDDINGS_PATH:
             context = None if read.cap_named else self._context(read.facts.model)
             cap = self.settings.output_cap(tenant, read.facts, context)
-        return read.for_tenant(tenant.cache_group, self.settings.max_prefix_blocks, cap)
+        salt = self.cache_salt(tenant.cache_group)
+        return read.for_tenant(tenant.cache_group, salt, self.settings, cap)
 
     def _context(self, model: str | None) -> int | None:
         """The model's context: the least of the fleet's and the operator's; None: unknown."""

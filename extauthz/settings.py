@@ -11,9 +11,11 @@ from extauthz.types import TenantView
 from llmgw import facts, tokenizer
 from llmgw.config import Strict
 from llmgw.facts import RequestFacts
+from llmgw.kvblocks import KvHashing
 from llmgw.secret import Secret
 from llmgw.serve import ServeSettings
 from llmgw.telemetry import MetricsSettings, TracingSettings
+from llmgw.tokenizer import Prompt
 from llmgw.topology import Topology, pop_deprecated
 
 ENV_PREFIX = "LLMGW_EXTAUTHZ"
@@ -59,6 +61,9 @@ class DecisionSettings(Strict):
     # 576 tokens an image, GPT-4o 765 for 1024×1024, Qwen2-VL ~1,300; set it for the models served.
     image_tokens: int = Field(default=1024, ge=0)
     max_prefix_blocks: int = Field(default=64, ge=0)  # leading 16-token blocks hashed (router)
+    # The pods' prefix-cache block hashing: for a model with a tokenizer, the router looks the
+    # request's blocks up in what the pods' KV events say they hold (router/kvindex.py).
+    kv_hashing: KvHashing = KvHashing()
     # Bodies from this size on are read in a worker process (extauthz/bodypool.py).
     pool_body_bytes: int = Field(default=256 * 1024, ge=1)
     # … and from this size on when a model has a tokenizer: tokenizing costs 0.2-0.5 ms a KiB
@@ -109,9 +114,9 @@ class DecisionSettings(Strict):
             return min(self.pool_body_bytes, self.pool_tokenized_body_bytes)
         return self.pool_body_bytes
 
-    def prompt_count(self, request: dict[str, Any], model: str | None) -> int | None:
-        """The prompt's tokens under the model's tokenizer; None without one (or where it does
-        not count: a template that refuses the messages, a file gone before it ever loaded)."""
+    def prompt(self, request: dict[str, Any], model: str | None) -> Prompt | None:
+        """The prompt under the model's tokenizer; None without one (or where it does not
+        count: a template that refuses the messages, a file gone before it ever loaded)."""
         path = self.tokenizer.get(model) if model is not None else None
         if path is None:
             return None

@@ -85,6 +85,7 @@ NUMBERS = frozenset(
         wire.META_BORROWED_TOKENS,
         wire.META_OUTPUT_CAP,
         wire.META_QUEUE_MS,
+        wire.META_KV_BLOCK_SIZE,
     }
 )
 FLAGS = frozenset(
@@ -109,6 +110,7 @@ STRINGS = frozenset(
         wire.META_TOKEN_PROMPT,
         wire.META_TOKEN_CHOICES,
         wire.META_PREFIX_BLOCKS,
+        wire.META_KV_BLOCKS,
         wire.META_BODY_SUFFIX,
         wire.META_ALLOWED_MODELS,
         wire.DESTINATION_ENDPOINT,

@@ -68,6 +68,10 @@ class RequestFacts:
     prompt_tokens: int = 0  # the tokenizer's count, else the estimate
     prompt_bound: int = 0  # the most tokens the prompt can be (0: unknown, the estimate's)
     prefix_blocks: tuple[int, ...] = ()
+    # The pods' own hashes of the prompt's leading blocks of kv_block_size tokens, as their KV
+    # events publish them (llmgw/kvblocks.py); none where the model has no tokenizer.
+    kv_blocks: tuple[int, ...] = ()
+    kv_block_size: int = 0
     first_turn: bool = False  # a known body with no assistant message: no pod has its KV yet
 
     @property
@@ -96,6 +100,9 @@ class RequestFacts:
             # One format call for all blocks: a join of an f-string each costs twice as much.
             wire.META_PREFIX_BLOCKS: ("%016x" * len(self.prefix_blocks)) % self.prefix_blocks,
         }
+        if self.kv_blocks:
+            meta[wire.META_KV_BLOCKS] = ("%016x" * len(self.kv_blocks)) % self.kv_blocks
+            meta[wire.META_KV_BLOCK_SIZE] = float(self.kv_block_size)
         if self.model is not None:
             meta[wire.META_MODEL] = self.model
         return meta
@@ -105,6 +112,8 @@ class RequestFacts:
         """Tolerant: a missing or mistyped key takes its default (the router fails open)."""
         model = meta.get(wire.META_MODEL)
         blocks = meta.get(wire.META_PREFIX_BLOCKS)
+        kv = meta.get(wire.META_KV_BLOCKS)
+        kv_blocks = _blocks(kv) if isinstance(kv, str) else ()
         return cls(
             model=model if isinstance(model, str) and model else None,
             stream=meta.get(wire.META_STREAM) is True,
@@ -114,6 +123,8 @@ class RequestFacts:
             prompt_tokens=_whole(meta.get(wire.META_PROMPT_ESTIMATE), 0),
             prompt_bound=_whole(meta.get(wire.META_PROMPT_BOUND), 0),
             prefix_blocks=_blocks(blocks) if isinstance(blocks, str) else (),
+            kv_blocks=kv_blocks,
+            kv_block_size=_whole(meta.get(wire.META_KV_BLOCK_SIZE), 0) if kv_blocks else 0,
             first_turn=meta.get(wire.META_FIRST_TURN) is True,
         )
 

@@ -70,42 +70,55 @@ def _environment() -> jinja2.Environment:
 
 
 @dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: int
+    # Its token IDs as the pod sees them, where one prompt is known exactly (chat without images,
+    # one text or token-ID prompt): what its prefix-cache blocks hash (llmgw/kvblocks.py).
+    ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class PromptCounter:
     tokenizer: Tokenizer
     template: jinja2.Template | None
     special: Mapping[str, str]  # bos_token and the like, as the template reads them
 
-    def request(self, request: Mapping[str, Any], image_tokens: int) -> int | None:
-        """The prompt tokens of an OpenAI body (chat `messages`, else `prompt` or `input`: a
-        string, strings, or token IDs, which count themselves); None where the pod would refuse
-        the prompt before counting it (a template that refuses the messages, a lone surrogate,
+    def request(self, request: Mapping[str, Any], image_tokens: int) -> Prompt | None:
+        """The prompt of an OpenAI body (chat `messages`, else `prompt` or `input`: a string,
+        strings, or token IDs, which count themselves); None where the pod would refuse the
+        prompt before counting it (a template that refuses the messages, a lone surrogate,
         which is no UTF-8)."""
         try:
             return self._request(request, image_tokens)
         except (jinja2.TemplateError, TypeError, ValueError):  # UnicodeEncodeError is one
             return None
 
-    def _request(self, request: Mapping[str, Any], image_tokens: int) -> int:
+    def _request(self, request: Mapping[str, Any], image_tokens: int) -> Prompt:
         messages = request.get("messages")
         if isinstance(messages, list):
             return self.chat(messages, request.get("tools"), image_tokens)
-        total = 0
+        prompts: list[Sequence[int]] = []
         for name in ("prompt", "input"):
             value = request.get(name)
+            if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+                prompts.append(value)
+                continue
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, str):
-                    total += self.text(item)
+                    prompts.append(self.text(item).ids)
                 elif isinstance(item, int):
-                    total += 1
+                    prompts.append([item])
                 elif isinstance(item, list):  # a batch of token-ID prompts
-                    total += sum(1 for t in item if isinstance(t, int))
-        return total
+                    prompts.append([t for t in item if isinstance(t, int)])
+        total = sum(map(len, prompts))
+        return Prompt(total, tuple(prompts[0]) if len(prompts) == 1 else ())
 
-    def text(self, prompt: str) -> int:
+    def text(self, prompt: str) -> Prompt:
         """A completion's prompt: the special tokens its tokenizer adds included."""
-        return len(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+        return Prompt(len(ids), tuple(ids))
 
-    def chat(self, messages: Sequence[Any], tools: object = None, image_tokens: int = 0) -> int:
+    def chat(self, messages: Sequence[Any], tools: object = None, image_tokens: int = 0) -> Prompt:
         """A chat request's prompt; raises TemplateError where the template refuses it (vLLM
         then refuses the request)."""
         conversation, images = _conversation(messages)
@@ -114,7 +127,7 @@ class PromptCounter:
             texts += [json.dumps(m["tool_calls"]) for m in conversation if m.get("tool_calls")]
             texts += [json.dumps(tools)] if tools else []
             tokens = MESSAGE_TOKENS * (len(conversation) + 1) + sum(map(self._plain, texts))
-            return tokens + images * image_tokens
+            return Prompt(tokens + images * image_tokens)
         rendered = self.template.render(
             messages=conversation,
             tools=tools if isinstance(tools, list) and tools else None,
@@ -122,7 +135,9 @@ class PromptCounter:
             add_generation_prompt=True,
             **self.special,
         )
-        return self._plain(rendered) + images * image_tokens
+        ids = self.tokenizer.encode(rendered, add_special_tokens=False).ids if rendered else []
+        # An image's tokens sit inside the prompt: the IDs past it are not the pod's.
+        return Prompt(len(ids) + images * image_tokens, () if images else tuple(ids))
 
     def _plain(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else 0

@@ -57,6 +57,8 @@ META_CHOICES = "n"
 META_MAX_OUTPUT = "max_output"
 META_FIRST_TURN = "first_turn"
 META_PREFIX_BLOCKS = "prefix_blocks"
+META_KV_BLOCKS = "kv_blocks"  # the pods' block hashes (llmgw/kvblocks.py), hex as prefix_blocks
+META_KV_BLOCK_SIZE = "kv_block_size"
 # JSON members Envoy appends to the request body's object (envoy/rewrite.lua): the gateway's own
 # values for fields the pod reads (`"cache_salt": "…"`, the output cap `"max_tokens": N`), after
 # the client's.

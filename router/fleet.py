@@ -24,6 +24,7 @@ from router import metrics
 from router.capacity import Capacity
 from router.contexts import Contexts
 from router.health import Health
+from router.kvindex import KvIndex
 from router.speed import Speeds
 from router.types import Candidate, PodId, PodMetrics
 
@@ -38,6 +39,37 @@ def split_hostport(target: str) -> tuple[str, int]:
 class DnsTarget(Strict):
     name: str
     port: int
+
+
+class KvEndpoint(Strict):
+    publish: str  # a ZMQ address: tcp://host:port, ipc:///path
+    replay: str | None = None
+
+
+class KvEventSettings(Strict):
+    """Where the pods publish their KV events (vLLM's `--kv-events-config`; the router connects,
+    the pods bind): on every pod's own host at `port` (and `replay_port`), as in Kubernetes and
+    compose, or per pod ID at `endpoints` (a local stack's pods, each on paths of its own)."""
+
+    port: int | None = Field(default=None, ge=1, le=65535)
+    replay_port: int | None = Field(default=None, ge=1, le=65535)
+    endpoints: dict[str, KvEndpoint] = Field(default_factory=dict)
+    topic: str = ""
+    # How long a replay of missed batches may take; past it the pod's entries are dropped.
+    replay_timeout: float = Field(default=1.0, gt=0)
+    # A pod reporting more blocks than this is forgotten (no pod's cache is that large).
+    max_blocks_per_pod: int = Field(default=1 << 22, ge=1)
+    # The most bytes one message may have (a batch of 10,000 stored blocks is ~2 MB).
+    max_message_bytes: int = Field(default=64 << 20, ge=1024)
+
+    def endpoint(self, pod: str) -> KvEndpoint | None:
+        found = self.endpoints.get(pod)
+        if found is not None or self.port is None:
+            return found
+        host, _ = split_hostport(pod)
+        host = f"[{host}]" if ":" in host else host
+        replay = None if self.replay_port is None else f"tcp://{host}:{self.replay_port}"
+        return KvEndpoint(publish=f"tcp://{host}:{self.port}", replay=replay)
 
 
 class FleetSettings(Strict):
@@ -75,6 +107,8 @@ class FleetSettings(Strict):
     outcome_lag: float = Field(default=0.03, ge=0)
     # The pods' vLLM --api-key, sent with every scrape: /v1/models needs it (/metrics does not).
     pod_api_key: Secret | None = None
+    # The pods' KV events (router/collectors/kvevents.py); None: the approximate map only.
+    kv_events: KvEventSettings | None = None
 
     @field_validator("pods")
     @classmethod
@@ -91,6 +125,8 @@ class Fleet:
         self.settings = settings
         self.clock = clock
         self.snapshots: dict[PodId, PodMetrics] = {}
+        cap = settings.kv_events.max_blocks_per_pod if settings.kv_events else 1
+        self.kv = KvIndex(cap)  # what each pod's KV events say it holds
         self.in_flight: dict[PodId, int] = {}
         self._flights: OrderedDict[str, tuple[PodId, float]] = OrderedDict()  # by request ID
         self.health = Health(settings.error_threshold, settings.error_cooldown)
@@ -117,6 +153,7 @@ class Fleet:
             self.capacity.forget(pod)
             self.speeds.forget(pod)
             self.contexts.forget(pod)
+            self.kv.drop(pod)
         for pod in wanted - set(self.snapshots):
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0

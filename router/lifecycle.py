@@ -74,6 +74,8 @@ class Lifecycle:
         flight at once, so that the choices made meanwhile see it; then `hold` or `give_back`.
         None: no pod."""
         candidates = self.fleet.candidates()
+        if req.kv_blocks:
+            self.fleet.kv.annotate(req.kv_blocks, req.kv_block_size, candidates)
         if subset is not None:
             candidates = [c for c in candidates if c.pod in subset]
         result = (

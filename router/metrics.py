@@ -39,6 +39,13 @@ MODEL_CONTEXT = Gauge(
     "Each served model's context: the least max_model_len of the pods serving it",
     ["model"],
 )
+KV_BATCHES = Counter(
+    "llmgw_router_kv_event_batches_total",
+    "KV-event batches from the pods, by result: applied, replayed (after a gap), malformed, "
+    "lost (a gap no replay filled: the pod's entries dropped), disconnected (entries dropped)",
+    ["result"],
+)
+KV_BLOCKS = Gauge("llmgw_router_kv_blocks", "Distinct KV blocks the pods' events say they hold")
 FLEET_LOAD = Gauge("llmgw_router_fleet_load", "Fleet load published for quota borrowing")
 
 # Looked up once per label set (the hot path's updates).

@@ -33,6 +33,8 @@ def from_context(
         session=context.session or None,
         request_id=request_id or context.request_id or None,
         prefix_blocks=facts.prefix_blocks,
+        kv_blocks=facts.kv_blocks,
+        kv_block_size=facts.kv_block_size,
         prompt_tokens=facts.prompt_tokens,
         first_turn=facts.first_turn,
     )

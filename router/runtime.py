@@ -18,6 +18,7 @@ from opentelemetry import trace
 
 from llmgw.link import RedisLink
 from router import publisher
+from router.collectors import kvevents
 from router.collectors.outcomes import OutcomeService
 from router.collectors.resolver import Resolver
 from router.collectors.scraper import Scraper
@@ -49,6 +50,7 @@ class Router(Lifecycle):
         self._tasks = [
             asyncio.create_task(resolver.run()),
             asyncio.create_task(Scraper(self.fleet).run()),
+            asyncio.create_task(kvevents.run(self.fleet)),
         ]
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(publisher.run(self.fleet, self.redis)))

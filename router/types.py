@@ -59,6 +59,9 @@ class Candidate:
     queue: float
     load: float  # (running + in flight) / capacity
     speed: float = 1.0
+    # The request's leading KV blocks the pod holds, per its KV events (router/kvindex.py);
+    # None: the pod publishes none in the request's block size (the approximate map decides).
+    kv_held: int | None = None
 
     @classmethod
     def of(
@@ -92,6 +95,10 @@ class PickRequest:
     request_id: str | None = None
     prefix_blocks: tuple[int, ...] = field(default=())  # chained hashes of the leading blocks
     prompt_tokens: int = 0  # the whole prompt (estimate): its KV is more than the hashed blocks
+    # The pods' own hashes of its leading blocks of kv_block_size tokens (llmgw/kvblocks.py):
+    # looked up in what each pod's KV events say it holds (router/kvindex.py).
+    kv_blocks: tuple[int, ...] = field(default=())
+    kv_block_size: int = 0
     # The body is known and carries no earlier turn (no assistant message): no pod holds this
     # session's KV yet, so session affinity has nothing to keep.
     first_turn: bool = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -78,6 +79,18 @@ def parser() -> argparse.ArgumentParser:
         "as that model's pods count them (default: 4 characters a token)",
     )
     p.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=["sha256", "sha256_cbor"],
+        help="how a tokenized prompt's blocks are hashed, as vLLM's flag (seeded by "
+        "PYTHONHASHSEED where set, as vLLM's)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        type=json.loads,
+        help='vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"} publishes the KV-cache events over ZMQ',
+    )
+    p.add_argument(
         "--api-key",
         help="/v1/* needs `Authorization: Bearer KEY`, as vLLM's --api-key (default: "
         f"${API_KEY_ENV}; prefer it: a flag shows in ps)",
@@ -92,6 +105,7 @@ def settings_from(argv: list[str]) -> SimSettings:
     base = load(SimSettings, path, ENV_PREFIX)
     if args["api_key"] is None:
         args["api_key"] = os.environ.get(API_KEY_ENV) or None
+    args["hash_seed"] = os.environ.get("PYTHONHASHSEED")
     flags: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
     return validate(SimSettings, base.model_dump() | flags, "flags")
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from sim.kvcache import BlockPool
+from llmgw import kvblocks, kvevents
+from llmgw.kvblocks import KvHashing
+from sim.kvcache import BlockPool, kv_events
 from sim.metrics import Stats
 from sim.profile import Profile, StepLoad, step_seconds
 from sim.tokens import EOS, block_hashes, words
@@ -60,12 +62,16 @@ class Sequence:
         self,
         job: Job,
         seed: int,
-        block_size: int,
+        hashing: KvHashing,
         arrival: float,
         progress: asyncio.Event | None = None,
     ) -> None:
         self.job = job
-        self.chain = block_hashes(job.prompt, block_size, job.cache_salt)
+        self.chain = (
+            list(kvblocks.block_hashes(job.prompt_ids, hashing, job.cache_salt))
+            if job.prompt_ids
+            else block_hashes(job.prompt, hashing.block_size, job.cache_salt)
+        )
         self.owned: list[int] = []  # cached blocks referenced: a prefix of `chain`
         self.private = 0  # other blocks held
         self.preemptions = 0
@@ -99,6 +105,9 @@ class Engine:
         self.profile = profile
         self.stats = stats
         self.pool = BlockPool(settings.num_gpu_blocks)
+        self.hashing = settings.kv_hashing()
+        # Where the blocks each step stored and evicted go (sim/kvevents.py), if anywhere.
+        self.publish: Callable[[list[kvevents.Event]], None] | None = None
         self.max_num_seqs = settings.max_num_seqs or profile.max_num_seqs
         self.max_num_batched_tokens = (
             settings.max_num_batched_tokens or profile.max_num_batched_tokens
@@ -123,9 +132,7 @@ class Engine:
         progress = asyncio.Event()
         seqs = []
         for job in jobs:
-            seq = Sequence(
-                job, self.settings.seed, self.settings.block_size, self._sim - overhead, progress
-            )
+            seq = Sequence(job, self.settings.seed, self.hashing, self._sim - overhead, progress)
             seq.queued = self._sim
             self.waiting.add(seq)
             seqs.append(seq)
@@ -203,6 +210,9 @@ class Engine:
     def _advance(self, batch: list[tuple[Sequence, int]], simulated: float) -> None:
         self._sim += simulated
         self._complete(batch)
+        changes = self.pool.take_changes()
+        if changes and self.publish is not None:
+            self.publish(kv_events(changes, self.settings.block_size))
 
     def _blocks_short(self, seq: Sequence, tokens: int) -> int:
         size = self.settings.block_size

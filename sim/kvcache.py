@@ -3,12 +3,20 @@
 A block is either free, private to one sequence, or cached under the hash of its prompt
 prefix. Cached blocks are shared and reference-counted; at refcount 0 they stay cached but
 evictable, oldest first, and count as free for new allocations.
+
+Every block cached and every cached block evicted is logged, in order, for the pod's KV events
+(`take_changes`, `kv_events`: vLLM's BlockStored and BlockRemoved).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from llmgw import kvevents
+
+# One change to the cached blocks: (True, hash) cached, (False, hash) evicted.
+Change = tuple[bool, int]
 
 
 class BlockPool:
@@ -17,6 +25,7 @@ class BlockPool:
         self._free = num_blocks  # neither private nor cached
         self._refs: dict[int, int] = {}  # cached block hash -> references
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, oldest first
+        self._changes: list[Change] = []
 
     @property
     def used(self) -> int:
@@ -54,6 +63,7 @@ class BlockPool:
         while self._free < count:
             block_hash, _ = self._evictable.popitem(last=False)
             del self._refs[block_hash]
+            self._changes.append((False, block_hash))
             self._free += 1
         self._free -= count
         return True
@@ -63,6 +73,7 @@ class BlockPool:
         if block_hash in self._refs:
             return False
         self._refs[block_hash] = 1
+        self._changes.append((True, block_hash))
         return True
 
     def release(self, chain: Sequence[int], private: int) -> None:
@@ -72,3 +83,28 @@ class BlockPool:
             if self._refs[block_hash] == 0:
                 self._evictable[block_hash] = None
         self._free += private
+
+    def take_changes(self) -> list[Change]:
+        """The changes since the last call, in order."""
+        changes, self._changes = self._changes, []
+        return changes
+
+
+def kv_events(changes: Sequence[Change], block_size: int) -> list[kvevents.Event]:
+    """The changes as vLLM's events, a run of stores or of evictions in one event each."""
+    events: list[kvevents.Event] = []
+    run: list[int] = []
+    for i, (stored, block_hash) in enumerate(changes):
+        run.append(block_hash)
+        if i + 1 < len(changes) and changes[i + 1][0] == stored:
+            continue
+        hashes: list[int | bytes] = [h & _LOW64 for h in run]
+        if stored:
+            events.append(kvevents.BlockStored(hashes, None, [], block_size, medium="GPU"))
+        else:
+            events.append(kvevents.BlockRemoved(hashes, medium="GPU"))
+        run = []
+    return events
+
+
+_LOW64 = (1 << 64) - 1

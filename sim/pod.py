@@ -16,6 +16,7 @@ from aiohttp import web
 from llmgw.config import ConfigError
 from sim.engine import Engine
 from sim.faults import FaultState
+from sim.kvevents import KvEventPublisher
 from sim.metrics import Collector, Stats, registry
 from sim.profile import PROFILES
 from sim.service import Service
@@ -44,6 +45,7 @@ class SimPod:
         self.faults = FaultState(settings.seed)
         collector = Collector(self.settings, self.stats, self.engine.gauges)
         self.service = Service(self.settings, self.engine, registry(collector), self.faults, die)
+        self.kv_events: KvEventPublisher | None = None
         self._runner: web.AppRunner | None = None
         self.port = settings.port
 
@@ -60,6 +62,11 @@ class SimPod:
         site = web.TCPSite(runner, self.settings.host, self.settings.port)
         await site.start()
         self.port = int(runner.addresses[0][1])
+        config = self.settings.kv_events_config
+        if config.publishes:
+            self.kv_events = KvEventPublisher(config, self.faults)
+            self.kv_events.start()
+            self.engine.publish = self.kv_events.publish
         self.engine.start()
         log.info("sim pod serving", extra={"url": self.url, "model": self.settings.model})
         return self
@@ -67,6 +74,9 @@ class SimPod:
     async def close(self) -> None:
         self.service.closing.set()
         await self.engine.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
+            self.kv_events = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -88,6 +88,7 @@ class CompletionBody(_Body):
 class Prompt:
     text: str  # what the prefix cache hashes: chat-templated text, or token IDs spelled out
     tokens: int
+    ids: tuple[int, ...] = ()  # the token IDs, with a tokenizer: what the blocks hash instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +129,12 @@ def _prompts(
         if counter is None:
             return [_text_prompt(text, limit)]
         try:
-            tokens = counter.chat(
+            counted = counter.chat(
                 [m.model_dump() for m in body.messages], (body.model_extra or {}).get("tools")
             )
         except jinja2.TemplateError as exc:
             raise invalid(str(exc)) from exc
-        return [Prompt(text, min(tokens, limit + 1))]
+        return [Prompt(text, min(counted.tokens, limit + 1), counted.ids)]
     raw = body.prompt
     if raw == []:
         raise invalid("You must pass at least one prompt")
@@ -157,12 +158,14 @@ def _prompts(
 def _text_prompt(text: str, limit: int, counter: PromptCounter | None = None) -> Prompt:
     if not text:
         return Prompt(text, 0)
-    tokens = counter.text(text) if counter is not None else count_tokens(text)
-    return Prompt(text, min(tokens, limit + 1))
+    if counter is None:
+        return Prompt(text, min(count_tokens(text), limit + 1))
+    counted = counter.text(text)
+    return Prompt(text, min(counted.tokens, limit + 1), counted.ids)
 
 
 def _ids(ids: list[int]) -> Prompt:
-    return Prompt(" ".join(map(str, ids)).ljust(4 * len(ids)), len(ids))
+    return Prompt(" ".join(map(str, ids)).ljust(4 * len(ids)), len(ids), tuple(ids))
 
 
 def _before_fields(kind: Kind, body: dict[str, Any]) -> None:
@@ -315,4 +318,5 @@ def _job(
         sample=sample,
         priority=priority,
         cache_salt=cache_salt,
+        prompt_ids=prompt.ids,
     )

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator
 
 from llmgw import tokenizer as tokenizers
 from llmgw.config import Strict
+from llmgw.kvblocks import DEFAULT_SEED, HashAlgo, KvHashing
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -20,6 +21,23 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 UsageMode = Literal["per-chunk", "final"]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class KvEventsConfig(Strict):
+    """vLLM's `--kv-events-config` (the fields it takes; the simulator publishes over ZMQ)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = Field(default=10_000, ge=1)
+    hwm: int = Field(default=100_000, ge=0)
+    max_queue_size: int = Field(default=100_000, ge=1)
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
 
 
 class SimSettings(Strict):
@@ -47,6 +65,22 @@ class SimSettings(Strict):
     # The served model's tokenizer.json (its chat template beside it): prompts are counted as a
     # real pod of that model counts them (llmgw/tokenizer.py). None: a token is 4 characters.
     tokenizer: Path | None = None
+    # vLLM's --prefix-caching-hash-algo and the PYTHONHASHSEED it seeds with (None: vLLM's
+    # default seed): with a tokenizer, blocks are hashed as a real pod's (llmgw/kvblocks.py).
+    prefix_caching_hash_algo: HashAlgo = "sha256"
+    hash_seed: str | None = None
+    kv_events_config: KvEventsConfig = KvEventsConfig()
+
+    def kv_hashing(self) -> KvHashing:
+        """How this pod hashes a tokenized prompt's blocks: every full block of it."""
+        seed = DEFAULT_SEED if self.hash_seed is None else self.hash_seed
+        blocks = self.max_model_len // self.block_size + 1
+        return KvHashing(
+            algo=self.prefix_caching_hash_algo,
+            seed=seed,
+            block_size=self.block_size,
+            max_blocks=blocks,
+        )
 
     @field_validator("tokenizer")
     @classmethod
@@ -75,6 +109,9 @@ class Faults(Strict):
     error_mid_stream: float = Field(default=0.0, ge=0, le=1)
     die: bool = False
     unhealthy: bool = False
+    # KV-event batches are kept for replay but not sent, as ZMQ drops them past a subscriber's
+    # high-water mark: the router sees a gap when they resume.
+    kv_events_paused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +125,6 @@ class Job:
     sample: int = 0  # which of the request's n samples: seeds its words and length
     priority: int = 0  # vLLM's: lower is served earlier (under --scheduling-policy priority)
     cache_salt: str = ""  # prefix-cache blocks are shared only between equal salts
+    # The prompt's token IDs where the pod has a tokenizer: its blocks are hashed as vLLM hashes
+    # them; else the rendered text's blocks are.
+    prompt_ids: tuple[int, ...] = ()

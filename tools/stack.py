@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -20,10 +22,22 @@ from pydantic import Field, SecretStr, model_validator
 
 from extauthz.demo import seed_demo
 from llmgw.config import Strict, renamed, reveal
+from llmgw.kvblocks import KvHashing
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology, pop_deprecated
+from router.fleet import KvEndpoint, KvEventSettings
+from sim.types import SimSettings
 from tools import certs, envoyconf
-from tools.engine import BLOCK_SIZE, VllmSettings, ensure_model, pod_argv, pod_env
+from tools.engine import (
+    BLOCK_SIZE,
+    HASH_ALGO,
+    HASH_SEED,
+    VllmSettings,
+    ensure_model,
+    kv_events_config,
+    pod_argv,
+    pod_env,
+)
 from tools.envoyconf import Address, EnvoySettings, Services, UpstreamTls
 from tools.postgres import Postgres
 from tools.procs import (
@@ -146,6 +160,10 @@ class Stack:
         self.tiers_file = settings.tiers_file.resolve() if settings.tiers_file else None
         self.tenants: list[dict[str, str]] = []
         self.tokenizer = settings.tokenizer.resolve() if settings.tokenizer else None
+        # Each pod's KV events (with a tokenizer: the gateway hashes requests as the pods do),
+        # on ipc paths in a directory of ours (a short path: a socket's is at most 107 bytes).
+        self.kv_events: list[KvEndpoint] = []
+        self._kv_dir: Path | None = None
         self.certs = state_dir / "tls"  # ca.crt, envoy.crt/key, NAME.crt/key (tools/certs.py)
         # The run's CA, in memory only: tests issue certificates of it (`ca.write`).
         self.ca = certs.Authority()
@@ -170,6 +188,8 @@ class Stack:
 
     def stop(self) -> None:
         stop_all(self.processes)
+        if self._kv_dir is not None:
+            shutil.rmtree(self._kv_dir, ignore_errors=True)
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -218,6 +238,16 @@ class Stack:
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
             self.tokenizer = model.resolve() / "tokenizer.json"
+        if self.tokenizer is not None:
+            self._kv_dir = Path(tempfile.mkdtemp(prefix="llmgw-kv-"))
+            self.kv_events = [
+                KvEndpoint(
+                    publish=f"ipc://{self._kv_dir}/{i}.pub",
+                    replay=f"ipc://{self._kv_dir}/{i}.replay",
+                )
+                for i in range(count)
+            ]
+        if self.settings.engine == "vllm":
             real = [self._vllm_process(i, model) for i in range(self.settings.pods)]
         simulated = [self._pod_process(i) for i in range(len(real), count)]
         self.pod_processes = real + simulated
@@ -232,7 +262,9 @@ class Stack:
         pod = self.pods[index]
         argv = [sys.executable, "-m", SIM_MODULE, *self._sim_flags(index)]
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
-        return self._process(f"pod-{index}", argv, ready, self._pod_key_env())
+        # Seeded as real pods are (the simulator reads it as vLLM does).
+        env = {**(self._pod_key_env() or os.environ), "PYTHONHASHSEED": HASH_SEED}
+        return self._process(f"pod-{index}", argv, ready, env)
 
     def _sim_flags(self, index: int) -> list[str]:
         pod = self.pods[index]
@@ -249,13 +281,23 @@ class Stack:
         flags += ["--seed", str(index), "--force-include-usage", *self.settings.sim_args]
         if self.tokenizer is not None:
             flags += ["--tokenizer", str(self.tokenizer)]
+        if self.kv_events:
+            flags += ["--prefix-caching-hash-algo", HASH_ALGO]
+            flags += ["--kv-events-config", kv_events_config(self.kv_events[index])]
         if index < len(self.settings.pod_args):
             flags += self.settings.pod_args[index]
         return flags
 
+    def _sim_block_size(self) -> int:
+        """The simulated pods' block size: `--block-size` in sim_args, else the simulator's."""
+        args = self.settings.sim_args
+        sizes = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--block-size"]
+        return int(sizes[-1]) if sizes else SimSettings().block_size
+
     def _vllm_process(self, index: int, model: Path) -> Process:
         pod = self.pods[index]
-        argv = pod_argv(self.settings.vllm, model, pod.host, pod.port)
+        events = self.kv_events[index] if self.kv_events else None
+        argv = pod_argv(self.settings.vllm, model, pod.host, pod.port, events)
         env = pod_env(self.settings.vllm, index, self._pod_key_env() or os.environ)
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
         return self._process(f"pod-{index}", argv, ready, env, self.settings.vllm.start_timeout)
@@ -294,6 +336,10 @@ class Stack:
                 raise StartError("a tokenizer needs the pods' model name: their /v1/models")
             tokenizers = {model: str(self.tokenizer)}
             settings["extauthz"]["DECISION__TOKENIZER"] = json.dumps(tokenizers)
+        if self.kv_events:  # requests' blocks hashed as the pods hash theirs
+            block = BLOCK_SIZE if self.settings.engine == "vllm" else self._sim_block_size()
+            hashing = KvHashing(algo=HASH_ALGO, seed=HASH_SEED, block_size=block)
+            settings["extauthz"]["DECISION__KV_HASHING"] = hashing.model_dump_json()
         if "ledger" in self.settings.services:
             settings["ledger"]["DATABASE_URL"] = self._database()
             # What the gRPC access log did not deliver, from Envoy's file (ledger/reconcile.py).
@@ -371,6 +417,11 @@ class Stack:
         }
         if self.pod_api_key is not None:  # for its /v1/models scrapes
             settings["FLEET__POD_API_KEY"] = self.pod_api_key
+        if self.kv_events:
+            pods = [f"{p.host}:{p.port}" for p in self.pods]
+            endpoints = dict(zip(pods, self.kv_events, strict=True))
+            kv = KvEventSettings(endpoints=endpoints)
+            settings["FLEET__KV_EVENTS"] = kv.model_dump_json()
         if self.engine == "vllm":
             settings |= PATIENT_SCRAPES
         return settings

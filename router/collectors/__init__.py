@@ -4,7 +4,5 @@ its own, as in the inference extension's data layer:
 - `resolver.py`: which pods there are (static `host:port` list, a DNS name).
 - `scraper.py`: each pod's `/metrics` and `/v1/models` (read by `scrape.py`).
 - `outcomes.py`: how each picked request ended, from Envoy's access log.
-
-Next: a KV-event subscriber (vLLM's KV-cache events: which prefix blocks each pod holds), a
-module here that writes what it learns into the datastore like the others.
+- `kvevents.py`: each pod's KV-cache events (which prefix blocks it holds), into the KV index.
 """

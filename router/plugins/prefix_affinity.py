@@ -8,6 +8,11 @@ pod holds and r how cheaply it takes the rest: 1 when they fit, else i / (i + `c
 idle seconds i of the warmest entry they would evict (evicting what nobody read for a minute
 costs little; evicting what was read a second ago costs the next request its hit).
 
+Where a pod publishes its KV events (router/kvindex.py) and the request carries the pods' own
+block hashes, h is what the pod's events say it holds: the blocks it really has, whoever sent
+them (another replica, a pod restarted). The map stays for the pods that publish none, and for
+r: which entries a pod would evict next.
+
 When the pod holding most of it is overloaded per the imbalance thresholds, the holders count as
 holding nothing: the prompt is placed again, and a popular prefix comes to live on several pods.
 """
@@ -54,18 +59,25 @@ class PrefixAffinity:
 
     def score(self, req: PickRequest, cands: list[Candidate]) -> Sequence[float]:
         blocks = req.prefix_blocks
-        if not blocks:
+        if not blocks and not req.kv_blocks:
             return [0.0] * len(cands)
         total = prompt_blocks(req)
-        held = self.index.held(blocks, req.session, total)
-        share = [held.get(c.pod, 0) / total for c in cands]
+        held = self.index.held(blocks, req.session, total) if blocks else {}
+        # In the map's blocks; a pod's own KV blocks are kv_block_size tokens each.
+        have = [
+            held.get(c.pod, 0)
+            if c.kv_held is None
+            else min(total, c.kv_held * req.kv_block_size // BLOCK_TOKENS)
+            for c in cands
+        ]
+        share = [h / total for h in have]
         best = max(range(len(cands)), key=share.__getitem__)
         if share[best] > 0 and self.p.imbalance.yields(cands[best], cands):
             share = [0.0] * len(cands)
         cold_s, placement = self.p.cold_s, self.p.placement
         scores = []
-        for c, h in zip(cands, share, strict=True):
-            rest = total - held.get(c.pod, 0)
+        for c, h, had in zip(cands, share, have, strict=True):
+            rest = total - had
             idle = self.index.idle_evicted(c.pod, rest, self.capacity(c))
             room = 1.0 if idle == float("inf") else idle / (idle + cold_s)
             scores.append(h + (1.0 - h) * placement * room)

@@ -17,6 +17,10 @@ a second pod at the next turn (twice the KV for the same prompt). Loads are boun
 busy pod passes the conversation to the next pod in rendezvous order), and affinity yields (all
 zeros) when even that pod is overloaded per the imbalance thresholds, so affinity never makes a
 hot spot.
+
+Where a pod's own KV events say it holds some of the prompt (`kv_held`, router/kvindex.py),
+affinity yields: what the pods really hold places the request (prefix affinity), whoever put it
+there, and every replica reads the same events.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class SessionAffinity:
     def score(self, req: PickRequest, cands: list[Candidate]) -> Sequence[float]:
         scores = [0.0] * len(cands)
         if req.first_turn and prompt_blocks(req) < self.p.first_turn_blocks:
+            return scores
+        if any(c.kv_held for c in cands):
             return scores
         if req.prefix_blocks:
             key = req.prefix_blocks[0]

@@ -153,6 +153,19 @@ def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
     assert s.score(req, cands)[owner] == 1.0
 
 
+def test_session_affinity_yields_to_what_the_pods_events_say_they_hold() -> None:
+    """The home pod by rendezvous is a guess; a pod whose events say it holds the prompt's
+    start is not: affinity steps aside (prefix affinity then sends it there)."""
+    s = session_affinity.factory("s", {})
+    cands = [cand("a"), cand("b")]
+    req = PickRequest(session="sess_x", kv_blocks=(1, 2), kv_block_size=16)
+    assert sorted(s.score(req, cands)) == [0.0, 1.0]
+    cands[0].kv_held = cands[1].kv_held = 0  # both publish, neither holds it: the guess stays
+    assert sorted(s.score(req, cands)) == [0.0, 1.0]
+    cands[1].kv_held = 1
+    assert list(s.score(req, cands)) == [0.0, 0.0]
+
+
 def test_session_affinity_skips_a_first_turn() -> None:
     s = session_affinity.factory("s", {})
     cands = [cand("a"), cand("b")]
@@ -231,6 +244,22 @@ def test_prefix_affinity_prefers_the_pod_holding_the_longest_prefix() -> None:
     scores = s.score(PickRequest(prefix_blocks=second), [a, b])
     assert 0.2 < scores[0] < 1.0 and scores[1] == 0.0
     assert s.score(PickRequest(prefix_blocks=first), [a, b])[0] == 1.0
+
+
+def test_prefix_affinity_believes_the_pods_own_events_over_its_map() -> None:
+    """The map says `a` holds the prompt (the router sent it there); a's events say it holds
+    none of it (evicted) and b's that it holds half (another replica sent it there): b wins.
+    A pod that publishes no events is still scored from the map."""
+    s = prefix_affinity.factory("p", {"placement": 0.0})
+    a, b, c = cand("a"), cand("b"), cand("c")
+    prompt = _blocks("You are a helpful assistant for ACME. " * 40)
+    req = PickRequest(
+        prefix_blocks=prompt, kv_blocks=(1, 2, 3, 4), kv_block_size=128, prompt_tokens=1024
+    )
+    s.observe(req, a)
+    s.observe(req, c)
+    a.kv_held, b.kv_held = 0, 4
+    assert list(s.score(req, [a, b, c])) == [0.0, 0.5, 1.0]
 
 
 def test_prefix_affinity_capacity_follows_pod_kv_size_and_evicts_lru() -> None:

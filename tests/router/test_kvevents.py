@@ -1,0 +1,247 @@
+"""The KV-event subscriber (router/collectors/kvevents.py) against simulated pods publishing as
+vLLM does (sim/kvevents.py), over real ZMQ sockets: events applied in order, gaps filled by
+replay or else the pod's entries dropped, a pod's buffered past learnt on connecting, a
+restarted pod cleared, a pod gone forgotten, garbage
+skipped."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from llmgw import kvblocks, kvevents, tokenizer
+from router import metrics
+from router.collectors.kvevents import KvEventSubscriber
+from router.fleet import Fleet, FleetSettings, KvEndpoint, KvEventSettings
+from sim.pod import SimPod
+from sim.types import KvEventsConfig, SimSettings
+from tests import tiny_tokenizer
+from tests.eventually import eventually_async
+
+BLOCK = 16
+SALT = "c0ffee"
+
+
+class Pods:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.tokenizer = tiny_tokenizer.write(tmp / "tiny")
+        self.pods: list[SimPod] = []
+
+    def endpoint(self, name: str, replay: bool = True) -> KvEndpoint:
+        path = self.tmp / name
+        return KvEndpoint(
+            publish=f"ipc://{path}.pub", replay=f"ipc://{path}.replay" if replay else None
+        )
+
+    async def start(self, endpoint: KvEndpoint, port: int = 0) -> SimPod:
+        config = KvEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=endpoint.publish,
+            replay_endpoint=endpoint.replay,
+        )
+        settings = SimSettings(
+            port=port,
+            time_scale=0.01,
+            block_size=BLOCK,
+            tokenizer=self.tokenizer,
+            kv_events_config=config,
+        )
+        pod = await SimPod(settings).start()
+        self.pods.append(pod)
+        return pod
+
+    def blocks(self, text: str) -> tuple[int, ...]:
+        """What the gateway computes for a chat request of `text` (llmgw/kvblocks.py)."""
+        prompt = tokenizer.counter(self.tokenizer).request(
+            {"messages": [{"role": "user", "content": text}]}, 0
+        )
+        assert prompt is not None
+        return kvblocks.block_hashes(prompt.ids, kvblocks.KvHashing(block_size=BLOCK), SALT)
+
+
+@pytest.fixture
+async def pods(tmp_path: Path) -> AsyncIterator[Pods]:
+    made = Pods(tmp_path)
+    yield made
+    for pod in made.pods:
+        await pod.close()
+
+
+Run = Callable[[dict[str, KvEndpoint]], Awaitable[tuple[Fleet, KvEventSubscriber]]]
+
+
+@pytest.fixture
+async def subscribe() -> AsyncIterator[Run]:
+    tasks: list[asyncio.Task[None]] = []
+
+    async def run(endpoints: dict[str, KvEndpoint]) -> tuple[Fleet, KvEventSubscriber]:
+        settings = KvEventSettings(endpoints=endpoints)
+        fleet = Fleet(FleetSettings(kv_events=settings))
+        fleet.set_pods(endpoints)
+        subscriber = KvEventSubscriber(fleet, settings)
+        tasks.append(asyncio.create_task(subscriber.run()))
+        return fleet, subscriber
+
+    yield run
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def chat(pod: SimPod, text: str) -> None:
+    body: dict[str, Any] = {
+        "model": pod.settings.model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+        "cache_salt": SALT,
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(pod.url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+
+
+async def faults(pod: SimPod, **fields: Any) -> None:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.put(pod.url + "/admin/faults", json=fields) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+
+
+def held(fleet: Fleet, pod: str, blocks: tuple[int, ...]) -> int:
+    return fleet.kv.match(blocks, BLOCK).get(pod, 0)
+
+
+def batches(result: str) -> float:
+    return metrics.KV_BATCHES.labels(result)._value.get()
+
+
+PROMPT_A = "the quick brown fox jumps over the lazy dog " * 12
+PROMPT_B = "a completely different conversation about caching " * 12
+
+
+async def test_the_index_holds_what_the_pod_cached_as_the_gateway_hashes_it(
+    pods: Pods, subscribe: Run
+) -> None:
+    """The gateway's hashes of a request (from its tokenizer) are the simulated pod's: after
+    the request, the index says the pod holds every full block of its prompt."""
+    endpoint = pods.endpoint("p")
+    pod = await pods.start(endpoint)
+    fleet, _ = await subscribe({"p": endpoint})
+    blocks = pods.blocks(PROMPT_A)
+    assert len(blocks) >= 5
+    await chat(pod, PROMPT_A)
+    await eventually_async(lambda: held(fleet, "p", blocks) == len(blocks), 10, "A's blocks")
+    # Another tenant's salt shares none of them.
+    other = kvblocks.block_hashes(
+        tokenizer.counter(pods.tokenizer)
+        .request({"messages": [{"role": "user", "content": PROMPT_A}]}, 0)
+        .ids,  # type: ignore[union-attr]
+        kvblocks.KvHashing(block_size=BLOCK),
+        "another-salt",
+    )
+    assert held(fleet, "p", other) == 0
+
+
+async def test_a_subscriber_learns_what_the_pod_cached_before_it_connected(
+    pods: Pods, subscribe: Run
+) -> None:
+    """A router started (or restarted) after the pod: the connection's replay."""
+    endpoint = pods.endpoint("p")
+    pod = await pods.start(endpoint)
+    await chat(pod, PROMPT_A)
+    fleet, _ = await subscribe({"p": endpoint})
+    a = pods.blocks(PROMPT_A)
+    await eventually_async(lambda: held(fleet, "p", a) == len(a), 10, "A's blocks")
+
+
+async def test_a_gap_is_replayed(pods: Pods, subscribe: Run) -> None:
+    endpoint = pods.endpoint("p")
+    pod = await pods.start(endpoint)
+    fleet, _ = await subscribe({"p": endpoint})
+    await chat(pod, "warm up " * 40)  # the subscription is live once its blocks arrive
+    warm = pods.blocks("warm up " * 40)
+    await eventually_async(lambda: held(fleet, "p", warm) == len(warm), 10, "warm-up blocks")
+    replayed = batches("replayed")
+    await faults(pod, kv_events_paused=True)  # as ZMQ drops past the high-water mark
+    await chat(pod, PROMPT_A)
+    await faults(pod, kv_events_paused=False)
+    await chat(pod, PROMPT_B)
+    a, b = pods.blocks(PROMPT_A), pods.blocks(PROMPT_B)
+    await eventually_async(lambda: held(fleet, "p", b) == len(b), 10, "B's blocks")
+    assert held(fleet, "p", a) == len(a)  # the batches never sent came from the replay
+    assert batches("replayed") > replayed
+
+
+async def test_a_gap_no_replay_fills_drops_the_pods_entries(pods: Pods, subscribe: Run) -> None:
+    endpoint = pods.endpoint("p", replay=False)
+    pod = await pods.start(endpoint)
+    fleet, _ = await subscribe({"p": endpoint})
+    warm = pods.blocks(PROMPT_A)
+    await chat(pod, PROMPT_A)
+    await eventually_async(lambda: held(fleet, "p", warm) == len(warm), 10, "A's blocks")
+    lost = batches("lost")
+    await faults(pod, kv_events_paused=True)
+    await chat(pod, "unseen " * 40)
+    await faults(pod, kv_events_paused=False)
+    await chat(pod, PROMPT_B)
+    b = pods.blocks(PROMPT_B)
+    await eventually_async(lambda: held(fleet, "p", b) == len(b), 10, "B's blocks")
+    # What the pod did meanwhile is unknown (it may have evicted A): A is no longer counted.
+    assert held(fleet, "p", warm) == 0 and batches("lost") == lost + 1
+
+
+async def test_a_restarted_pod_is_cleared_and_a_pod_gone_forgotten(
+    pods: Pods, subscribe: Run
+) -> None:
+    endpoint = pods.endpoint("p")
+    pod = await pods.start(endpoint)
+    fleet, subscriber = await subscribe({"p": endpoint})
+    a, b = pods.blocks(PROMPT_A), pods.blocks(PROMPT_B)
+    await chat(pod, PROMPT_A)
+    await eventually_async(lambda: held(fleet, "p", a) == len(a), 10, "A's blocks")
+    await pod.close()
+    pods.pods.remove(pod)
+    pod = await pods.start(endpoint)  # a new process on the same address: sequence from 0
+    await chat(pod, PROMPT_B)
+    await eventually_async(lambda: held(fleet, "p", b) == len(b), 10, "B's blocks")
+    assert held(fleet, "p", a) == 0  # the old process's cache went with it
+    fleet.set_pods([])
+    subscriber.reconcile()
+    assert not fleet.kv.publishes("p") and fleet.kv.entries() == 0
+
+
+async def test_garbage_is_skipped_and_the_subscription_goes_on(pods: Pods, subscribe: Run) -> None:
+    """Undecodable payloads and wrong frame counts are counted and skipped; the batch after
+    them is applied."""
+    endpoint = pods.endpoint("raw", replay=False)
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint.publish)
+    try:
+        fleet, _ = await subscribe({"raw": endpoint})
+        malformed = batches("malformed")
+        stored = kvevents.EventBatch(0.0, [kvevents.BlockStored([7], None, [], 16)])
+        seq = 0
+        for _ in range(200):  # until the subscription is live (ZMQ connects in the background)
+            for payload in (b"\xc1 not msgpack", kvevents.encode(stored)):
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+            await pub.send_multipart([b"two frames", b""])
+            await asyncio.sleep(0.05)
+            if fleet.kv.match((7,), 16) == {"raw": 1}:
+                break
+        assert fleet.kv.match((7,), 16) == {"raw": 1}
+        assert batches("malformed") >= malformed + 2
+    finally:
+        ctx.destroy(linger=0)
