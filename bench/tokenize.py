@@ -4,7 +4,10 @@ extauthz reads each body once (extauthz/body.py: JSON parse, facts); with a toke
 for the model (decision.tokenizer) that read also renders the chat template and tokenizes it.
 The read runs in the body pool's worker from `pool_tokenized_body_bytes` (8 KiB) on, inline
 below. This times the read with and without the tokenizer, one process, one core, for chat
-bodies of English, CJK and emoji text; the difference is the tokenizer's cost.
+bodies of English, CJK and emoji text; the difference is the tokenizer's cost. Then hashing the
+prompt's leading KV blocks as the pods do (llmgw/kvblocks.py, at most `max_blocks` = 64 of them,
+once per request for its tenant's salt): with vLLM's GPU block of 16 tokens and the CPU
+build's 128.
 
     python -m bench.tokenize [--tokenizer PATH] [--seconds 1.0]
 
@@ -18,10 +21,13 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from extauthz.body import read
 from extauthz.settings import DecisionSettings
+from llmgw import kvblocks, tokenizer
+from llmgw.kvblocks import KvHashing
 from tools.tinymodel import write_tokenizer
 
 MODEL = "m"
@@ -42,14 +48,26 @@ def body(text: str, size: int) -> bytes:
     ).encode()
 
 
-def per_read(raw: bytes, settings: DecisionSettings, seconds: float) -> float:
-    """Seconds per read, the mean over as many reads as fit in `seconds` (at least 3)."""
-    read(raw, settings)  # warm: the tokenizer loaded, caches filled
+def per_call(call: Callable[[], object], seconds: float) -> float:
+    """Seconds per call, the mean over as many calls as fit in `seconds` (at least 3)."""
+    call()  # warm: the tokenizer loaded, caches filled
     n, started = 0, time.perf_counter()
     while n < 3 or time.perf_counter() - started < seconds:
-        read(raw, settings)
+        call()
         n += 1
     return (time.perf_counter() - started) / n
+
+
+def per_read(raw: bytes, settings: DecisionSettings, seconds: float) -> float:
+    return per_call(lambda: read(raw, settings), seconds)
+
+
+def per_hash(raw: bytes, settings: DecisionSettings, block_size: int, seconds: float) -> float:
+    """Seconds to hash the body's leading KV blocks for one tenant (salted)."""
+    hashing = KvHashing(block_size=block_size)
+    prompt = tokenizer.counter(settings.tokenizer[MODEL]).request(json.loads(raw), 0)
+    ids = prompt.ids if prompt is not None else ()
+    return per_call(lambda: kvblocks.block_hashes(ids, hashing, "0123456789abcdef"), seconds)
 
 
 def main() -> None:
@@ -64,7 +82,7 @@ def main() -> None:
         counted = DecisionSettings(tokenizer={MODEL: path}, tokenize_max_bytes=4 * 2**20)
         print(f"tokenizer: {path if args.tokenizer else 'the tiny model (tools/tinymodel.py)'}")
         print(f"{'text':<8} {'body':>9} {'tokens':>8} {'parse µs':>10} {'+count µs':>10} "
-              f"{'count ms/MiB':>13}")  # fmt: skip
+              f"{'count ms/MiB':>13} {'+hash µs 16':>12} {'+hash µs 128':>13}")  # fmt: skip
         for name, text in TEXTS.items():
             for size in SIZES:
                 raw = body(text, size)
@@ -73,8 +91,10 @@ def main() -> None:
                 tokens = read(raw, counted).facts.prompt_tokens
                 extra = max(full - base, 0.0)
                 per_mib = extra / (len(raw) / 2**20) * 1e3
+                hashes = [per_hash(raw, counted, size, args.seconds) for size in (16, 128)]
                 print(f"{name:<8} {len(raw):>9} {tokens:>8} {base * 1e6:>10.0f} "
-                      f"{extra * 1e6:>10.0f} {per_mib:>13.0f}")  # fmt: skip
+                      f"{extra * 1e6:>10.0f} {per_mib:>13.0f} {hashes[0] * 1e6:>12.0f} "
+                      f"{hashes[1] * 1e6:>13.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

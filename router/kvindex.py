@@ -6,6 +6,9 @@ number of leading blocks a pod really holds, not a guess. A pod's entries go whe
 (`BlockRemoved`, `AllBlocksCleared`), when it restarts or misses events beyond replay, and when
 it leaves the fleet; a pod that reports holding more than `max_blocks` blocks (no pod's cache
 is that large) is forgotten rather than grown without bound.
+
+A block most often lives on one pod: its holder is then the pod ID itself, a set only once a
+second pod holds it (bench/kv_index.py: bytes per entry).
 """
 
 from __future__ import annotations
@@ -27,17 +30,25 @@ class KvIndex:
     def __init__(self, max_blocks: int = 1 << 22) -> None:
         self.max_blocks = max_blocks
         self._pods: dict[PodId, _Pod] = {}
-        self._where: dict[int, set[PodId]] = {}
+        self._where: dict[int, PodId | set[PodId]] = {}
 
     def stored(self, pod: PodId, hashes: Iterable[int], block_size: int) -> None:
         entry = self._pods.get(pod)
         if entry is None or entry.block_size != block_size:
             self.drop(pod)  # a pod's block size changes only when it restarts
             entry = self._pods[pod] = _Pod(block_size)
+        where = self._where
         for h in hashes:
-            if h not in entry.hashes:
-                entry.hashes.add(h)
-                self._where.setdefault(h, set()).add(pod)
+            if h in entry.hashes:
+                continue
+            entry.hashes.add(h)
+            holders = where.get(h)
+            if holders is None:
+                where[h] = pod
+            elif isinstance(holders, str):
+                where[h] = {holders, pod}
+            else:
+                holders.add(pod)
         if len(entry.hashes) > self.max_blocks:
             self.drop(pod)
 
@@ -66,19 +77,23 @@ class KvIndex:
 
     def _unlink(self, h: int, pod: PodId) -> None:
         holders = self._where.get(h)
-        if holders is not None:
-            holders.discard(pod)
-            if not holders:
+        if isinstance(holders, str):
+            if holders == pod:
                 del self._where[h]
+        elif holders is not None:
+            holders.discard(pod)
+            if len(holders) == 1:
+                self._where[h] = next(iter(holders))
 
     def match(self, blocks: tuple[int, ...], block_size: int) -> dict[PodId, int]:
         """Per pod of that block size, how many of the leading `blocks` it holds (absent: none)."""
         depth: dict[PodId, int] = {}
         alive: set[PodId] | None = None
         for i, h in enumerate(blocks, 1):
-            pods = self._where.get(h)
-            if not pods:
+            holders = self._where.get(h)
+            if holders is None:
                 break
+            pods = {holders} if isinstance(holders, str) else holders
             alive = set(pods) if alive is None else alive & pods
             if not alive:
                 break

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import secrets
 from pathlib import Path
@@ -395,8 +396,13 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
     assert ({"anyone"}, {8080}) in ingress_from("envoy")
     # The pods: Envoy's requests and the scrapes of the router in extauthz; Prometheus.
     port = workload("vllm")["spec"]["template"]["spec"]["containers"][0]["ports"][0]
+    events = {
+        p["containerPort"]
+        for p in workload("vllm")["spec"]["template"]["spec"]["containers"][0]["ports"][1:]
+    }
     assert ingress_from("vllm") == [
         ({"envoy", "extauthz"}, {port["containerPort"]}),
+        ({"extauthz"}, events),  # the KV events: the router's subscriptions alone
         ({"monitoring"}, {port["containerPort"]}),
     ]
     # Every policy selects a workload of the manifests (none is left for a removed router).
@@ -454,6 +460,28 @@ def test_extauthz_holds_the_router_and_there_is_no_router_service(
     assert router.redis.host == "redis" and router.redis.password is not None
     assert router.redis.port in {p["port"] for p in find("Service", "redis")["spec"]["ports"]}
     assert router.redis.cluster is False
+
+
+def test_the_router_subscribes_where_the_pods_publish_and_hashes_as_they_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each pod binds its KV-event sockets on the ports the router in extauthz connects to,
+    and hashes its blocks with the algorithm and seed extauthz hashes requests with."""
+    settings = extauthz_holding(monkeypatch, "router", "LLMGW_ROUTER__")
+    events = picking(settings).fleet.kv_events
+    assert events is not None
+    args = container("vllm")["args"]
+    config = json.loads(
+        next(a for a in args if a.startswith("--kv-events-config=")).split("=", 1)[1]
+    )
+    assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
+    assert config["endpoint"] == f"tcp://*:{events.port}"  # bound: vLLM connects to others
+    assert config["replay_endpoint"] == f"tcp://*:{events.replay_port}"
+    endpoint = events.endpoint("10.0.0.7:8000")
+    assert endpoint is not None and endpoint.publish == f"tcp://10.0.0.7:{events.port}"
+    hashing = settings.decision.kv_hashing
+    assert f"--prefix-caching-hash-algo={hashing.algo}" in args
+    assert env_of("vllm")["PYTHONHASHSEED"] == hashing.seed
 
 
 def test_the_inference_pool_example_points_at_the_router_in_picker_mode() -> None:

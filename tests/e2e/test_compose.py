@@ -41,7 +41,9 @@ import yaml
 
 from llmgw import wire
 from llmgw.health import default_target
+from llmgw.kvblocks import KvHashing
 from ratelimit.redis_store import REPLICAS_KEY
+from router.settings import Settings as RouterSettings
 from tests.e2e.conftest import api_key
 from tests.envoy_config import (
     check_admin_private,
@@ -195,6 +197,22 @@ def test_compose_runs_the_whole_product() -> None:
     for name in ("vllm-0", "vllm-1", "envoy"):
         assert services[name]["environment"]["VLLM_API_KEY"] == pod_key, name
     assert extauthz["LLMGW_ROUTER__FLEET__POD_API_KEY"] == pod_key
+    # The router subscribes where every pod publishes its KV events, and extauthz hashes a
+    # request's blocks as the pods hash theirs.
+    router = RouterSettings.model_validate(
+        {"fleet": {"kv_events": json.loads(extauthz["LLMGW_ROUTER__FLEET__KV_EVENTS"])}}
+    )
+    events = router.fleet.kv_events
+    assert events is not None
+    hashing = KvHashing.model_validate_json(extauthz["LLMGW_EXTAUTHZ__DECISION__KV_HASHING"])
+    for name in ("vllm-0", "vllm-1"):
+        flags = services[name]["command"]
+        config = json.loads(next(f for f in flags if f.startswith("--kv-events-config="))[19:])
+        assert config["endpoint"] == f"tcp://*:{events.port}"
+        assert config["replay_endpoint"] == f"tcp://*:{events.replay_port}"
+        assert {str(events.port), str(events.replay_port)} <= set(services[name]["expose"])
+        assert f"--prefix-caching-hash-algo={hashing.algo}" in flags
+        assert services[name]["environment"]["PYTHONHASHSEED"] == hashing.seed
     # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
     # pod around Envoy.
     published = {name: s["ports"] for name, s in services.items() if "ports" in s}

@@ -49,3 +49,18 @@ def test_a_pod_reporting_more_than_any_cache_holds_is_forgotten() -> None:
     assert index.size("a") == 100
     index.stored("a", [100], 16)
     assert not index.publishes("a") and index.entries() == 0
+
+
+def test_a_block_on_several_pods_stays_with_the_others_when_one_evicts_it() -> None:
+    index = KvIndex()
+    for pod in "abc":
+        index.stored(pod, [1], 16)
+    index.removed("a", [1])
+    assert index.match((1,), 16) == {"b": 1, "c": 1}
+    index.removed("b", [1])
+    assert index.match((1,), 16) == {"c": 1}
+    index.stored("a", [1], 16)
+    assert index.match((1,), 16) == {"a": 1, "c": 1}
+    index.cleared("c")
+    index.cleared("a")
+    assert index.entries() == 0 and index.match((1,), 16) == {}
