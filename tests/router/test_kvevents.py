@@ -15,13 +15,19 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from opentelemetry import trace
 
-from llmgw import kvblocks, kvevents, tokenizer
+from llmgw import facts, kvblocks, kvevents, tokenizer
 from router import metrics
 from router.collectors.kvevents import KvEventSubscriber
+from router.collectors.scraper import Scraper
+from router.engine import Engine
 from router.fleet import Fleet, FleetSettings, KvEndpoint, KvEventSettings
+from router.lifecycle import Lifecycle
+from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
+from router.types import PickRequest
 from sim.pod import SimPod
-from sim.types import KvEventsConfig, SimSettings
+from sim.types import DEFAULT_MODEL, KvEventsConfig, SimSettings
 from tests import tiny_tokenizer
 from tests.eventually import eventually_async
 
@@ -123,7 +129,7 @@ def held(fleet: Fleet, pod: str, blocks: tuple[int, ...]) -> int:
 
 
 def batches(result: str) -> float:
-    return metrics.KV_BATCHES.labels(result)._value.get()
+    return float(metrics.KV_BATCHES.labels(result)._value.get())
 
 
 PROMPT_A = "the quick brown fox jumps over the lazy dog " * 12
@@ -245,3 +251,67 @@ async def test_garbage_is_skipped_and_the_subscription_goes_on(pods: Pods, subsc
         assert batches("malformed") >= malformed + 2
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_two_replicas_send_a_conversation_where_the_other_one_started_it(
+    pods: Pods,
+) -> None:
+    """Two routers that share nothing but the pods' events: for each conversation, replica A
+    picks the first turn's pod, the turn runs there, and replica B, which never saw that pick,
+    sends the next turn to the same pod (without the events: a pod of three by load and chance,
+    each time)."""
+    endpoints = [pods.endpoint(f"p{i}") for i in range(3)]
+    started = [await pods.start(e) for e in endpoints]
+    ids = [f"127.0.0.1:{p.port}" for p in started]
+    settings = KvEventSettings(endpoints=dict(zip(ids, endpoints, strict=True)))
+    replicas: list[Lifecycle] = []
+    tasks: list[asyncio.Task[None]] = []
+    for _ in range(2):
+        fleet = Fleet(FleetSettings(kv_events=settings, scrape_timeout=2.0, stale_after=60.0))
+        fleet.set_pods(ids)
+        async with Scraper(fleet).session() as http:
+            await Scraper(fleet).scrape_once(http)
+        tasks.append(asyncio.create_task(KvEventSubscriber(fleet, settings).run()))
+        engine = Engine(default_registry().build(DEFAULT_PLUGINS, DEFAULT_PROFILE))
+        replicas.append(Lifecycle(fleet, engine, trace.get_tracer("test")))
+    a, b = replicas
+    try:
+        for i in range(4):
+            first = f"conversation {i}: " + PROMPT_A
+            turn1 = request(pods, [{"role": "user", "content": first}])
+            chosen = a.pick(turn1)
+            assert chosen is not None
+            pod = started[ids.index(chosen.pods[0])]
+            await chat(pod, first)
+
+            # B learns it from the pod's events alone.
+            def held(blocks: tuple[int, ...] = turn1.kv_blocks, at: str = chosen.pods[0]) -> bool:
+                return b.fleet.kv.match(blocks, BLOCK).get(at) == len(blocks)
+
+            await eventually_async(held, 10, "replica B never saw the first turn's blocks")
+            messages = [
+                {"role": "user", "content": first},
+                {"role": "assistant", "content": "Sure."},
+                {"role": "user", "content": "And then?"},
+            ]
+            turn2 = b.pick(request(pods, messages))
+            assert turn2 is not None and turn2.pods[0] == chosen.pods[0], i
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def request(pods: Pods, messages: list[dict[str, str]]) -> PickRequest:
+    """What extauthz hands the router for these messages (a tenant of salt SALT)."""
+    prompt = tokenizer.counter(pods.tokenizer).request({"messages": messages}, 0)
+    assert prompt is not None
+    hashing = kvblocks.KvHashing(block_size=BLOCK)
+    return PickRequest(
+        model=DEFAULT_MODEL,
+        prompt_tokens=prompt.tokens,
+        kv_blocks=kvblocks.block_hashes(prompt.ids, hashing, SALT),
+        kv_block_size=BLOCK,
+        prefix_blocks=facts.block_hashes(facts.render({"messages": messages}), 64, "group"),
+        first_turn=len(messages) == 1,
+    )
