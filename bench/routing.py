@@ -2,8 +2,11 @@
 
 A simulated fleet (`--pods`, the last one `--slow-factor` times as fast) behind a fresh stack per
 (workload, policy): extauthz in front every time (it mints the session IDs clients send back),
-the router only in the "router" runs. Two routing workloads, each replayed identically (seeded)
-for every policy, and a priority workload:
+the router only in the "router" runs: "router" on its approximate prefix index alone,
+"router_kv" on the pods' KV events (README, Routing). The pods and extauthz count prompts with
+a tokenizer of the workloads' words (one word, one token; a chat template of role markers), so
+that extauthz hashes a request's blocks as the pods do. Routing workloads, each replayed
+identically (seeded) for every policy, and a priority workload:
 
 - chat: multi-tenant chat; sessions of `--turns` turns with a long system prompt per tenant and
   the conversation so far; sessions start as a Poisson process so requests arrive at `--chat-rate`
@@ -17,6 +20,11 @@ for every policy, and a priority workload:
   measured, each system prompt is sent once at that rate: the working set exists, placed by the
   policy, as in a service that has been running (else most first turns of a short run would be
   a prompt's first request ever, a miss under any policy).
+- evict: large, with a working set larger than the whole fleet's KV caches
+  (`--evict-cache-ratio` times one pod's): the pods evict all the time, which the approximate
+  index learns nothing of.
+- restart: large, with the first pod restarted half way through (its cache empty afterwards;
+  the approximate index still believes it holds its prompts).
 - surge: long distinct prompts from the free and platinum demo tenants at an easy pace, then a
   surge of free requests (`--surge-rate` for `--surge-length` s) well past what the fleet's KV
   caches hold, so requests queue in the pods. Two stacks in the same run, the same requests:
@@ -55,12 +63,15 @@ from llmgw import wire
 from tools.envoyconf import Address, EnvoySettings
 from tools.stack import ServiceName, Stack, StackSettings
 
-POLICIES: dict[str, tuple[str, tuple[ServiceName, ...]]] = {
-    "least_request": ("least_request", ("extauthz",)),
-    "round_robin": ("round_robin", ("extauthz",)),
-    "router": ("least_request", ("extauthz", "router")),
+# Envoy's policy, the services, and whether the router reads the pods' KV events.
+POLICIES: dict[str, tuple[str, tuple[ServiceName, ...], bool]] = {
+    "least_request": ("least_request", ("extauthz",), False),
+    "round_robin": ("round_robin", ("extauthz",), False),
+    "router": ("least_request", ("extauthz", "router"), False),
+    "router_kv": ("least_request", ("extauthz", "router"), True),
 }
-WORKLOADS = ("chat", "short", "large")
+WORKLOADS = ("chat", "short", "large", "evict", "restart")
+LARGE = ("large", "evict", "restart")  # the large sessions, with their working set warmed
 SURGE = "surge"
 # The surge's two stacks: does each tenant's priority reach the pods (StackSettings)?
 ARMS = {"priority_off": False, "priority_on": True}
@@ -89,14 +100,30 @@ class Result:
 
 
 def text(rng: random.Random, tokens: int) -> str:
-    """About `tokens` tokens (the simulator counts 4 characters a token)."""
-    out: list[str] = []
-    size = 0
-    while size < tokens * 4:
-        word = rng.choice(WORDS)
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)
+    """`tokens` tokens: as many words (the tokenizer's, `word_tokenizer`)."""
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+
+
+def word_tokenizer(directory: Path) -> Path:
+    """A tokenizer.json of one token a word (the workloads' words, numbers, punctuation; any
+    other word one unknown token) and a chat template of role markers, as a model's directory
+    holds them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = ["[UNK]", *WORDS, *"0123456789.,:;?!", *(str(n) for n in range(1000))]
+    vocab += ["You", "are", "the", "assistant", "of", "tenant", "number", "reply"]
+    vocab += ["system", "user"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(dict.fromkeys(vocab))},
+                                           unk_token="[UNK]"))  # fmt: skip
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tokenizer.json"
+    tokenizer.save(str(path))
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
+    return path
 
 
 class Client:
@@ -203,11 +230,17 @@ async def warm_large(
     return samples
 
 
-def large_kv_blocks(args: argparse.Namespace) -> int:
-    """Pod KV blocks such that the large workload's system prompts need `--large-cache-ratio`
-    times one pod's cache."""
+def large_kv_blocks(args: argparse.Namespace, ratio: float | None = None) -> int:
+    """Pod KV blocks such that the large workload's system prompts need `ratio` (default
+    `--large-cache-ratio`) times one pod's cache."""
     per_prompt = -(-args.system_tokens // 16)
-    return int(args.large_prompts * per_prompt / args.large_cache_ratio)
+    return int(args.large_prompts * per_prompt / (ratio or args.large_cache_ratio))
+
+
+def kv_blocks(workload: str, args: argparse.Namespace) -> int:
+    if workload == "evict":
+        return large_kv_blocks(args, args.evict_cache_ratio)
+    return large_kv_blocks(args) if workload in LARGE else int(args.kv_blocks)
 
 
 async def sessions(
@@ -318,7 +351,8 @@ RUNNERS: dict[str, Runner] = {
     "large": run_large,
     SURGE: run_surge,
 }
-WARMUPS: dict[str, Runner] = {"large": warm_large}
+RUNNERS |= {"evict": run_large, "restart": run_large}
+WARMUPS: dict[str, Runner] = {name: warm_large for name in LARGE}
 
 
 def pod_metric(url: str, name: str) -> float:
@@ -356,27 +390,47 @@ async def drive(stack: Stack, workload: str, args: argparse.Namespace) -> Result
         per_pod0, hits0, queries0 = counters(urls)
         cpu0 = time.process_time()
         client = Client(session, stack.base_url, model)
+        restart = None
+        if workload == "restart":  # the first pod, half way: a new process, an empty cache
+            restart = asyncio.create_task(restarted(stack, args.duration / 2))
         samples = await RUNNERS[workload](client, stack.tenants, args)
         result = Result(samples, client.now(), time.process_time() - cpu0)
+        if restart is not None:  # its counters began again from 0: what it counted before
+            (requests_before,), hits_before, queries_before = await restart
+            per_pod0[0] -= requests_before
+            hits0 -= hits_before
+            queries0 -= queries_before
     per_pod, hits, queries = counters(urls)
     result.per_pod = [n - n0 for n, n0 in zip(per_pod, per_pod0, strict=True)]
     result.hit_rate = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
     return result
 
 
-def run_one(workload: str, policy: str, args: argparse.Namespace, root: Path) -> Result:
-    fallback, services = POLICIES["least_request" if policy in ARMS else policy]
+async def restarted(stack: Stack, after: float) -> tuple[list[int], float, float]:
+    """Restart pod 0 `after` seconds from now; its counters just before."""
+    await asyncio.sleep(after)
+    before = counters([stack.pod_url(0)])
+    await asyncio.to_thread(stack.restart_pod, 0)
+    return before
+
+
+def run_one(
+    workload: str, policy: str, args: argparse.Namespace, root: Path, tokenizer: Path
+) -> Result:
+    fallback, services, events = POLICIES["least_request" if policy in ARMS else policy]
     pods = args.pods
     slow = ("--speed-factor", str(args.slow_factor))
-    kv_blocks = large_kv_blocks(args) if workload == "large" else args.kv_blocks
+    blocks = kv_blocks(workload, args)
     settings = StackSettings(
         listen=Address(port=0),
         pods=pods,
-        sim_args=("--time-scale", str(args.time_scale), "--num-gpu-blocks", str(kv_blocks)),
+        sim_args=("--time-scale", str(args.time_scale), "--num-gpu-blocks", str(blocks)),
         pod_args=(*[()] * (pods - 1), slow),
         services=services,
         envoy=EnvoySettings(fallback_policy=fallback),  # type: ignore[arg-type]
         engine_priority=ARMS.get(policy, True),
+        tokenizer=tokenizer,
+        kv_events=events,
     )
     with Stack(settings, root / f"{workload}-{policy}") as stack:
         return asyncio.run(drive(stack, workload, args))
@@ -413,7 +467,9 @@ def table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> s
         f"chat {args.chat_rate}/s ({args.tenants} tenants, {args.system_tokens}-token system "
         f"prompts, {args.turns} turns), short {args.short_rate}/s; large {args.large_rate}/s "
         f"({args.large_prompts} system prompts, KV {args.large_cache_ratio}x one pod's: "
-        f"{large_kv_blocks(args)} blocks/pod); ms unless noted",
+        f"{large_kv_blocks(args)} blocks/pod); evict: large at KV {args.evict_cache_ratio}x one "
+        f"pod's ({kv_blocks('evict', args)} blocks/pod); restart: large, pod 0 restarted at "
+        f"{args.duration / 2:.0f} s; ms unless noted",
         f"{'workload':<8}{'policy':<15}{'reqs':>6}{'fail':>5}{'ttft50':>8}{'ttft90':>8}"
         f"{'ttft99':>8}{'e2e50':>8}{'e2e90':>8}{'tok/s':>8}{'hit%':>6}{'lag99':>7}{'cpu%':>6}"
         "  per pod",
@@ -429,15 +485,15 @@ def table(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> s
             f"{s['lag_p99']:>7.1f}{s['cpu']:>6.0f}  {r.per_pod}"
         )
     for workload in WORKLOADS:
-        base = results.get((workload, "least_request"))
-        routed = results.get((workload, "router"))
-        if base and routed:
-            b, rt = summary(base), summary(routed)
-            rows.append(
-                f"{workload}: router TTFT p50 {rt['ttft_p50'] / b['ttft_p50']:.2f}x, "
-                f"p90 {rt['ttft_p90'] / b['ttft_p90']:.2f}x of least_request "
-                f"(p90 {100 * (rt['ttft_p90'] - b['ttft_p90']) / b['ttft_p90']:+.1f} %)"
-            )
+        for policy, against in (("router", "least_request"), ("router_kv", "router")):
+            base, routed = results.get((workload, against)), results.get((workload, policy))
+            if base and routed:
+                b, rt = summary(base), summary(routed)
+                rows.append(
+                    f"{workload}: {policy} TTFT p50 {rt['ttft_p50'] / b['ttft_p50']:.2f}x, "
+                    f"p90 {rt['ttft_p90'] / b['ttft_p90']:.2f}x of {against} "
+                    f"(p90 {100 * (rt['ttft_p90'] - b['ttft_p90']) / b['ttft_p90']:+.1f} %)"
+                )
     return "\n".join(rows)
 
 
@@ -489,10 +545,12 @@ def plot(results: dict[tuple[str, str], Result], path: Path) -> None:
     for ax, workload in zip(axes, WORKLOADS, strict=True):
         policies = [p for p in POLICIES if (workload, p) in results]
         x = np.arange(3)
+        width = 0.8 / max(len(policies), 1)
         for i, policy in enumerate(policies):
             s = summary(results[(workload, policy)])
-            ax.bar(x + i * 0.27, [s["ttft_p50"], s["ttft_p90"], s["ttft_p99"]], 0.27, label=policy)
-        ax.set_xticks(x + 0.27, ["p50", "p90", "p99"])
+            ttft = [s["ttft_p50"], s["ttft_p90"], s["ttft_p99"]]
+            ax.bar(x + i * width, ttft, width, label=policy)
+        ax.set_xticks(x + 0.4 - width / 2, ["p50", "p90", "p99"])
         ax.set_ylabel("TTFT (ms)")
         ax.set_yscale("log")
         ax.set_title(workload)
@@ -520,6 +578,7 @@ def main() -> None:
     add("--large-rate", type=float, default=24.0, help="large: requests per second")
     add("--large-prompts", type=int, default=240, help="large: distinct system prompts")
     add("--large-cache-ratio", type=float, default=2.0, help="large: their KV / one pod's")
+    add("--evict-cache-ratio", type=float, default=6.0, help="evict: their KV / one pod's")
     add("--max-tokens", type=int, default=48)
     add("--platinum-rate", type=float, default=2.0, help="surge: platinum requests per second")
     add("--free-rate", type=float, default=1.0, help="surge: free requests per second, always")
@@ -538,10 +597,12 @@ def main() -> None:
     )
     results: dict[tuple[str, str], Result] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = word_tokenizer(Path(tmp) / "tokenizer")
         for workload in args.workloads.split(","):
             policies = list(ARMS) if workload == SURGE else args.policies.split(",")
             for policy in policies:
-                results[(workload, policy)] = run_one(workload, policy, args, Path(tmp))
+                run = run_one(workload, policy, args, Path(tmp), tokenizer)
+                results[(workload, policy)] = run
                 lines = report({(workload, policy): results[(workload, policy)]}, args)
                 print("\n".join(lines.splitlines()[2 if workload == SURGE else -1 :]), flush=True)
     everything = report(results, args)

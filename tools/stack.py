@@ -71,6 +71,9 @@ class StackSettings(Strict):
     pod_api_key: SecretStr | None = None
     # What serves the pods this stack starts: the simulator, or real vLLM (its CPU build).
     engine: Literal["sim", "vllm"] = "sim"
+    # With a tokenizer, the pods publish their KV events and the router routes on them (README,
+    # Routing, "KV events"); off: its approximate prefix index alone (bench/routing's "router").
+    kv_events: bool = True
     vllm: VllmSettings = VllmSettings()
     # With engine vllm, this many simulated pods after the real ones: one fleet of both.
     sim_pods: int = Field(default=0, ge=0)
@@ -238,7 +241,7 @@ class Stack:
         if self.settings.engine == "vllm":
             model = ensure_model(self.settings.vllm)
             self.tokenizer = model.resolve() / "tokenizer.json"
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.settings.kv_events:
             self._kv_dir = Path(tempfile.mkdtemp(prefix="llmgw-kv-"))
             self.kv_events = [
                 KvEndpoint(

@@ -30,6 +30,7 @@ from router.types import PodId
 log = logging.getLogger(__name__)
 
 RECONCILE_SECONDS = 0.5  # how soon a pod new to the fleet is subscribed to
+MAX_REPLAY_BATCHES = 100_000  # vLLM buffers 10,000 (buffer_steps)
 
 
 class _Feed:
@@ -172,6 +173,8 @@ class KvEventSubscriber:
                     seq = kvevents.sequence(frames[2])
                     if start <= seq and (until is None or seq < until):
                         got.append((seq, frames[3]))
+                        if len(got) > MAX_REPLAY_BATCHES:  # more than any pod buffers
+                            return None
         except (TimeoutError, zmq.ZMQError):
             return None
         finally:
