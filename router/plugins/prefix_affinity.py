@@ -10,8 +10,10 @@ costs little; evicting what was read a second ago costs the next request its hit
 
 Where a pod publishes its KV events (router/kvindex.py) and the request carries the pods' own
 block hashes, h is what the pod's events say it holds: the blocks it really has, whoever sent
-them (another replica, a pod restarted). The map stays for the pods that publish none, and for
-r: which entries a pod would evict next.
+them (another replica, a pod restarted). Only the leading blocks are hashed (at most
+`max_blocks`): where a pod holds all of them, the map may know more of the rest (a
+conversation's own turns after a long system prompt), and the larger of the two counts. The map
+stays for the pods that publish none, and for r: which entries a pod would evict next.
 
 When the pod holding most of it is overloaded per the imbalance thresholds, the holders count as
 holding nothing: the prompt is placed again, and a popular prefix comes to live on several pods.
@@ -63,13 +65,7 @@ class PrefixAffinity:
             return [0.0] * len(cands)
         total = prompt_blocks(req)
         held = self.index.held(blocks, req.session, total) if blocks else {}
-        # In the map's blocks; a pod's own KV blocks are kv_block_size tokens each.
-        have = [
-            held.get(c.pod, 0)
-            if c.kv_held is None
-            else min(total, c.kv_held * req.kv_block_size // BLOCK_TOKENS)
-            for c in cands
-        ]
+        have = [self._have(req, c, held.get(c.pod, 0), total) for c in cands]
         share = [h / total for h in have]
         best = max(range(len(cands)), key=share.__getitem__)
         if share[best] > 0 and self.p.imbalance.yields(cands[best], cands):
@@ -82,6 +78,14 @@ class PrefixAffinity:
             room = 1.0 if idle == float("inf") else idle / (idle + cold_s)
             scores.append(h + (1.0 - h) * placement * room)
         return scores
+
+    @staticmethod
+    def _have(req: PickRequest, c: Candidate, mapped: int, total: int) -> int:
+        """The prompt's blocks `c` holds, in the map's blocks of BLOCK_TOKENS."""
+        if c.kv_held is None:
+            return mapped
+        known = min(total, c.kv_held * req.kv_block_size // BLOCK_TOKENS)
+        return max(known, mapped) if c.kv_held >= len(req.kv_blocks) else known
 
     def observe(self, req: PickRequest, chosen: Candidate) -> None:
         if not req.prefix_blocks:

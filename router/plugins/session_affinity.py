@@ -18,9 +18,9 @@ busy pod passes the conversation to the next pod in rendezvous order), and affin
 zeros) when even that pod is overloaded per the imbalance thresholds, so affinity never makes a
 hot spot.
 
-Where a pod's own KV events say it holds some of the prompt (`kv_held`, router/kvindex.py),
-affinity yields: what the pods really hold places the request (prefix affinity), whoever put it
-there, and every replica reads the same events.
+Where the pods' own KV events say another pod holds more of the prompt than the home pod
+(`kv_held`, router/kvindex.py), affinity yields: what the pods really hold places the request
+(prefix affinity), whoever put it there, and every replica reads the same events.
 """
 
 from __future__ import annotations
@@ -96,8 +96,6 @@ class SessionAffinity:
         scores = [0.0] * len(cands)
         if req.first_turn and prompt_blocks(req) < self.p.first_turn_blocks:
             return scores
-        if any(c.kv_held for c in cands):
-            return scores
         if req.prefix_blocks:
             key = req.prefix_blocks[0]
         elif req.session is not None:
@@ -105,6 +103,9 @@ class SessionAffinity:
         else:
             return scores
         best = owner(key, cands, self.p.bound, self.p.slack)
+        most = max((c.kv_held or 0 for c in cands), default=0)
+        if (cands[best].kv_held or 0) < most:
+            return scores  # another pod really holds more of it
         if not self.p.imbalance.yields(cands[best], cands):
             scores[best] = 1.0
         return scores

@@ -154,16 +154,20 @@ def test_session_affinity_yields_when_its_pod_is_overloaded() -> None:
 
 
 def test_session_affinity_yields_to_what_the_pods_events_say_they_hold() -> None:
-    """The home pod by rendezvous is a guess; a pod whose events say it holds the prompt's
-    start is not: affinity steps aside (prefix affinity then sends it there)."""
+    """The home pod by rendezvous is a guess; a pod whose events say it holds more of the
+    prompt than the home pod is not: affinity steps aside (prefix affinity then sends it
+    there). Where the home holds as much as any, it stays home."""
     s = session_affinity.factory("s", {})
     cands = [cand("a"), cand("b")]
     req = PickRequest(session="sess_x", kv_blocks=(1, 2), kv_block_size=16)
-    assert sorted(s.score(req, cands)) == [0.0, 1.0]
+    home = list(s.score(req, cands)).index(1.0)
+    other = 1 - home
     cands[0].kv_held = cands[1].kv_held = 0  # both publish, neither holds it: the guess stays
-    assert sorted(s.score(req, cands)) == [0.0, 1.0]
-    cands[1].kv_held = 1
+    assert s.score(req, cands)[home] == 1.0
+    cands[other].kv_held = 1
     assert list(s.score(req, cands)) == [0.0, 0.0]
+    cands[home].kv_held = 1  # as much as any: home
+    assert s.score(req, cands)[home] == 1.0
 
 
 def test_session_affinity_skips_a_first_turn() -> None:
@@ -260,6 +264,10 @@ def test_prefix_affinity_believes_the_pods_own_events_over_its_map() -> None:
     s.observe(req, c)
     a.kv_held, b.kv_held = 0, 4
     assert list(s.score(req, [a, b, c])) == [0.0, 0.5, 1.0]
+    # Holding every hashed block, a pod may hold more than they cover: the map says how much.
+    req = PickRequest(prefix_blocks=prompt, kv_blocks=(1, 2), kv_block_size=128, prompt_tokens=1024)
+    a.kv_held = 2
+    assert s.score(req, [a, b])[0] == 1.0
 
 
 def test_prefix_affinity_capacity_follows_pod_kv_size_and_evicts_lru() -> None:
