@@ -9,7 +9,8 @@ parent is the block before's hash (the first block's is `H(seed)`), `extra` is
 The seed is the pod's PYTHONHASHSEED, else "vllm-none-hash" (vLLM 0.32, v1/core/kv_cache_utils.py):
 pods and router are configured alike (tools/engine.py). Events carry each hash's last 8 bytes as
 an unsigned integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, on by default), as do these.
-Checked against a real pod's events: tests/e2e/test_kvevents_vllm.py.
+Checked against a real pod's events: tests/llmgw/test_kvblocks.py (recorded),
+tests/e2e/test_vllm_fleet.py (live).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from typing import Any, Literal
 import cbor2
 from pydantic import Field
 
+from llmgw import kvevents
 from llmgw.config import Strict
 
 HashAlgo = Literal["sha256", "sha256_cbor"]
 # vLLM's seed when PYTHONHASHSEED is unset and the algorithm is cryptographic.
 DEFAULT_SEED = "vllm-none-hash"
-_LOW64 = (1 << 64) - 1
 
 
 class KvHashing(Strict):
@@ -68,6 +69,6 @@ def block_hashes(tokens: Sequence[int], hashing: KvHashing, salt: str = "") -> t
     out: list[int] = []
     for start in range(0, count * size, size):
         parent = fn((parent, tuple(tokens[start : start + size]), extra))
-        out.append(int.from_bytes(parent, "big") & _LOW64)
+        out.append(kvevents.hash_value(parent))
         extra = None
     return tuple(out)

@@ -6,8 +6,9 @@ A pod started with `--kv-events-config` publishes on a ZMQ PUB socket multipart 
 start, the payload a msgpack `EventBatch` (an array `[ts, events, data_parallel_rank]`), each
 event a map tagged by its `type` (vLLM 0.32, vllm/distributed/kv_events.py). Its ROUTER replay
 socket answers a request `[b"", start sequence]` with every batch it still buffers from there,
-each `[b"", topic, sequence, payload]`, then `[b"", b"", END, b""]`. Fields the router does not
-read are not declared (msgspec skips them), so newer pods' additions decode.
+each `[b"", topic, sequence, payload]`, then `[b"", b"", END, b""]`. Declared: what the router
+reads and vLLM requires of a batch (the simulator publishes those); msgspec skips the rest, so
+newer pods' additions decode.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     medium: str | None = None
     lora_name: str | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None  # "full_attention", "sliding_window", "mamba", …
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
@@ -64,9 +66,9 @@ def encode(batch: EventBatch) -> bytes:
 
 
 def hash_value(h: int | bytes) -> int:
-    """A block hash as the index keys it: the integer form pods publish by default, or the low
-    64 bits of the bytes they publish with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
-    return h if isinstance(h, int) else int.from_bytes(h, "big") & _LOW64
+    """A block hash as the index keys it: its low 64 bits, as pods publish it by default (an
+    integer), or from the bytes they publish with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
+    return (h if isinstance(h, int) else int.from_bytes(h, "big")) & _LOW64
 
 
 def sequence(frame: bytes) -> int:

@@ -42,8 +42,9 @@ class DnsTarget(Strict):
 
 
 class KvEndpoint(Strict):
-    publish: str  # a ZMQ address: tcp://host:port, ipc:///path
-    replay: str | None = None
+    # ZMQ addresses: tcp://host:port, ipc:///path
+    publish: str = Field(pattern=r"^(tcp://[^\s]+:\d+|ipc:///.+)$")
+    replay: str | None = Field(default=None, pattern=r"^(tcp://[^\s]+:\d+|ipc:///.+)$")
 
 
 class KvEventSettings(Strict):
@@ -57,10 +58,14 @@ class KvEventSettings(Strict):
     topic: str = ""
     # How long a replay of missed batches may take; past it the pod's entries are dropped.
     replay_timeout: float = Field(default=1.0, gt=0)
-    # A pod reporting more blocks than this is forgotten (no pod's cache is that large).
-    max_blocks_per_pod: int = Field(default=1 << 22, ge=1)
-    # The most bytes one message may have (a batch of 10,000 stored blocks is ~2 MB).
-    max_message_bytes: int = Field(default=64 << 20, ge=1024)
+    # A pod reporting more blocks than this is forgotten (an H100 serving an 8B model holds
+    # ~28,000; ~100 bytes each in the index).
+    max_blocks_per_pod: int = Field(default=1 << 20, ge=1)
+    # The most bytes one message may have (a step's batch: ~10 bytes a prompt token); a larger
+    # one ends the connection (ZMQ), which drops the pod's entries.
+    max_message_bytes: int = Field(default=16 << 20, ge=1024)
+    # The most a replay may bring (vLLM buffers 10,000 batches); past it, what came is used.
+    max_replay_bytes: int = Field(default=64 << 20, ge=1024)
 
     def endpoint(self, pod: str) -> KvEndpoint | None:
         found = self.endpoints.get(pod)

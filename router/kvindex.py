@@ -101,15 +101,17 @@ class KvIndex:
                 depth[pod] = i
         return {p: d for p, d in depth.items() if self._pods[p].block_size == block_size}
 
-    def annotate(self, blocks: tuple[int, ...], block_size: int, cands: list[Candidate]) -> None:
+    def annotate(self, blocks: tuple[int, ...], block_size: int, cands: list[Candidate]) -> bool:
         """Each candidate that publishes events in this block size learns how many of the
-        request's leading blocks it holds (`kv_held`); the others keep None (not known)."""
+        request's leading blocks it holds (`kv_held`); the others keep None (not known). True
+        if any holds some."""
         held = self.match(blocks, block_size)
         pods = self._pods
         for c in cands:
             entry = pods.get(c.pod)
             if entry is not None and entry.block_size == block_size:
                 c.kv_held = held.get(c.pod, 0)
+        return bool(held)
 
     def publishes(self, pod: PodId) -> bool:
         return pod in self._pods

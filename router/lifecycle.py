@@ -75,7 +75,8 @@ class Lifecycle:
         None: no pod."""
         candidates = self.fleet.candidates()
         if req.kv_blocks:
-            self.fleet.kv.annotate(req.kv_blocks, req.kv_block_size, candidates)
+            found = self.fleet.kv.annotate(req.kv_blocks, req.kv_block_size, candidates)
+            metrics.KV_LOOKUPS.labels("hit" if found else "miss").inc()
         if subset is not None:
             candidates = [c for c in candidates if c.pod in subset]
         result = (

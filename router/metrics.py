@@ -45,6 +45,12 @@ KV_BATCHES = Counter(
     "lost (a gap no replay filled: the pod's entries dropped), disconnected (entries dropped)",
     ["result"],
 )
+KV_LOOKUPS = Counter(
+    "llmgw_router_kv_lookups_total",
+    "Picks with the pods' block hashes, by whether some pod's KV events show the prompt's first "
+    "block (all misses while the pods publish: they hash otherwise than extauthz's kv_hashing)",
+    ["result"],
+)
 KV_BLOCKS = Gauge("llmgw_router_kv_blocks", "Distinct KV blocks the pods' events say they hold")
 FLEET_LOAD = Gauge("llmgw_router_fleet_load", "Fleet load published for quota borrowing")
 

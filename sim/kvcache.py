@@ -98,13 +98,10 @@ def kv_events(changes: Sequence[Change], block_size: int) -> list[kvevents.Event
         run.append(block_hash)
         if i + 1 < len(changes) and changes[i + 1][0] == stored:
             continue
-        hashes: list[int | bytes] = [h & _LOW64 for h in run]
+        hashes: list[int | bytes] = [kvevents.hash_value(h) for h in run]
         if stored:
             events.append(kvevents.BlockStored(hashes, None, [], block_size, medium="GPU"))
         else:
             events.append(kvevents.BlockRemoved(hashes, medium="GPU"))
         run = []
     return events
-
-
-_LOW64 = (1 << 64) - 1

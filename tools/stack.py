@@ -295,6 +295,7 @@ class Stack:
         """The simulated pods' block size: `--block-size` in sim_args, else the simulator's."""
         args = self.settings.sim_args
         sizes = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--block-size"]
+        sizes += [a.partition("=")[2] for a in args if a.startswith("--block-size=")]
         return int(sizes[-1]) if sizes else SimSettings().block_size
 
     def _vllm_process(self, index: int, model: Path) -> Process:

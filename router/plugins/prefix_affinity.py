@@ -12,7 +12,8 @@ Where a pod publishes its KV events (router/kvindex.py) and the request carries 
 block hashes, h is what the pod's events say it holds: the blocks it really has, whoever sent
 them (another replica, a pod restarted). Only the leading blocks are hashed (at most
 `max_blocks`): where a pod holds all of them, the map may know more of the rest (a
-conversation's own turns after a long system prompt), and the larger of the two counts. The map
+conversation's own turns after a long system prompt), and the larger of the two counts. Where
+no pod's events show any of the prompt, the map decides alone. The map
 stays for the pods that publish none, and for r: which entries a pod would evict next.
 
 When the pod holding most of it is overloaded per the imbalance thresholds, the holders count as
@@ -65,7 +66,10 @@ class PrefixAffinity:
             return [0.0] * len(cands)
         total = prompt_blocks(req)
         held = self.index.held(blocks, req.session, total) if blocks else {}
-        have = [self._have(req, c, held.get(c.pod, 0), total) for c in cands]
+        # Where no pod's events show any of it, the map decides: it may know what the events do
+        # not (the pods hashing otherwise than extauthz: llmgw_router_kv_lookups_total says).
+        known = any(c.kv_held for c in cands)
+        have = [self._have(req, c, held.get(c.pod, 0), total, known) for c in cands]
         share = [h / total for h in have]
         best = max(range(len(cands)), key=share.__getitem__)
         if share[best] > 0 and self.p.imbalance.yields(cands[best], cands):
@@ -80,12 +84,12 @@ class PrefixAffinity:
         return scores
 
     @staticmethod
-    def _have(req: PickRequest, c: Candidate, mapped: int, total: int) -> int:
+    def _have(req: PickRequest, c: Candidate, mapped: int, total: int, known: bool) -> int:
         """The prompt's blocks `c` holds, in the map's blocks of BLOCK_TOKENS."""
-        if c.kv_held is None:
+        if c.kv_held is None or not known:
             return mapped
-        known = min(total, c.kv_held * req.kv_block_size // BLOCK_TOKENS)
-        return max(known, mapped) if c.kv_held >= len(req.kv_blocks) else known
+        counted = min(total, c.kv_held * req.kv_block_size // BLOCK_TOKENS)
+        return max(counted, mapped) if c.kv_held >= len(req.kv_blocks) else counted
 
     def observe(self, req: PickRequest, chosen: Candidate) -> None:
         if not req.prefix_blocks:

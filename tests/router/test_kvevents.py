@@ -7,6 +7,7 @@ skipped."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from router.fleet import Fleet, FleetSettings, KvEndpoint, KvEventSettings
 from router.lifecycle import Lifecycle
 from router.registry import DEFAULT_PLUGINS, DEFAULT_PROFILE, default_registry
 from router.types import PickRequest
+from sim.faults import FaultState
+from sim.kvevents import KvEventPublisher
 from sim.pod import SimPod
 from sim.types import DEFAULT_MODEL, KvEventsConfig, SimSettings
 from tests import tiny_tokenizer
@@ -315,3 +318,127 @@ def request(pods: Pods, messages: list[dict[str, str]]) -> PickRequest:
         prefix_blocks=facts.block_hashes(facts.render({"messages": messages}), 64, "group"),
         first_turn=len(messages) == 1,
     )
+
+
+def stored(*hashes: int) -> list[kvevents.Event]:
+    return [kvevents.BlockStored(list(hashes), None, [], BLOCK, medium="GPU")]
+
+
+async def test_a_restarted_pods_queued_batches_are_not_taken_for_the_new_ones(
+    pods: Pods, subscribe: Run
+) -> None:
+    """The router busy (its loop held) while the old process sends ten batches and dies and a
+    new one starts on the same address and sends three: the old ones still queued are not
+    applied after the disconnection (they would be taken for the new process's, which counts
+    from 0 again, and the new ones skipped); the new process's are."""
+    endpoint = pods.endpoint("p")
+    ctx = zmq.Context()
+    old = ctx.socket(zmq.PUB)
+    old.bind(endpoint.publish)
+    try:
+        fleet, _ = await subscribe({"p": endpoint})
+        batch = kvevents.encode(kvevents.EventBatch(0.0, stored(1)))
+        for seq in range(200):  # until the subscription is live
+            old.send_multipart([b"", seq.to_bytes(8, "big"), batch])
+            await asyncio.sleep(0.05)
+            if held(fleet, "p", (1,)):
+                break
+        assert held(fleet, "p", (1,))
+        for k in range(10):  # the loop held from here: nothing is read
+            batch = kvevents.encode(kvevents.EventBatch(0.0, stored(100 + k)))
+            old.send_multipart([b"", (seq + 1 + k).to_bytes(8, "big"), batch])
+        time.sleep(0.3)  # noqa: ASYNC251 (the router's loop held on purpose)
+        old.close(linger=0)
+        time.sleep(0.3)  # noqa: ASYNC251
+        new = KvEventPublisher(
+            KvEventsConfig(enable_kv_cache_events=True, endpoint=endpoint.publish,
+                           replay_endpoint=endpoint.replay),
+            FaultState(0),
+        )  # fmt: skip
+        new.start()
+        for k in range(3):
+            new.publish(stored(200 + k))
+        time.sleep(0.3)  # noqa: ASYNC251
+        try:
+            await eventually_async(
+                lambda: all(held(fleet, "p", (200 + k,)) for k in range(3)), 10, "new blocks"
+            )
+            assert not any(held(fleet, "p", (h,)) for h in (1, *range(100, 110)))
+        finally:
+            await new.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_replay_with_a_hole_keeps_only_the_unbroken_run_to_the_newest(
+    pods: Pods, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's replay socket drops what passes its high-water mark: a block stored before the
+    hole whose eviction fell in it would be counted for ever. The pod's entries are dropped,
+    and only the batches after the last hole are applied."""
+    settings = KvEventSettings(endpoints={"p": pods.endpoint("p")})
+    fleet = Fleet(FleetSettings(kv_events=settings))
+    fleet.set_pods(["p"])
+    subscriber = KvEventSubscriber(fleet, settings)
+    fleet.kv.stored("p", [9], BLOCK)  # known before the gap
+    replayed = [
+        (q, kvevents.encode(kvevents.EventBatch(0.0, stored(10 + q)))) for q in (3, 4, 6, 7)
+    ]
+
+    async def replay(_: object, start: int, until: int) -> list[tuple[int, bytes]]:
+        return [b for b in replayed if start <= b[0] < until]
+
+    monkeypatch.setattr(subscriber, "_replay", replay)
+    last = await subscriber._catch_up("p", settings.endpoints["p"], 3, 8, 2)
+    assert last == 7
+    assert [h for h in (9, 13, 14, 16, 17) if held(fleet, "p", (h,))] == [16, 17]
+    # Complete: every batch applied, nothing dropped.
+    fleet.kv.stored("p", [9], BLOCK)
+    last = await subscriber._catch_up("p", settings.endpoints["p"], 6, 8, 5)
+    assert last == 7 and held(fleet, "p", (9,))
+
+
+async def test_a_message_past_the_size_bound_is_never_applied(pods: Pods) -> None:
+    """ZMQ ends the connection on a message larger than max_message_bytes: the pod's entries
+    go with it, and the batch is not applied."""
+    endpoint = pods.endpoint("p", replay=False)
+    settings = KvEventSettings(endpoints={"p": endpoint}, max_message_bytes=4096)
+    fleet = Fleet(FleetSettings(kv_events=settings))
+    fleet.set_pods(["p"])
+    task = asyncio.create_task(KvEventSubscriber(fleet, settings).run())
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint.publish)
+    try:
+        small = kvevents.encode(kvevents.EventBatch(0.0, stored(1)))
+        for seq in range(200):
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), small])
+            await asyncio.sleep(0.05)
+            if held(fleet, "p", (1,)):
+                break
+        disconnected = batches("disconnected")
+        large = kvevents.encode(kvevents.EventBatch(0.0, stored(*range(2, 2000))))
+        assert len(large) > 4096
+        await pub.send_multipart([b"", (seq + 1).to_bytes(8, "big"), large])
+        await eventually_async(lambda: batches("disconnected") > disconnected, 10)
+        assert fleet.kv.size("p") == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.destroy(linger=0)
+
+
+def test_only_the_full_attention_cache_is_indexed(pods: Pods) -> None:
+    """A hybrid model's sliding-window group stores and evicts blocks of its own: they are not
+    a prompt's prefix, and their evictions must not remove the full-attention group's."""
+    settings = KvEventSettings(endpoints={"p": pods.endpoint("p")})
+    fleet = Fleet(FleetSettings(kv_events=settings))
+    fleet.set_pods(["p"])
+    subscriber = KvEventSubscriber(fleet, settings)
+    full = kvevents.BlockStored([1, 2], None, [], BLOCK, group_idx=0,
+                                kv_cache_spec_kind="full_attention")  # fmt: skip
+    window = kvevents.BlockStored([1, 3], None, [], BLOCK, group_idx=1,
+                                  kv_cache_spec_kind="sliding_window")  # fmt: skip
+    evicted = kvevents.BlockRemoved([1], group_idx=1)
+    subscriber.apply("p", kvevents.encode(kvevents.EventBatch(0.0, [full, window, evicted])))
+    assert held(fleet, "p", (1, 2)) == 2 and not held(fleet, "p", (3,))

@@ -264,6 +264,9 @@ def test_prefix_affinity_believes_the_pods_own_events_over_its_map() -> None:
     s.observe(req, c)
     a.kv_held, b.kv_held = 0, 4
     assert list(s.score(req, [a, b, c])) == [0.0, 0.5, 1.0]
+    # No pod's events show any of it (the pods may hash otherwise): the map decides.
+    b.kv_held = 0
+    assert list(s.score(req, [a, b, c])) == [1.0, 0.0, 1.0]
     # Holding every hashed block, a pod may hold more than they cover: the map says how much.
     req = PickRequest(prefix_blocks=prompt, kv_blocks=(1, 2), kv_block_size=128, prompt_tokens=1024)
     a.kv_held = 2
