@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ import pytest
 
 from llmgw import wire
 from sim.types import DEFAULT_MODEL
-from tests.e2e.conftest import api_key, stack_settings
+from tests.e2e.conftest import PATIENT_SCRAPES, api_key, stack_settings
 from tests.e2e.test_auth import access_log
+from tests.eventually import eventually
 from tests.http import Reply, call
 from tools.stack import Stack
 
@@ -124,15 +126,28 @@ def test_oversize_body_is_an_openai_413(
     assert raised.value.status_code == 413
 
 
-def test_destination_header_from_the_client_is_ignored(tmp_path: Path) -> None:
+def router_metrics(stack: Stack) -> str:
+    with urllib.request.urlopen(stack.metrics["router"], timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def test_destination_header_from_the_client_is_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A client cannot pick the pod by sending the router's own header (the endpoint picker
     protocol's `x-gateway-destination-endpoint`) naming one. The pod it names here is real but
     serves another model, so a request that went there would be that pod's 404; the router's
     pick, the one pod serving the model, serves it. (A made-up address would prove nothing:
     Envoy's override_host falls back to its own choice for a host not in the cluster.)"""
+    for name, value in PATIENT_SCRAPES.items():  # the router's pick however busy the machine
+        monkeypatch.setenv(name, value)
     settings = stack_settings().model_copy(update={"pod_args": ((), ("--model", "other-model"))})
     with Stack(settings, tmp_path / "stack") as stack:
         serving, named = (f"{pod.host}:{pod.port}" for pod in stack.pods)
+        # Until the router knows both pods (else Envoy's fallback picks, by chance either).
+        wanted = [f'llmgw_router_pod_pickable{{pod="{pod}"}} 1.0' for pod in (serving, named)]
+        known = lambda: all(w in router_metrics(stack) for w in wanted)  # noqa: E731
+        eventually(known, 30, lambda: router_metrics(stack))
         resp = call(
             "POST",
             f"{stack.base_url}/chat/completions",
