@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -114,6 +115,9 @@ class FleetSettings(Strict):
     pod_api_key: Secret | None = None
     # The pods' KV events (router/collectors/kvevents.py); None: the approximate map only.
     kv_events: KvEventSettings | None = None
+    # Where the scraper and the KV-event subscriber run: in a process of their own (the pick's
+    # event loop never waits for them; router/collectors/process.py), or on the pick's loop.
+    collectors: Literal["process", "inline"] = "process"
 
     @field_validator("pods")
     @classmethod
@@ -137,6 +141,7 @@ class Fleet:
         self.health = Health(settings.error_threshold, settings.error_cooldown)
         self.capacity = Capacity()
         self.speeds = Speeds()
+        self.speeds.changed = _show_speeds
         self._served: frozenset[str] | None = None
         self._served_known = False  # _served is current (the pods' model lists did not change)
         self.contexts = Contexts()
@@ -180,7 +185,6 @@ class Fleet:
         if snap.ok:
             self.capacity.observe(snap, self.capacity_of(pod))
             self.speeds.observe(snap)
-            metrics.SPEED.labels(pod).set(self.speeds.current.get(pod, 1.0))
             unseen, seen_before = self._unseen[pod], snap.at - self.settings.dispatch_lag
             arrived = _arrivals(old, snap)
             while unseen and (unseen[0] < seen_before or (arrived > 0 and unseen[0] < snap.at)):
@@ -317,6 +321,11 @@ class Fleet:
         if self.in_flight.get(pod, 0) > 0:
             self.in_flight[pod] -= 1
             metrics.in_flight(pod).dec()
+
+
+def _show_speeds(speeds: dict[PodId, float]) -> None:
+    for pod, speed in speeds.items():
+        metrics.SPEED.labels(pod).set(speed)
 
 
 def _arrivals(old: PodMetrics, new: PodMetrics) -> int:

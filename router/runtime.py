@@ -20,6 +20,7 @@ from llmgw.link import RedisLink
 from router import publisher
 from router.collectors import kvevents
 from router.collectors.outcomes import OutcomeService
+from router.collectors.process import CollectorProcess
 from router.collectors.resolver import Resolver
 from router.collectors.scraper import Scraper
 from router.engine import Engine
@@ -47,11 +48,12 @@ class Router(Lifecycle):
         """Resolve the pods, then keep resolving, scraping and publishing until `stop`."""
         resolver = Resolver(self.fleet)
         self.fleet.set_pods(await resolver.resolve())
-        self._tasks = [
-            asyncio.create_task(resolver.run()),
-            asyncio.create_task(Scraper(self.fleet).run()),
-            asyncio.create_task(kvevents.run(self.fleet)),
-        ]
+        self._tasks = [asyncio.create_task(resolver.run())]
+        if self.fleet.settings.collectors == "process":
+            self._tasks.append(asyncio.create_task(CollectorProcess(self.fleet).run()))
+        else:
+            self._tasks.append(asyncio.create_task(Scraper(self.fleet).run()))
+            self._tasks.append(asyncio.create_task(kvevents.run(self.fleet)))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(publisher.run(self.fleet, self.redis)))
 

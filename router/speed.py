@@ -16,6 +16,7 @@ where this estimate settles.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.types import PodId, PodMetrics
@@ -38,7 +39,26 @@ class Speeds:
         self.min_tokens = min_tokens
         self.step = step
         self._pods: dict[PodId, _Pod] = {}
-        self.current: dict[PodId, float] = {}  # pods left out run at 1
+        self._current: dict[PodId, float] = {}
+        # Recomputed when read after a change, not at each scrape: every pod's scrape would
+        # otherwise cost a pass over every pod (quadratic in the fleet's size).
+        self._stale = False
+        # Told each pod's new speed when they are recomputed (1 for a pod left out now).
+        self.changed: Callable[[dict[PodId, float]], None] | None = None
+
+    @property
+    def current(self) -> dict[PodId, float]:
+        """Each pod's speed; pods left out run at 1."""
+        if self._stale:
+            self._stale = False
+            old, self._current = self._current, self._speeds()
+            if self.changed is not None:
+                self.changed(dict.fromkeys(old.keys() - self._current.keys(), 1.0) | self._current)
+        return self._current
+
+    @current.setter
+    def current(self, speeds: dict[PodId, float]) -> None:  # (as a test sets them)
+        self._current, self._stale = speeds, False
 
     def observe(self, metrics: PodMetrics) -> None:
         seconds, count = metrics.itl_seconds, metrics.itl_count
@@ -52,11 +72,11 @@ class Speeds:
         p.recent_seconds = p.recent_seconds * decay + seconds - p.seconds
         p.recent_count = p.recent_count * decay + count - p.count
         p.at, p.seconds, p.count = metrics.at, seconds, count
-        self.current = self._speeds()
+        self._stale = True
 
     def forget(self, pod: PodId) -> None:
         self._pods.pop(pod, None)
-        self.current = self._speeds()
+        self._stale = True
 
     def _speeds(self) -> dict[PodId, float]:
         means = {
@@ -71,7 +91,7 @@ class Speeds:
         speeds = {}
         for pod, mean in means.items():
             raw = fastest / mean
-            was = self.current.get(pod)
+            was = self._current.get(pod)
             keep = was is not None and abs(raw - was) < step
             speeds[pod] = was if keep and was is not None else max(step, round(raw / step) * step)
         return speeds

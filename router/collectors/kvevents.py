@@ -43,10 +43,12 @@ Batches = Sequence[tuple[int, bytes]]
 
 
 class KvEventSubscriber:
-    def __init__(self, fleet: Fleet, settings: KvEventSettings) -> None:
+    def __init__(
+        self, fleet: Fleet, settings: KvEventSettings, index: KvIndex | None = None
+    ) -> None:
         self.fleet = fleet
         self.settings = settings
-        self.index: KvIndex = fleet.kv
+        self.index = fleet.kv if index is None else index  # (the collectors' process records)
         self._ctx: zmq.asyncio.Context | None = None  # run's
         self._tasks: dict[PodId, asyncio.Task[None]] = {}
         self._groups: dict[PodId, set[int | None]] = {}  # each pod's full-attention groups

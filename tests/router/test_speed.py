@@ -50,7 +50,7 @@ def test_a_restarted_pod_starts_over() -> None:
     feed(speeds, 0.0, {"a": (0.0, 0), "b": (0.0, 0)})
     feed(speeds, 1.0, {"a": (1.0, 100), "b": (2.0, 100)})
     feed(speeds, 2.0, {"b": (0.0, 0)})  # restarted: its counters went back
-    assert speeds.current == {"a": 1.0, "b": 0.5}  # what it last showed, until new tokens
+    assert speeds.current == {"a": 1.0}  # left out (full speed) until it has tokens again
     feed(speeds, 3.0, {"a": (2.0, 200), "b": (1.0, 100)})  # now as fast as a, from zero
     assert speeds.current["b"] == 1.0
     speeds.forget("b")

@@ -1,0 +1,215 @@
+"""The collectors in a process of their own (router/collectors/process.py), through a real child:
+the scrapes go on while the pick's event loop is stalled, what the child reads reaches the
+parent's datastore (scrapes, KV events, counters, pods that come and go), a child killed is
+started again and its KV entries relearnt, and a parent killed takes its child with it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from router import metrics
+from router.collectors.process import CollectorProcess
+from router.fleet import Fleet, FleetSettings, KvEventSettings
+from tests.eventually import eventually, eventually_async
+from tests.router.conftest import metrics_text
+from tests.router.test_kvevents import PROMPT_A, Pods, chat, held
+
+
+class _Pod(BaseHTTPRequestHandler):
+    """/metrics and /v1/models from a thread of the test's own: it answers while the test's
+    event loop is stalled."""
+
+    hits: list[float]
+    status: int
+
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            type(self).hits.append(time.monotonic())
+            body = metrics_text(running=2).encode()
+        else:
+            body = b'{"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}'
+        self.send_response(type(self).status)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def threaded_pod() -> Iterator[tuple[str, type[_Pod]]]:
+    handler = type("Pod", (_Pod,), {"hits": [], "status": 200})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+Start = Callable[[Fleet], CollectorProcess]
+
+
+@pytest.fixture
+async def collectors() -> AsyncIterator[Start]:
+    """Starts a fleet's collectors' process; all stopped (the child killed) at the end."""
+    tasks: list[asyncio.Task[None]] = []
+
+    def start(fleet: Fleet) -> CollectorProcess:
+        process = CollectorProcess(fleet)
+        tasks.append(asyncio.create_task(process.run()))
+        return process
+
+    yield start
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def fleet_of(*pods: str, **settings: object) -> Fleet:
+    fleet = Fleet(
+        FleetSettings.model_validate(
+            {"pods": list(pods), "scrape_interval": 0.05, "scrape_timeout": 1.0} | settings
+        )
+    )
+    fleet.set_pods(pods)
+    return fleet
+
+
+def scraped_ok(fleet: Fleet, pod: str) -> bool:
+    snap = fleet.snapshots.get(pod)
+    return snap is not None and snap.ok
+
+
+async def test_the_scrapes_go_on_while_the_picks_loop_is_stalled(
+    threaded_pod: tuple[str, type[_Pod]], collectors: Start
+) -> None:
+    """The point of the process: a check's loop that is busy (here: stalled outright for a
+    second) delays no scrape. With the scraper on that loop, no scrape is sent meanwhile."""
+    pod, handler = threaded_pod
+    fleet = fleet_of(pod)
+    collectors(fleet)
+    await eventually_async(lambda: scraped_ok(fleet, pod), 30, "the pod scraped")
+    snap = fleet.snapshots[pod]
+    assert (snap.running, snap.contexts) == (2.0, {"m": 4096})
+    before = len(handler.hits)
+    stalled = time.monotonic()
+    time.sleep(1.0)  # noqa: ASYNC251 (the loop stalled, as a long check would)
+    during = [t for t in handler.hits[before:] if t > stalled + 0.1]
+    assert len(during) >= 3, f"{len(during)} scrapes while the loop was stalled"
+    # and the parent takes the newest once it runs again
+    await eventually_async(lambda: fleet.snapshots[pod].at > stalled + 1.0, 10, "a newer scrape")
+
+
+async def test_pods_that_come_and_go_and_failed_scrapes_reach_the_parent(
+    threaded_pod: tuple[str, type[_Pod]], collectors: Start
+) -> None:
+    pod, handler = threaded_pod
+    fleet = fleet_of()
+    collectors(fleet)
+    fleet.set_pods([pod])  # the resolver found it after the start
+    await eventually_async(lambda: scraped_ok(fleet, pod), 30, "the new pod scraped")
+    errors = metrics.SCRAPE_ERRORS.labels(pod)._value.get()
+    handler.status = 500
+    await eventually_async(lambda: not fleet.snapshots[pod].ok, 10, "the failed scrape")
+    await eventually_async(
+        lambda: metrics.SCRAPE_ERRORS.labels(pod)._value.get() > errors, 10, "counted"
+    )
+    fleet.set_pods([])
+    hits = len(handler.hits)
+    await asyncio.sleep(1.0)  # the child told within PODS_SECONDS; then no more scrapes
+    settled = len(handler.hits)
+    await asyncio.sleep(0.5)
+    assert len(handler.hits) == settled, "a pod gone from the fleet is still scraped"
+    assert settled - hits < 30
+
+
+@pytest.fixture
+async def pods(tmp_path: Path) -> AsyncIterator[Pods]:
+    made = Pods(tmp_path)
+    yield made
+    for pod in made.pods:
+        await pod.close()
+
+
+async def test_kv_events_reach_the_parents_index_and_a_killed_child_is_replaced(
+    pods: Pods, collectors: Start
+) -> None:
+    endpoint = pods.endpoint("p")
+    sim = await pods.start(endpoint)
+    fleet = fleet_of(kv_events=KvEventSettings(endpoints={"p": endpoint}).model_dump())
+    fleet.set_pods(["p"])  # (no pod to scrape at "p": only its events are read)
+    process = collectors(fleet)
+    blocks = pods.blocks(PROMPT_A)
+    await chat(sim, PROMPT_A)
+    await eventually_async(lambda: held(fleet, "p", blocks) == len(blocks), 30, "A's blocks")
+    assert process.proc is not None
+    first = process.proc.pid
+    os.kill(first, signal.SIGKILL)
+    # Dropped when the child died (it may have missed an eviction), relearnt from the replay.
+    await eventually_async(lambda: not fleet.kv.publishes("p"), 10, "the entries dropped")
+    await eventually_async(lambda: held(fleet, "p", blocks) == len(blocks), 30, "relearnt")
+    assert process.proc is not None and process.proc.pid != first
+
+
+PARENT = """
+import asyncio, sys
+from router.collectors.process import CollectorProcess
+from router.fleet import Fleet, FleetSettings
+
+async def main() -> None:
+    fleet = Fleet(FleetSettings(pods=[sys.argv[1]]))
+    fleet.set_pods([sys.argv[1]])
+    process = CollectorProcess(fleet)
+    task = asyncio.create_task(process.run())
+    while process.proc is None:
+        await asyncio.sleep(0.01)
+    print(process.proc.pid, flush=True)
+    await task
+
+asyncio.run(main())
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_a_parent_killed_takes_its_child_with_it(threaded_pod: tuple[str, type[_Pod]]) -> None:
+    pod, handler = threaded_pod
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, pod],
+        stdout=subprocess.PIPE,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        eventually(lambda: len(handler.hits) > 0, 30, "the child scraping")
+        parent.kill()
+        parent.wait(10)
+        eventually(lambda: gone(child), 10, "the orphaned child gone")
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if parent.stdout is not None:
+            parent.stdout.close()
