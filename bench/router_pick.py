@@ -1,7 +1,7 @@
 """Router pick time in the service (span + candidates + filters + scorers + picker + in-flight),
 for 16 and 256 pods, and the cost of parsing one vLLM /metrics page.
 
-    .venv/bin/python bench/router_pick.py [--picks 5000]
+    .venv/bin/python -m bench.router_pick [--picks 5000]
 
 Targets (issue 5): pick p50 < 0.3 ms at 16 pods and < 1 ms at 256 pods.
 """

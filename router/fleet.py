@@ -127,6 +127,11 @@ class FleetSettings(Strict):
         return pods
 
 
+# The speeds are recomputed when a pick reads them after a scrape changed them, and at least
+# this often for the gauge (a router that picks nothing still shows them).
+SPEEDS_SHOWN_EVERY = 1.0
+
+
 class Fleet:
     def __init__(
         self, settings: FleetSettings, clock: Callable[[], float] = time.monotonic
@@ -142,6 +147,7 @@ class Fleet:
         self.capacity = Capacity()
         self.speeds = Speeds()
         self.speeds.changed = _show_speeds
+        self._speeds_shown = float("-inf")  # when the scrapes last refreshed the speeds' gauge
         self._served: frozenset[str] | None = None
         self._served_known = False  # _served is current (the pods' model lists did not change)
         self.contexts = Contexts()
@@ -165,6 +171,7 @@ class Fleet:
             self.contexts.forget(pod)
             self.kv.drop(pod)
         for pod in wanted - set(self.snapshots):
+            metrics.SPEED.labels(pod).set(1.0)  # until its latency says otherwise
             self.snapshots[pod] = PodMetrics(pod, float("-inf"), ok=False)
             self.in_flight[pod] = 0
             self._unseen[pod] = deque()
@@ -185,6 +192,9 @@ class Fleet:
         if snap.ok:
             self.capacity.observe(snap, self.capacity_of(pod))
             self.speeds.observe(snap)
+            if snap.at - self._speeds_shown >= SPEEDS_SHOWN_EVERY:  # picks or not
+                self._speeds_shown = snap.at
+                _ = self.speeds.current
             unseen, seen_before = self._unseen[pod], snap.at - self.settings.dispatch_lag
             arrived = _arrivals(old, snap)
             while unseen and (unseen[0] < seen_before or (arrived > 0 and unseen[0] < snap.at)):

@@ -75,6 +75,11 @@ class KvIndex:
         self.cleared(pod)
         self._pods.pop(pod, None)
 
+    def reset(self) -> None:
+        """Forget every pod."""
+        self._pods.clear()
+        self._where.clear()
+
     def _unlink(self, h: int, pod: PodId) -> None:
         holders = self._where.get(h)
         if isinstance(holders, str):

@@ -43,7 +43,7 @@ class Speeds:
         # Recomputed when read after a change, not at each scrape: every pod's scrape would
         # otherwise cost a pass over every pod (quadratic in the fleet's size).
         self._stale = False
-        # Told each pod's new speed when they are recomputed (1 for a pod left out now).
+        # Told the speeds that moved when they are recomputed (1 for a pod left out now).
         self.changed: Callable[[dict[PodId, float]], None] | None = None
 
     @property
@@ -51,9 +51,11 @@ class Speeds:
         """Each pod's speed; pods left out run at 1."""
         if self._stale:
             self._stale = False
-            old, self._current = self._current, self._speeds()
+            old, new = self._current, self._speeds()
+            self._current = new
             if self.changed is not None:
-                self.changed(dict.fromkeys(old.keys() - self._current.keys(), 1.0) | self._current)
+                moved = {pod: v for pod, v in new.items() if old.get(pod) != v}
+                self.changed(dict.fromkeys(old.keys() - new.keys(), 1.0) | moved)
         return self._current
 
     @current.setter

@@ -1,5 +1,7 @@
 """`python -m router.collectors`: the collectors' process a router starts (router/collectors/
-process.py); not run by hand. Ctrl-C goes to its parent, which ends it."""
+process.py); not run by hand. It ends when its stdin does: SIGINT and SIGTERM sent to the
+process group (Ctrl-C, a supervisor stopping the router) are its parent's to act on, and the
+parent drains its checks with the pods still scraped."""
 
 from __future__ import annotations
 
@@ -11,4 +13,5 @@ from router.collectors.process import child
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     uvloop.run(child())

@@ -23,7 +23,7 @@ _LENGTH = 4
 
 
 class Start(msgspec.Struct, tag=True):
-    fleet: dict[str, Any]  # FleetSettings, the pods' key in clear
+    fleet: dict[str, Any]  # FleetSettings as JSON, its secrets in clear (process.py)
     log_level: str
 
 
@@ -35,15 +35,27 @@ class Scraped(msgspec.Struct, tag=True):
     snaps: list[PodMetrics]
 
 
-# The KV index's operations (router/kvindex.py), applied in order by the parent.
-STORED, REMOVED, CLEARED, DROP = range(4)
-
-
-class KvOp(msgspec.Struct, array_like=True):
-    kind: int
+# The KV index's operations (router/kvindex.py), applied by the parent in the order given.
+class Stored(msgspec.Struct, tag=True, array_like=True):
     pod: PodId
-    hashes: list[int] = []
-    block_size: int = 0
+    hashes: list[int]
+    block_size: int
+
+
+class Removed(msgspec.Struct, tag=True, array_like=True):
+    pod: PodId
+    hashes: list[int]
+
+
+class Cleared(msgspec.Struct, tag=True, array_like=True):
+    pod: PodId
+
+
+class Dropped(msgspec.Struct, tag=True, array_like=True):
+    pod: PodId
+
+
+KvOp = Stored | Removed | Cleared | Dropped
 
 
 class KvOps(msgspec.Struct, tag=True):

@@ -21,11 +21,14 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import Counter
+from pydantic import SecretStr
 
 from llmgw import logs
+from llmgw.config import reveal
 from router import metrics
 from router.collectors import channel
 from router.collectors.channel import KvOp
@@ -44,6 +47,9 @@ COUNT_SECONDS = 1.0  # how often the child's counters are sent
 # Hashes the child may hold for a parent that does not read (its loop stalled): past it they are
 # replaced by clearing their pods (a lookup may then undercount, never count a block evicted).
 MAX_PENDING_HASHES = 1 << 20
+# A frame's KV operations: the parent applies a frame at once, then lets the checks run (1M
+# hashes held its loop ~1 s; ~16k take ~15 ms; a vLLM step's batch is a handful of blocks).
+FRAME_HASHES = 1 << 14
 
 
 class CollectorProcess:
@@ -63,9 +69,8 @@ class CollectorProcess:
                 raise
             except Exception:  # a broken child is restarted, never the end of the router
                 log.exception("the collectors' process failed")
-            for pod in list(self.fleet.snapshots):
-                self.fleet.kv.drop(pod)
-            metrics.KV_BLOCKS.set(self.fleet.kv.entries())
+            self.fleet.kv.reset()  # what the child saw is unknown now (the next one replays)
+            metrics.KV_BLOCKS.set(0)
             await asyncio.sleep(RESTART_SECONDS)
 
     async def _child(self) -> None:
@@ -82,18 +87,17 @@ class CollectorProcess:
         try:
             while (payload := await channel.read_frame(proc.stdout)) is not None:
                 self.apply(channel.to_parent.decode(payload))
+                await asyncio.sleep(0)  # the checks run between frames (each is bounded)
             log.error("the collectors' process ended", extra={"returncode": await proc.wait()})
         finally:
             feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
 
     async def _feed(self, stdin: asyncio.StreamWriter) -> None:
-        settings = self.fleet.settings.model_dump(mode="json")
-        key = self.fleet.settings.pod_api_key
-        settings["pod_api_key"] = None if key is None else key.get_secret_value()
-        stdin.write(channel.frame(channel.Start(settings, self.log_level)))
+        stdin.write(channel.frame(channel.Start(_in_clear(self.fleet.settings), self.log_level)))
         sent: set[PodId] | None = None
         while True:
             pods = set(self.fleet.snapshots)
@@ -109,13 +113,15 @@ class CollectorProcess:
             for snap in message.snaps:
                 fleet.store(snap)
         elif isinstance(message, channel.KvOps):
-            index = fleet.kv
+            index, pods = fleet.kv, fleet.snapshots
             for op in message.ops:
-                if op.kind == channel.STORED:
+                if op.pod not in pods:  # gone since (the child learns it later): forgotten
+                    index.drop(op.pod)
+                elif isinstance(op, channel.Stored):
                     index.stored(op.pod, op.hashes, op.block_size)
-                elif op.kind == channel.REMOVED:
+                elif isinstance(op, channel.Removed):
                     index.removed(op.pod, op.hashes)
-                elif op.kind == channel.CLEARED:
+                elif isinstance(op, channel.Cleared):
                     index.cleared(op.pod)
                 else:
                     index.drop(op.pod)
@@ -136,16 +142,16 @@ class _Recorder(KvIndex):
         self.outbox = outbox
 
     def stored(self, pod: PodId, hashes: Iterable[int], block_size: int) -> None:
-        self.outbox.kv(KvOp(channel.STORED, pod, list(hashes), block_size))
+        self.outbox.kv(channel.Stored(pod, list(hashes), block_size))
 
     def removed(self, pod: PodId, hashes: Iterable[int]) -> None:
-        self.outbox.kv(KvOp(channel.REMOVED, pod, list(hashes)))
+        self.outbox.kv(channel.Removed(pod, list(hashes)))
 
     def cleared(self, pod: PodId) -> None:
-        self.outbox.kv(KvOp(channel.CLEARED, pod))
+        self.outbox.kv(channel.Cleared(pod))
 
     def drop(self, pod: PodId) -> None:
-        self.outbox.kv(KvOp(channel.DROP, pod))
+        self.outbox.kv(channel.Dropped(pod))
 
 
 class _Outbox:
@@ -165,10 +171,9 @@ class _Outbox:
 
     def kv(self, op: KvOp) -> None:
         self.ops.append(op)
-        self.hashes += len(op.hashes)
+        self.hashes += _hashes(op)
         if self.hashes > MAX_PENDING_HASHES:
-            pods = dict.fromkeys(o.pod for o in self.ops)
-            self.ops = [KvOp(channel.CLEARED, pod) for pod in pods]
+            self.ops = _collapsed(self.ops)
             self.hashes = 0
         self.pending.set()
 
@@ -180,9 +185,10 @@ class _Outbox:
             if self.snaps:
                 self.out.write(channel.frame(channel.Scraped(list(self.snaps.values()))))
                 self.snaps = {}
-            if self.ops:
-                self.out.write(channel.frame(channel.KvOps(self.ops)))
-                self.ops, self.hashes = [], 0
+            ops, self.ops, self.hashes = self.ops, [], 0
+            for frame in _frames(ops):
+                self.out.write(channel.frame(channel.KvOps(frame)))
+                await self.out.drain()
             await self.out.drain()
 
     async def count(self) -> None:
@@ -200,6 +206,43 @@ class _Outbox:
             if any(grown.values()):
                 self.out.write(channel.frame(channel.Counted(**grown)))
                 await self.out.drain()
+
+
+def _hashes(op: KvOp) -> int:
+    return len(op.hashes) if isinstance(op, channel.Stored | channel.Removed) else 0
+
+
+def _frames(ops: list[KvOp]) -> Iterator[list[KvOp]]:
+    """The operations in order, cut where a frame reaches `FRAME_HASHES`."""
+    frame: list[KvOp] = []
+    hashes = 0
+    for op in ops:
+        frame.append(op)
+        hashes += _hashes(op)
+        if hashes >= FRAME_HASHES:
+            yield frame
+            frame, hashes = [], 0
+    if frame:
+        yield frame
+
+
+def _collapsed(ops: list[KvOp]) -> list[KvOp]:
+    """Operations too many to hold, replaced by what is safe to believe of their pods: a pod
+    dropped among them forgotten, any other known empty (a lookup may then undercount, never
+    count a block whose eviction was among them)."""
+    dropped = {op.pod for op in ops if isinstance(op, channel.Dropped)}
+    pods = dict.fromkeys(op.pod for op in ops)
+    return [channel.Dropped(p) if p in dropped else channel.Cleared(p) for p in pods]
+
+
+def _in_clear(settings: FleetSettings) -> dict[str, Any]:
+    """The settings as JSON with their secrets' values (pydantic's JSON masks them)."""
+    data = settings.model_dump(mode="json")
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            data[name] = reveal(value)
+    return data
 
 
 def _grown(counter: Counter, sent: dict[str, float]) -> dict[str, float]:
@@ -244,16 +287,26 @@ async def child() -> None:
         asyncio.create_task(Scraper(fleet).run()),
         asyncio.create_task(outbox.run()),
         asyncio.create_task(outbox.count()),
+        asyncio.create_task(_told(reader, fleet)),
     ]
     if fleet.settings.kv_events is not None:
         subscriber = KvEventSubscriber(fleet, fleet.settings.kv_events, _Recorder(outbox))
         tasks.append(asyncio.create_task(subscriber.run()))
+    # Until stdin ends, or any part fails (the parent then starts another child).
     try:
-        while (payload := await channel.read_frame(reader)) is not None:
-            message = channel.to_child.decode(payload)
-            if isinstance(message, channel.Pods):
-                fleet.set_pods(message.pods)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("a collector failed", exc_info=task.exception())
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _told(reader: asyncio.StreamReader, fleet: Fleet) -> None:
+    """The parent's pods, until stdin ends."""
+    while (payload := await channel.read_frame(reader)) is not None:
+        message = channel.to_child.decode(payload)
+        if isinstance(message, channel.Pods):
+            fleet.set_pods(message.pods)

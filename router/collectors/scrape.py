@@ -1,8 +1,8 @@
 """Reading a vLLM pod: the few `/metrics` lines the router needs, and `/v1/models` (the model IDs
 and each one's context, `max_model_len`).
 
-The parser looks only at lines starting with `vllm:` and splits them by hand: about 10x cheaper
-than prometheus_client's parser on a full vLLM page (bench/router_pick.py measures both).
+The parser reads only the wanted samples' lines, found by one regular expression: about 100x
+cheaper than prometheus_client's parser on a full vLLM page (bench/router_pick.py measures both).
 Values of the same name are summed over label sets (several engines), KV usage is averaged;
 V1's `vllm:kv_cache_usage_perc` wins over the older `vllm:gpu_cache_usage_perc`. The served
 counters (prompt + generation tokens, finished requests of every `finished_reason`) feed the
@@ -21,7 +21,7 @@ import aiohttp
 from router.types import PodId, PodMetrics
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
-_WANTED = {
+_WANTED = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
@@ -32,7 +32,15 @@ _WANTED = {
     "vllm:request_success_total",
     "vllm:inter_token_latency_seconds_sum",
     "vllm:inter_token_latency_seconds_count",
-}
+)
+# A wanted sample's line: its name, its labels, its value (then maybe a timestamp). The pattern
+# starts with a literal, which the regex engine finds in C: Python sees only the wanted lines
+# (about 2x cheaper than splitting every line of a vLLM page).
+_LINE = re.compile(
+    r"\n(" + "|".join(map(re.escape, _WANTED)) + r")"
+    r"(?:\{([^\n]*?)\})?"  # labels, to the first brace that ends them (a value may hold one)
+    r"[ \t]+([^ \t\n]+)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,28 +60,13 @@ def parse_metrics(text: str) -> VllmMetrics:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     labels: dict[str, str] = {}
-    for line in text.split("\n"):
-        if not line.startswith("vllm:"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if 0 <= brace < space or (brace >= 0 and space < 0):
-            name = line[:brace]
-            if name not in _WANTED:
-                continue
-            close = line.rfind("}")
-            rest = line[close + 1 :]
-            if name == "vllm:cache_config_info":
-                labels.update(_LABEL.findall(line[brace:close]))
-        else:
-            name = line[:space]
-            if name not in _WANTED:
-                continue
-            rest = line[space:]
+    for name, label_text, raw in _LINE.findall("\n" + text):
         try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
+            value = float(raw)
+        except ValueError:
             continue
+        if name == "vllm:cache_config_info":
+            labels.update(_LABEL.findall(label_text))
         sums[name] = sums.get(name, 0.0) + value
         counts[name] = counts.get(name, 0) + 1
     kv_name = (
