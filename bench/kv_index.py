@@ -7,7 +7,10 @@ holding `--blocks` blocks of prompts `--prompt-blocks` long, shared by `--share`
 - lookup: `KvIndex.annotate` for a request of 64 blocks against every pod as a candidate (what
   each pick does), for a prompt held by a few pods and for one held by none;
 - batch: one KV-event batch as a pod sends it after a step (msgpack bytes: `--batch` blocks
-  stored and as many removed), decoded and applied (router/collectors/kvevents.py `apply`);
+  stored and as many removed), decoded and applied (router/collectors/kvevents.py `apply`): all
+  of it on the pick's process with `fleet.collectors: inline`; with the collectors' process
+  (the default) the pick's process pays `applied`: the batch's operations, hashes only, decoded
+  from the child's frame and applied (router/collectors/process.py `apply`);
 - memory: the index's resident growth, per block a pod holds (a block on 4 pods counts 4).
 
     python -m bench.kv_index [--pods 16,256,1024] [--blocks 4096] [--seconds 1.0]
@@ -23,7 +26,9 @@ import time
 from collections.abc import Callable
 
 from llmgw import kvevents
+from router.collectors import channel
 from router.collectors.kvevents import KvEventSubscriber
+from router.collectors.process import CollectorProcess
 from router.fleet import Fleet, FleetSettings, KvEventSettings
 from router.kvindex import KvIndex
 from tests.router.conftest import cand
@@ -69,7 +74,8 @@ def main() -> None:
           f"{args.share} pods each; lookups of 64 blocks; batches of {args.batch} stored + "
           f"{args.batch} removed")  # fmt: skip
     print(f"{'pods':>6} {'entries':>10} {'MiB':>7} {'B/held':>8} {'hit µs':>8} "
-          f"{'miss µs':>8} {'batch µs':>9} {'µs/pod/s at 10 batch/s':>23}")  # fmt: skip
+          f"{'miss µs':>8} {'batch µs':>9} {'applied µs':>10} "
+          f"{'µs/pod/s at 10 batch/s':>23}")  # fmt: skip
     for pods in [int(x) for x in args.pods.split(",")]:
         measure(pods, args)
 
@@ -104,9 +110,19 @@ def measure(pods: int, args: argparse.Namespace) -> None:
         subscriber.apply(ids[sent[0] % pods], kvevents.encode(kvevents.EventBatch(0.0, events)))
 
     t_batch = per_call(batch, args.seconds)
+    parent = CollectorProcess(fleet)
+
+    def applied() -> None:
+        sent[0] += 1
+        pod = ids[sent[0] % pods]
+        fresh = [rng.getrandbits(64) for _ in range(args.batch)]
+        ops: list[channel.KvOp] = [channel.Stored(pod, fresh, BLOCK), channel.Removed(pod, fresh)]
+        parent.apply(channel.to_parent.decode(channel.frame(channel.KvOps(ops))[4:]))
+
+    t_applied = per_call(applied, args.seconds)
     per_entry = grown * 2**20 / (pods * args.blocks)
     print(f"{pods:>6} {entries:>10} {grown:>7.0f} {per_entry:>8.0f} {t_hit * 1e6:>8.1f} "
-          f"{t_miss * 1e6:>8.1f} {t_batch * 1e6:>9.1f} "
+          f"{t_miss * 1e6:>8.1f} {t_batch * 1e6:>9.1f} {t_applied * 1e6:>10.1f} "
           f"{t_batch * 1e6 * 10:>23.0f}")  # fmt: skip
 
 
