@@ -41,6 +41,11 @@ from router.types import PodId, PodMetrics
 log = logging.getLogger(__name__)
 
 RESTART_SECONDS = 1.0
+# A child that sends nothing for this many scrape rounds (and at least this long) while it has
+# pods is replaced: stopped, or wedged (a stuck task would otherwise leave every pod stale).
+SILENT_ROUNDS = 4
+MIN_SILENT_SECONDS = 5.0
+FIRST_FRAME_SECONDS = 60.0
 PODS_SECONDS = 0.25  # how often the parent looks for a change of the fleet's pods
 FLUSH_SECONDS = 0.005  # what the child collects before sending it (scrapes finish spread out)
 COUNT_SECONDS = 1.0  # how often the child's counters are sent
@@ -85,16 +90,34 @@ class CollectorProcess:
         self.proc = proc
         feeding = asyncio.create_task(self._feed(proc.stdin))
         try:
-            while (payload := await channel.read_frame(proc.stdout)) is not None:
+            started = True
+            while (payload := await self._next(proc.stdout, started)) is not None:
+                started = False
                 self.apply(channel.to_parent.decode(payload))
                 await asyncio.sleep(0)  # the checks run between frames (each is bounded)
             log.error("the collectors' process ended", extra={"returncode": await proc.wait()})
+        except TimeoutError:
+            log.error("the collectors' process went silent: replaced")
         finally:
             feeding.cancel()
             await asyncio.gather(feeding, return_exceptions=True)
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+    async def _next(self, stdout: asyncio.StreamReader, first: bool) -> bytes | None:
+        """The child's next frame. With pods to scrape it sends one every round at least (a
+        failed scrape is news too): silent past `SILENT_ROUNDS` rounds at their slowest (every
+        pod's models and metrics timing out), it is stuck. Its first frame may take longer (a
+        new process's imports, on a busy machine)."""
+        if not self.fleet.snapshots:
+            return await channel.read_frame(stdout)
+        s = self.fleet.settings
+        silent = max(MIN_SILENT_SECONDS, SILENT_ROUNDS * (s.scrape_interval + 5 * s.scrape_timeout))
+        if first:
+            silent = max(silent, FIRST_FRAME_SECONDS)
+        async with asyncio.timeout(silent):
+            return await channel.read_frame(stdout)
 
     async def _feed(self, stdin: asyncio.StreamWriter) -> None:
         stdin.write(channel.frame(channel.Start(_in_clear(self.fleet.settings), self.log_level)))

@@ -6,6 +6,7 @@ started again and its KV entries relearnt, and a parent killed takes its child w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -240,6 +241,29 @@ async def test_a_router_runs_its_collectors_in_a_process_by_default(
         assert any(b"router.collectors" in cmd for cmd in kids), kids
     finally:
         await router.stop()
+
+
+async def test_a_child_gone_silent_is_replaced(
+    threaded_pod: tuple[str, type[_Pod]], collectors: Start
+) -> None:
+    """A stopped (or wedged) child would leave every pod stale for good."""
+    pod, handler = threaded_pod
+    fleet = fleet_of(pod, scrape_timeout=0.2)
+    process = collectors(fleet)
+    await eventually_async(lambda: scraped_ok(fleet, pod), 30, "the pod scraped")
+    assert process.proc is not None
+    stopped = process.proc.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        await eventually_async(
+            lambda: process.proc is not None and process.proc.pid != stopped, 30, "a new child"
+        )
+        hits = len(handler.hits)
+        await eventually_async(lambda: len(handler.hits) > hits, 30, "the new child scraping")
+        assert gone(stopped)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
 
 
 PARENT = """
