@@ -11,6 +11,8 @@ one to pick inside its own Check, which saves the request path a gRPC exchange
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -29,6 +31,11 @@ from router.lifecycle import Lifecycle
 from router.registry import default_registry
 from router.settings import Settings
 
+log = logging.getLogger(__name__)
+
+# How long a router's start waits for its first scrape of every pod.
+FIRST_SCRAPES_SECONDS = 15.0
+
 
 class Router(Lifecycle):
     def __init__(
@@ -45,7 +52,8 @@ class Router(Lifecycle):
         return cls(Fleet(settings.fleet), engine, tracer, redis)
 
     async def start(self) -> None:
-        """Resolve the pods, then keep resolving, scraping and publishing until `stop`."""
+        """Resolve the pods, then keep resolving, scraping and publishing until `stop`; returns
+        once every pod has been scraped."""
         resolver = Resolver(self.fleet)
         self.fleet.set_pods(await resolver.resolve())
         self._tasks = [asyncio.create_task(resolver.run())]
@@ -56,6 +64,18 @@ class Router(Lifecycle):
             self._tasks.append(asyncio.create_task(kvevents.run(self.fleet)))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(publisher.run(self.fleet, self.redis)))
+        await self._scraped_once(FIRST_SCRAPES_SECONDS)
+
+    async def _scraped_once(self, within: float) -> None:
+        """Until every pod has been scraped once, well or not (a router that answered before
+        would pick no pod, and Envoy's fallback would decide): the collectors' process takes a
+        second or more to start. Bounded: past `within` the router starts anyway."""
+        deadline = time.monotonic() + within
+        while any(snap.at == float("-inf") for snap in self.fleet.snapshots.values()):
+            if time.monotonic() >= deadline:
+                log.warning("pods not scraped yet; starting anyway", extra={"after_s": within})
+                return
+            await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         for task in self._tasks:
