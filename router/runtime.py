@@ -33,8 +33,10 @@ from router.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# How long a router's start waits for its first scrape of every pod.
+# How long a router's start waits for its first good scrape of every pod, and for one that
+# failed its first to answer.
 FIRST_SCRAPES_SECONDS = 15.0
+FAILING_SECONDS = 2.0
 
 
 class Router(Lifecycle):
@@ -53,7 +55,7 @@ class Router(Lifecycle):
 
     async def start(self) -> None:
         """Resolve the pods, then keep resolving, scraping and publishing until `stop`; returns
-        once every pod has been scraped."""
+        once every pod has answered a scrape (or failed for a while)."""
         resolver = Resolver(self.fleet)
         self.fleet.set_pods(await resolver.resolve())
         self._tasks = [asyncio.create_task(resolver.run())]
@@ -67,13 +69,20 @@ class Router(Lifecycle):
         await self._scraped_once(FIRST_SCRAPES_SECONDS)
 
     async def _scraped_once(self, within: float) -> None:
-        """Until every pod has been scraped once, well or not (a router that answered before
-        would pick no pod, and Envoy's fallback would decide): the collectors' process takes a
-        second or more to start. Bounded: past `within` the router starts anyway."""
-        deadline = time.monotonic() + within
-        while any(snap.at == float("-inf") for snap in self.fleet.snapshots.values()):
-            if time.monotonic() >= deadline:
-                log.warning("pods not scraped yet; starting anyway", extra={"after_s": within})
+        """Until every pod has answered a scrape, or every pod has been scraped and failed for
+        `FAILING_SECONDS` more (a router that answered before would pick no pod, and Envoy's
+        fallback would decide): the collectors' process takes a second or more to start, and a
+        first connection may be slow. Bounded: past `within` the router starts anyway."""
+        now = time.monotonic()
+        deadline, failing_until = now + within, None
+        snaps = self.fleet.snapshots
+        while not all(snap.ok for snap in snaps.values()):
+            now = time.monotonic()
+            if failing_until is None and all(snap.at > float("-inf") for snap in snaps.values()):
+                failing_until = now + FAILING_SECONDS
+            if now >= deadline or (failing_until is not None and now >= failing_until):
+                bad = sum(not snap.ok for snap in snaps.values())
+                log.warning("starting with pods not scraped well", extra={"pods": bad})
                 return
             await asyncio.sleep(0.02)
 

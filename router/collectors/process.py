@@ -18,9 +18,11 @@ scrapes age out to stale (`stale_after`) until it scrapes again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -41,11 +43,12 @@ from router.types import PodId, PodMetrics
 log = logging.getLogger(__name__)
 
 RESTART_SECONDS = 1.0
-# A child that sends nothing for this many scrape rounds (and at least this long) while it has
+# A child that sends no scrape for this many scrape rounds (and at least this long) while it has
 # pods is replaced: stopped, or wedged (a stuck task would otherwise leave every pod stale).
 SILENT_ROUNDS = 4
 MIN_SILENT_SECONDS = 5.0
 FIRST_FRAME_SECONDS = 60.0
+WATCH_SECONDS = 0.5
 PODS_SECONDS = 0.25  # how often the parent looks for a change of the fleet's pods
 FLUSH_SECONDS = 0.005  # what the child collects before sending it (scrapes finish spread out)
 COUNT_SECONDS = 1.0  # how often the child's counters are sent
@@ -65,6 +68,7 @@ class CollectorProcess:
         # The child logs as the parent does.
         self.log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
         self.proc: asyncio.subprocess.Process | None = None  # the child running now
+        self._scraped = False  # a scrape arrived since the watchdog last looked
 
     async def run(self) -> None:
         while True:
@@ -88,36 +92,49 @@ class CollectorProcess:
         )
         assert proc.stdin is not None and proc.stdout is not None
         self.proc = proc
-        feeding = asyncio.create_task(self._feed(proc.stdin))
+        self._scraped = False
+        helpers = [
+            asyncio.create_task(self._feed(proc.stdin)),
+            asyncio.create_task(self._watch(proc)),
+        ]
         try:
-            started = True
-            while (payload := await self._next(proc.stdout, started)) is not None:
-                started = False
+            while (payload := await channel.read_frame(proc.stdout)) is not None:
                 self.apply(channel.to_parent.decode(payload))
                 await asyncio.sleep(0)  # the checks run between frames (each is bounded)
-            log.error("the collectors' process ended", extra={"returncode": await proc.wait()})
-        except TimeoutError:
-            log.error("the collectors' process went silent: replaced")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RESTART_SECONDS):
+                    await proc.wait()
+            log.error("the collectors' process ended", extra={"returncode": proc.returncode})
         finally:
-            feeding.cancel()
-            await asyncio.gather(feeding, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
 
-    async def _next(self, stdout: asyncio.StreamReader, first: bool) -> bytes | None:
-        """The child's next frame. With pods to scrape it sends one every round at least (a
-        failed scrape is news too): silent past `SILENT_ROUNDS` rounds at their slowest (every
-        pod's models and metrics timing out), it is stuck. Its first frame may take longer (a
-        new process's imports, on a busy machine)."""
-        if not self.fleet.snapshots:
-            return await channel.read_frame(stdout)
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Kills a child that has pods and sends no scrape (it sends every round, failed scrapes
+        too) for `SILENT_ROUNDS` rounds at their slowest, `MIN_SILENT_SECONDS` at least, or
+        `FIRST_FRAME_SECONDS` for its first (a new process's imports, on a busy machine): it is
+        stopped, or wedged. Time this loop itself was stalled counts as one tick, not as the
+        child's silence (its frames wait in the pipe meanwhile)."""
+        quiet, grace = 0.0, FIRST_FRAME_SECONDS
         s = self.fleet.settings
         silent = max(MIN_SILENT_SECONDS, SILENT_ROUNDS * (s.scrape_interval + 5 * s.scrape_timeout))
-        if first:
-            silent = max(silent, FIRST_FRAME_SECONDS)
-        async with asyncio.timeout(silent):
-            return await channel.read_frame(stdout)
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(WATCH_SECONDS)
+            if self._scraped:
+                self._scraped, quiet, grace = False, 0.0, 0.0
+            elif self.fleet.snapshots:
+                quiet += min(time.monotonic() - before, 2 * WATCH_SECONDS)
+            else:
+                quiet = 0.0
+            if quiet > max(silent, grace):
+                log.error("the collectors' process went silent: replaced")
+                proc.kill()
+                return
 
     async def _feed(self, stdin: asyncio.StreamWriter) -> None:
         stdin.write(channel.frame(channel.Start(_in_clear(self.fleet.settings), self.log_level)))
@@ -133,6 +150,7 @@ class CollectorProcess:
     def apply(self, message: channel.ToParent) -> None:
         fleet = self.fleet
         if isinstance(message, channel.Scraped):
+            self._scraped = True
             for snap in message.snaps:
                 fleet.store(snap)
         elif isinstance(message, channel.KvOps):

@@ -22,7 +22,14 @@ from opentelemetry import trace
 
 from router import metrics
 from router.collectors import channel
-from router.collectors.process import FRAME_HASHES, CollectorProcess, _collapsed, _frames
+from router.collectors.process import (
+    FRAME_HASHES,
+    MIN_SILENT_SECONDS,
+    WATCH_SECONDS,
+    CollectorProcess,
+    _collapsed,
+    _frames,
+)
 from router.fleet import Fleet, FleetSettings, KvEventSettings
 from router.runtime import Router
 from router.settings import Settings
@@ -233,7 +240,8 @@ async def test_a_router_runs_its_collectors_in_a_process_and_starts_once_they_sc
     threaded_pod: tuple[str, type[_Pod]],
 ) -> None:
     pod, _ = threaded_pod
-    router = Router.from_settings(Settings(fleet=FleetSettings(pods=[pod])), trace.get_tracer("t"))
+    fleet = FleetSettings(pods=[pod], scrape_timeout=1.0)  # patient: a busy machine's scrapes
+    router = Router.from_settings(Settings(fleet=fleet), trace.get_tracer("t"))
     await router.start()  # returns once its pods are scraped: it never answers blind
     try:
         assert scraped_ok(router.fleet, pod)
@@ -264,6 +272,22 @@ async def test_a_child_gone_silent_is_replaced(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped, signal.SIGKILL)
+
+
+async def test_a_stall_of_the_parents_own_loop_replaces_no_child(
+    threaded_pod: tuple[str, type[_Pod]], collectors: Start
+) -> None:
+    """The child's frames wait in the pipe while the parent's loop is stalled: that is not the
+    child's silence."""
+    pod, _ = threaded_pod
+    fleet = fleet_of(pod, scrape_timeout=0.2)  # silent after 5 s
+    process = collectors(fleet)
+    await eventually_async(lambda: scraped_ok(fleet, pod), 30, "the pod scraped")
+    assert process.proc is not None
+    child = process.proc.pid
+    time.sleep(MIN_SILENT_SECONDS + 1.0)  # noqa: ASYNC251 (the loop stalled)
+    await asyncio.sleep(4 * WATCH_SECONDS)
+    assert process.proc.pid == child and process.proc.returncode is None
 
 
 PARENT = """

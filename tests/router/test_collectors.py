@@ -166,3 +166,12 @@ def test_an_outcome_says_when_the_pods_last_byte_arrived_on_the_fleets_clock() -
     common.time_to_last_upstream_rx_byte.FromMilliseconds(1500)
     found = outcomes.ended_at(entry, -1_699_999_000.0)  # Envoy's wall clock → the fleet's
     assert found == pytest.approx(1001.75)
+
+
+def test_a_brace_in_a_quoted_label_value_and_an_exemplar_are_read_as_vllm_means_them() -> None:
+    p = parse_metrics(
+        'vllm:num_requests_running{model_name="a} b",x="q\\"} "} 3\n'
+        'vllm:num_requests_waiting{model_name="m"} 2 # {trace_id="ab"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",x="}",num_gpu_blocks="9"} 1\n'
+    )
+    assert (p.running, p.waiting, p.block_size, p.num_gpu_blocks) == (3, 2, 16, 9)
