@@ -19,12 +19,17 @@ local OUTPUT_CAP = "{{ wire.META_OUTPUT_CAP }}"
 local CLOSE = string.byte("}")
 local ALLOWED = "{{ wire.META_ALLOWED_MODELS }}"
 
--- The budget's cap for the members extauthz capped (chat also names max_completion_tokens).
+-- The budget's cap for the members extauthz capped (chat also names max_completion_tokens;
+-- the Responses API has max_output_tokens).
+local CAPS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
+
 local function lowered(suffix, cap)
   local value = string.format("%d", cap)
-  local out = suffix .. ',"max_tokens":' .. value
-  if suffix:find('"max_completion_tokens"', 1, true) then
-    out = out .. ',"max_completion_tokens":' .. value
+  local out = suffix
+  for _, name in ipairs(CAPS) do
+    if suffix:find('"' .. name .. '"', 1, true) then
+      out = out .. ',"' .. name .. '":' .. value
+    end
   end
   return out
 end
@@ -41,7 +46,7 @@ function envoy_on_request(handle)
   if cap ~= nil then
     cap = tonumber(cap) -- a string when extauthz answers over HTTP
   end
-  if cap ~= nil and suffix:find('"max_tokens"', 1, true) then
+  if cap ~= nil then
     suffix = lowered(suffix, cap)
   end
   local body = handle:body()

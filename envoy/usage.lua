@@ -1,13 +1,15 @@
 -- What a stream really delivered, and only the usage the client asked for.
 --
 -- Decided from extauthz's request facts (stream, include_usage), never from the raw body. For
--- every SSE response it counts the content events (those with a choice) that reach the client
+-- every SSE response it counts the content events (those with a choice; the Responses API's
+-- text deltas, whose usage always ends the stream, as OpenAI's does) that reach the client
 -- into {{ wire.USAGE_NAMESPACE }}/{{ wire.META_STREAMED_EVENTS }}, so the access log of a stream cut
 -- short (client hung up, pod reset) still says how many tokens were streamed. Pods send usage for
 -- every stream (vLLM --enable-force-include-usage: a final usage-only event, or since vLLM 0.20
 -- usage on every event); sse_to_metadata has read it before this filter, which then removes it
 -- for clients that did not ask for it, so they see exactly what OpenAI would send them. An error
--- event (the pod failed mid-stream) is marked in {{ wire.META_STREAM_FAILED }}.
+-- event (the pod failed mid-stream; the Responses API's `error` or `response.failed`) is marked
+-- in {{ wire.META_STREAM_FAILED }}.
 
 local FACTS = "{{ wire.EXTAUTHZ_NAMESPACE }}"
 local USAGE = "{{ wire.USAGE_NAMESPACE }}"
@@ -21,6 +23,12 @@ end
 
 local function has_choice(event)
   return event:find('"choices"%s*:%s*%[%s*{') ~= nil
+end
+
+-- The Responses API names each event on its own line first (vLLM writes `event: TYPE`), which no
+-- JSON string can fake: a string's newlines are escaped.
+local function named(event, name)
+  return event:sub(1, #name + 8) == "event: " .. name .. "\n"
 end
 
 -- A choice's first event names the role and carries no token.
@@ -54,13 +62,17 @@ function envoy_on_response(handle)
         break
       end
       local event = text:sub(at, stop)
-      if has_choice(event) then
+      if named(event, "response.output_text.delta") then
+        streamed = streamed + 1
+        out[#out + 1] = event
+      elseif has_choice(event) then
         if not role_only(event) then
           streamed = streamed + 1
         end
         out[#out + 1] = strip and without_usage(event) or event
       else
-        if event:find('^data:%s*[{]%s*"error"%s*:') then
+        if event:find('^data:%s*[{]%s*"error"%s*:') or named(event, "error")
+            or named(event, "response.failed") then
           -- The pod failed after its 200 (vLLM sends the error as an event): the outcome says so.
           handle:streamInfo():dynamicMetadata():set(USAGE, FAILED, true)
         end

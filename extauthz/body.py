@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from extauthz.settings import DecisionSettings
-from llmgw import facts, kvblocks
+from llmgw import facts, kvblocks, wire
 from llmgw.facts import RequestFacts
 
 _MODEL_NAME = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: safe as a header value
@@ -37,6 +37,9 @@ class Body:
     prefix_text: str = ""  # the rendered prompt's leading part that the prefix blocks cover
     # The leading token IDs that the pods' KV blocks cover (where the model has a tokenizer).
     prefix_tokens: tuple[int, ...] = ()
+    # A Responses request's member that needs a stored response (`store`, `background`,
+    # `previous_response_id`): the gateway keeps none, so it is refused.
+    stateful: str | None = None
 
     def for_tenant(
         self, cache_group: str, salt: str, settings: DecisionSettings, max_output: int
@@ -56,7 +59,8 @@ class Body:
         )
 
 
-def read(raw: bytes, settings: DecisionSettings) -> Body:
+def read(raw: bytes, settings: DecisionSettings, path: str) -> Body:
+    """The body of a request to `path` (without its query)."""
     if not raw:
         return Body("none")
     try:
@@ -69,10 +73,26 @@ def read(raw: bytes, settings: DecisionSettings) -> Body:
         return Body("invalid")
     if not isinstance(request, dict):
         return Body("invalid")
+    if path == wire.RESPONSES_PATH:
+        stateful = next((name for name in _STATEFUL if _stateful(name, request.get(name))), None)
+        return _summary(facts.responses_as_chat(request), settings, stateful)
     return _summary(request, settings)
 
 
-def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
+# What a Responses request may ask of a store of responses.
+_STATEFUL = ("store", "background", "previous_response_id")
+
+
+def _stateful(name: str, value: object) -> bool:
+    """True where the member asks for a stored response as vLLM reads it (a lax bool)."""
+    if name == "previous_response_id":
+        return value is not None
+    return facts.lax_bool(value)
+
+
+def _summary(
+    request: dict[str, Any], settings: DecisionSettings, stateful: str | None = None
+) -> Body:
     name = request.get("model")
     model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
     size = facts.prompt_size(request, settings.chars_per_token, settings.image_tokens)
@@ -101,4 +121,5 @@ def _summary(request: dict[str, Any], settings: DecisionSettings) -> Body:
         facts=parsed,
         prefix_text=facts.render(request)[: settings.max_prefix_blocks * facts.BLOCK_CHARS],
         prefix_tokens=prompt.ids[: kv.max_blocks * kv.block_size] if prompt is not None else (),
+        stateful=stateful,
     )

@@ -70,16 +70,17 @@ class BodyPool:
 
     async def start(self) -> None:
         """Start the workers now, not on the first large body."""
-        await self._run(b"{}")
+        await self._run(b"{}", "")
 
-    async def read(self, body: bytes) -> Body | None:
-        """The body read in a worker if it is large, else None (the decision reads it)."""
+    async def read(self, body: bytes, path: str) -> Body | None:
+        """The body of a request to `path` read in a worker if it is large, else None (the
+        decision reads it)."""
         if len(body) < self.from_bytes:
             return None
         metrics.POOLED_BODIES.inc()
-        return await self._run(body)
+        return await self._run(body, path)
 
-    async def _run(self, body: bytes) -> Body:
+    async def _run(self, body: bytes, path: str) -> Body:
         """The body read in a worker; on a broken pool, once more on its replacement (not
         twice: the body may be what killed it)."""
         loop = asyncio.get_running_loop()
@@ -88,7 +89,8 @@ class BodyPool:
             if pool is None:
                 break
             try:
-                return await loop.run_in_executor(pool, read_body, body, self.decider.settings)
+                settings = self.decider.settings
+                return await loop.run_in_executor(pool, read_body, body, settings, path)
             except (BrokenProcessPool, OSError):  # OSError: a worker could not be started
                 self._replace(pool)
         raise PoolDown

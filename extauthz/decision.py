@@ -79,9 +79,10 @@ class Decider:
             return priority.NEUTRAL
         return priority.vllm_priority(tenant_priority)
 
-    def read(self, body: bytes) -> Body:
-        """The body as the decision needs it (picklable: large ones are read in a pool)."""
-        return read_body(body, self.settings)
+    def read(self, body: bytes, path: str) -> Body:
+        """The body of a request to `path` as the decision needs it (picklable: large ones are
+        read in a pool)."""
+        return read_body(body, self.settings, path)
 
     def decide(
         self,
@@ -92,12 +93,12 @@ class Decider:
         parsed: Body | None = None,
     ) -> Decision:
         """`headers` have lower-case names (as Envoy sends them); `now` is Unix seconds;
-        `parsed` is `self.read(body)` when the caller read the body already."""
+        `parsed` is `self.read(body, path)` when the caller read the body already."""
         entry = key_entry(snapshot, headers, now)
         if isinstance(entry, Deny):
             return entry
         tenant = entry.tenant
-        path = headers.get(":path", "").partition("?")[0]
+        path = request_path(headers)
         read = self._body(headers, body, parsed, path, tenant.id)
         if isinstance(read, Deny):
             return read
@@ -147,7 +148,7 @@ class Decider:
                 f"The request body exceeds the limit of {limit} bytes.",
                 tenant=tenant,
             )
-        read = parsed or self.read(body)
+        read = parsed or self.read(body, path)
         if read.kind == "too_deep":
             return Deny(
                 400,
@@ -161,6 +162,15 @@ class Decider:
             refused = _refuse_body(headers, read, tenant)
             if refused is not None:
                 return refused
+        if read.stateful is not None:
+            return Deny(
+                400,
+                "unsupported_parameter",
+                f"This gateway keeps no responses: {read.stateful!r} is not supported. Send "
+                "the conversation's items in 'input' instead, with 'store' false or omitted.",
+                param=read.stateful,
+                tenant=tenant,
+            )
         return read
 
     def _facts(self, read: Body, path: str, tenant: TenantView) -> RequestFacts | Deny:
@@ -243,13 +253,20 @@ class Decider:
             return None
         suffix = f'"cache_salt": "{self.cache_salt(cache_group)}"'
         suffix += f', "request_id": {json.dumps(request_id)}'
-        if path != wire.EMBEDDINGS_PATH:
+        if path == wire.RESPONSES_PATH:
+            suffix += f', "max_output_tokens": {cap}'
+        elif path != wire.EMBEDDINGS_PATH:
             suffix += f', "max_tokens": {cap}'
             if path == wire.CHAT_PATH and read.completion_cap:
                 # vLLM's chat reads this one first; named only to replace the client's, so
                 # that a cap vLLM refuses is refused under the name the client used.
                 suffix += f', "max_completion_tokens": {cap}'
         return suffix if read.empty else f",{suffix}"
+
+
+def request_path(headers: Mapping[str, str]) -> str:
+    """The request's path without its query string."""
+    return headers.get(":path", "").partition("?")[0]
 
 
 def key_entry(snapshot: Snapshot, headers: Mapping[str, str], now: float) -> KeyEntry | Deny:

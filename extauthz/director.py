@@ -53,7 +53,7 @@ from extauthz.answers import (
 from extauthz.bodypool import BodyPool, PoolDown
 from extauthz.budget import BodyBudget, Held
 from extauthz.context import RequestContext, Timings
-from extauthz.decision import Decider, key_entry
+from extauthz.decision import Decider, key_entry, request_path
 from extauthz.flow import FlowControl, Refused
 from extauthz.queue import Waiter
 from extauthz.store import TenantsStore
@@ -184,7 +184,8 @@ class Director:
     ) -> RequestContext | Answer:
         """The body read and the request decided: the typed request, or the denial."""
         try:
-            parsed = await self.bodies.read(body) if self.bodies is not None else None
+            path = request_path(headers)
+            parsed = await self.bodies.read(body, path) if self.bodies is not None else None
         except PoolDown:
             return self.refuse(overloaded(held.tenant))
         started = time.perf_counter()
@@ -203,7 +204,7 @@ class Director:
         """vLLM's 404 for a generation request naming a model the fleet does not serve, with
         the models the tenant may use among those it does; None: served, or not known."""
         model, router = allow.facts.model, self.router
-        path = headers.get(":path", "").partition("?")[0]
+        path = request_path(headers)
         if router is None or model is None or path not in wire.GENERATION_PATHS:
             return None
         served = router.fleet.served_models()

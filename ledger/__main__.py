@@ -10,12 +10,13 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from ledger import metrics
+from ledger import gputime, metrics
 from ledger.alerts import Alerts
 from ledger.blame import Blame
 from ledger.breaker import Breakers
 from ledger.db import Ledger
 from ledger.detectors import Detectors, Gap
+from ledger.gputime import Batches
 from ledger.reconcile import Database, Reconciler
 from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
@@ -53,16 +54,28 @@ async def main(settings: Settings) -> None:
     tiers = watched_tiers(settings.tiers_file)
     watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
     breakers = Breakers(tiers.get, db, alerts.emit, Blame(settings.blame))
-    recorder = Recorder.of(RedisLink.of(settings.redis), db, settings.settle, alerts, breakers)
+    redis = RedisLink.of(settings.redis)
+    batches = Batches()
+    following = asyncio.create_task(gputime.follow(redis, batches, settings.batches_interval_s))
+    recorder = Recorder.of(
+        redis,
+        db,
+        settings.settle,
+        alerts,
+        breakers,
+        prices=lambda: tiers.get().prices,
+        batches=batches,
+    )
     recorder.start()
     reconciler = _reconciler(settings, recorder, db)
     webhooks.start()
     alerts.start()
 
     async def drain() -> None:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, following):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if reconciler is not None:
             await reconciler.close()
         await recorder.close(settings.drain_s)

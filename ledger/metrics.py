@@ -24,6 +24,12 @@ TOKENS = Counter(
     "Tokens by tenant, model and kind (prompt, completion, cached, charged).",
     ["tenant", "model", "kind"],
 )
+COST = Counter(
+    "llmgw_ledger_cost_micros_total",
+    "What requests cost at the price table's prices, in micro-units of its currency, by tenant "
+    "and model.",
+    ["tenant", "model", "currency"],
+)
 TTFT = Histogram(
     "llmgw_ledger_ttft_seconds",
     "Time to the first byte sent to the client, by tenant and model.",
@@ -137,6 +143,7 @@ def served(o: Outcome) -> None:
 # Looked up once per label set (every outcome updates them).
 requests = Children(REQUESTS, tenant=TENANTS.admit, model=MODELS.label)
 tokens = Children(TOKENS, tenant=TENANTS.admit, model=MODELS.label)
+cost = Children(COST, tenant=TENANTS.admit, model=MODELS.label)
 settlements = Children(SETTLEMENTS)
 unchecked = Children(UNCHECKED, tenant=TENANTS.admit)
 ttft = Children(TTFT, tenant=TENANTS.admit, model=MODELS.label)

@@ -14,14 +14,16 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ledger import metrics
 from ledger.breaker import Breakers, Transition
+from ledger.gputime import Batches
 from ledger.settings import SettleSettings
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
+from llmgw.prices import Prices
 from llmgw.resp import RespError
 from llmgw.serve import finish
 from llmgw.settlement import Charge, Settled, settle
@@ -56,8 +58,12 @@ class Recorder:
         retry_max_s: float,
         watch: Watch | None = None,
         breakers: Breakers | None = None,
+        prices: Callable[[], Prices] = Prices,
+        batches: Batches | None = None,
     ) -> None:
         self.redis = redis
+        self.prices = prices
+        self.batches = batches
         self.sink = sink
         self.watch = watch
         self.breakers = breakers
@@ -80,8 +86,12 @@ class Recorder:
         settle: SettleSettings,
         watch: Watch | None = None,
         breakers: Breakers | None = None,
+        prices: Callable[[], Prices] = Prices,
+        batches: Batches | None = None,
     ) -> Recorder:
-        """A recorder as the settle settings size it (the ledger's, and the sidecar's)."""
+        """A recorder as the settle settings size it (the ledger's, and the sidecar's);
+        `prices`, the price table as it is now (the tier table's, reloaded); `batches`, the pods'
+        batches for each record's GPU time (None: not estimated)."""
         return cls(
             redis,
             sink,
@@ -92,6 +102,8 @@ class Recorder:
             retry_max_s=settle.retry_max_s,
             watch=watch,
             breakers=breakers,
+            prices=prices,
+            batches=batches,
         )
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
@@ -190,6 +202,7 @@ class Recorder:
 
     def _store(self, batch: list[Outcome], results: dict[int, Settled] | None) -> None:
         records = []
+        prices = self.prices()
         for i, o in enumerate(batch):
             result = results.get(i) if results is not None else None
             if o.tenant and o.pod and o.reserved_tokens and not o.quota_checked:
@@ -203,11 +216,26 @@ class Recorder:
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged
-            record = o.model_copy(update={"charged_tokens": charged})
+            update = {"charged_tokens": charged, **_cost(o, prices)}
+            if self.batches is not None and o.pod:
+                start = o.ts.timestamp()
+                update["gpu_seconds"] = self.batches.gpu_seconds(
+                    o.pod, start, start + o.duration_ms / 1000
+                )
+            record = o.model_copy(update=update)
             records.append(record)
             _count(record)
         if self.sink is not None:
             self.sink.submit(records)
+
+
+def _cost(o: Outcome, prices: Prices) -> dict[str, Any]:
+    """What the request's tokens cost, if its model has a price."""
+    price = prices.of(o.model)
+    if price is None:
+        return {}
+    micros = price.cost_micros(o.prompt_tokens, o.cached_tokens, o.completion_tokens)
+    return {"cost_micros": micros, "currency": prices.currency}
 
 
 def _count(o: Outcome) -> None:
@@ -222,6 +250,8 @@ def _count(o: Outcome) -> None:
     ):
         if n:
             metrics.tokens(*labels, kind).inc(n)
+    if o.cost_micros:
+        metrics.cost(*labels, o.currency).inc(o.cost_micros)
     if o.ttft_ms is not None:
         metrics.ttft(*labels).observe(o.ttft_ms / 1000)
     metrics.duration(*labels).observe(o.duration_ms / 1000)

@@ -21,6 +21,7 @@ from ledger.settings import ENV_PREFIX, Settings
 from llmgw.config import ConfigError, load
 from llmgw.link import RedisLink
 from llmgw.serve import command, serve
+from llmgw.tiers import watched_tiers
 
 NAME = "ledger-reconcile"
 
@@ -30,7 +31,11 @@ async def main(settings: Settings) -> None:
     assert r is not None and url is not None  # checked when the settings load
     db = Ledger(url.get_secret_value(), backlog_max=settings.backlog_max)
     connecting = asyncio.create_task(db.start(timeout_s=math.inf))
-    recorder = Recorder.of(RedisLink.of(settings.redis), db, settings.settle)
+    tiers = watched_tiers(settings.tiers_file)  # the price table: records found here are priced
+    watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
+    recorder = Recorder.of(
+        RedisLink.of(settings.redis), db, settings.settle, prices=lambda: tiers.get().prices
+    )
     recorder.start()
     reconciler = Reconciler(
         r.access_log,
@@ -44,6 +49,7 @@ async def main(settings: Settings) -> None:
     reconciler.start()
 
     async def drain() -> None:
+        watcher.cancel()
         await reconciler.close(settings.drain_s)  # its pod's file may go with it
         await recorder.close(settings.drain_s)
         if not connecting.done():

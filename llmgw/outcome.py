@@ -43,6 +43,13 @@ class Outcome(BaseModel):
     cached_tokens: int = 0
     reserved_tokens: int = 0  # the reservation made at admission (0: none)
     charged_tokens: int = 0  # what settlement left charged against the tenant's quota
+    # What its tokens (prompt, cached, completion) cost at the price table's prices when it was
+    # recorded, in micro-units of `currency` (llmgw/prices.py); "": its model has no price.
+    cost_micros: int = 0
+    currency: str = ""
+    # Its share of its pod's time, from its duration and the pod's batch (ledger/gputime.py);
+    # None: no pod, or its batch unknown.
+    gpu_seconds: float | None = None
     # What the admission drew from the fleet's borrowing pool (ratelimit/pool.py); 0: it ran on
     # base quota. The draw is made at admission and never refunded to the pool (settlement
     # refunds the tenant's windows), so borrowed_tokens bounds the borrowed use from above.
@@ -87,6 +94,9 @@ JSON_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "charged_tokens",
+    "cost",  # cost_micros as the currency's decimal amount
+    "currency",
+    "gpu_seconds",
     "queue_ms",
     "ttft_ms",
     "duration_ms",

@@ -19,6 +19,9 @@ tiers:                        # replaces the built-in tier of the same name; new
     queue_timeout_s: 10                         # longest wait in flow control's queue
 tenants:                      # a tenant's overrides, merged over its tier unit by unit
   acme: {tokens: {minute: 5000000}, shadow: true}
+prices:                       # money per million tokens (llmgw/prices.py)
+  currency: USD
+  models: {meta-llama/Llama-3.1-8B-Instruct: {input: 0.10, cached_input: 0.05, output: 0.40}}
 ```
 
 A tenant names its tier in the tenants file (extauthz), which refuses a tier this table does not
@@ -38,6 +41,7 @@ from pydantic import Field, model_validator
 
 from llmgw.breaker import BreakerSpec, seed
 from llmgw.config import Strict, read_yaml, validate
+from llmgw.prices import Prices
 from llmgw.reload import Reloading
 
 
@@ -134,6 +138,7 @@ class TierTable(Strict):
     default_tier: str = "free"
     tiers: dict[str, TierSpec] = Field(default_factory=dict)
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)
+    prices: Prices = Prices()  # what requests cost in money (llmgw/prices.py)
 
     @model_validator(mode="after")
     def _known_default(self) -> TierTable:

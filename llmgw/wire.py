@@ -76,7 +76,9 @@ HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 # The OpenAI endpoints the pods serve: generation takes a JSON body (POST), models is read (GET).
 CHAT_PATH = "/v1/chat/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"  # vectors: no output tokens, so no output cap
-GENERATION_PATHS = (CHAT_PATH, "/v1/completions", EMBEDDINGS_PATH)
+# The Responses API, stateless: its input read as the chat request vLLM renders it into.
+RESPONSES_PATH = "/v1/responses"
+GENERATION_PATHS = (CHAT_PATH, "/v1/completions", EMBEDDINGS_PATH, RESPONSES_PATH)
 MODELS_PATH = "/v1/models"
 
 # Endpoint picking (Gateway API Inference Extension protocol): the router writes an ordered

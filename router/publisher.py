@@ -1,13 +1,14 @@
-"""The fleet-load publisher: the fleet's utilisation, measured capacity and contexts
+"""The fleet-load publisher: the fleet's utilisation, measured capacity, contexts and batches
 (llmgw/fleetload.py), written to Redis every `publish_interval` seconds with a TTL of
-`publish_ttl` seconds, for the rate limiter's borrowing pool (ratelimit/fleet.py) and, where the
-router runs apart, extauthz's output cap."""
+`publish_ttl` seconds, for the rate limiter's borrowing pool (ratelimit/fleet.py), where the
+router runs apart extauthz's output cap, and the ledger's GPU time (ledger/gputime.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 
 from llmgw import wire
 from llmgw.fleetload import FleetLoad
@@ -21,7 +22,37 @@ from router.types import PodId
 log = logging.getLogger(__name__)
 
 
-def fleet_load(fleet: Fleet) -> FleetLoad:
+# Scrapes of one pod a publication carries at most (the latest): 13 a second at the default
+# scrape interval.
+BATCHES_KEPT = 64
+
+
+class Batches:
+    """Each pod's running requests at each good scrape since the last publication, in Unix
+    seconds (a fleet listener: `fleet.listeners.append(batches.scraped)`)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.pending: dict[PodId, deque[tuple[float, float]]] = {}
+
+    def scraped(self, pod: PodId) -> None:
+        snap = self.fleet.snapshots.get(pod)
+        if snap is None or not snap.ok:
+            return
+        at = round(time.time() - (self.fleet.clock() - snap.at), 3)
+        samples = self.pending.get(pod)
+        if samples is None:
+            samples = self.pending[pod] = deque(maxlen=BATCHES_KEPT)
+        samples.append((at, snap.running))
+
+    def take(self) -> dict[PodId, list[tuple[float, float]]]:
+        """What arrived since the last call, of the pods still in the fleet."""
+        taken = {p: list(s) for p, s in self.pending.items() if p in self.fleet.snapshots}
+        self.pending = {}
+        return taken
+
+
+def fleet_load(fleet: Fleet, batches: Batches | None = None) -> FleetLoad:
     """The mean utilisation over the known pods, a pod the router would not pick (unhealthy, or
     its metrics stale) counting as 1, and the capacity the pickable ones were measured at."""
     now = fleet.clock()
@@ -44,6 +75,7 @@ def fleet_load(fleet: Fleet) -> FleetLoad:
         capacity_rpm=rpm,
         ts=round(time.time(), 3),
         contexts=fleet.contexts.current,
+        batches=batches.take() if batches is not None else {},
     )
 
 
@@ -51,8 +83,10 @@ async def run(fleet: Fleet, redis: RedisLink) -> None:
     """Publish every `publish_interval`; Redis errors are logged, not fatal (the next round
     connects again)."""
     s = fleet.settings
+    batches = Batches(fleet)
+    fleet.listeners.append(batches.scraped)
     while True:
-        payload = fleet_load(fleet).model_dump_json()
+        payload = fleet_load(fleet, batches).model_dump_json()
         try:
             async with asyncio.timeout(s.publish_interval):  # connecting included
                 client = await redis.get()

@@ -32,6 +32,7 @@ from sim.waiting import WaitingQueue, waiting_queue
 log = logging.getLogger(__name__)
 
 _MAX_LAG = 0.05  # wall seconds a late step may catch up on before the pace resets
+GPU_KEPT = 100_000  # requests whose exact GPU time the engine keeps
 
 
 class Sequence:
@@ -39,14 +40,18 @@ class Sequence:
 
     __slots__ = (
         "arrival",
+        "cache_created",
+        "cached",
         "chain",
         "computed",
         "done",
         "ended",
         "finished",
         "first_token",
+        "gpu",
         "job",
         "last_token",
+        "name",
         "output",
         "owned",
         "preemptions",
@@ -67,6 +72,8 @@ class Sequence:
         progress: asyncio.Event | None = None,
     ) -> None:
         self.job = job
+        self.name = ""  # the request's ID, for its GPU time (Engine.gpu_seconds)
+        self.gpu = 0.0  # its share of every step it was in, wall seconds
         self.chain = (
             list(kvblocks.block_hashes(job.prompt_ids, hashing, job.cache_salt))
             if job.prompt_ids
@@ -75,6 +82,8 @@ class Sequence:
         self.owned: list[int] = []  # cached blocks referenced: a prefix of `chain`
         self.private = 0  # other blocks held
         self.preemptions = 0
+        self.cached = 0  # prompt tokens found in the prefix cache when first admitted
+        self.cache_created = 0  # and those it then computed into cacheable blocks
         self.promotable = True
         self.computed = 0  # tokens whose KV is computed
         self.output: list[str] = []
@@ -114,6 +123,8 @@ class Engine:
         )
         self.policy = settings.scheduling_policy
         self.running: list[Sequence] = []  # in admission order
+        # The last GPU_KEPT requests' exact GPU time by request ID (GET /admin/gpu_seconds).
+        self.gpu_seconds: dict[str, float] = {}
         self.waiting: WaitingQueue[Sequence] = waiting_queue(settings.scheduling_policy)
         self._work = asyncio.Event()
         self._sim = 0.0
@@ -125,8 +136,9 @@ class Engine:
 
     # Requests.
 
-    async def submit(self, jobs: list[Job]) -> list[Sequence]:
-        """Queue a request's sequences after the API server's overhead (before the engine)."""
+    async def submit(self, jobs: list[Job], name: str = "") -> list[Sequence]:
+        """Queue a request's sequences after the API server's overhead (before the engine);
+        `name`, the request's ID, under which its GPU time is kept."""
         overhead = self.profile.request_overhead_ms / 1e3 / self.settings.speed_factor
         await asyncio.sleep(overhead * self.settings.time_scale)
         progress = asyncio.Event()
@@ -134,6 +146,7 @@ class Engine:
         for job in jobs:
             seq = Sequence(job, self.settings.seed, self.hashing, self._sim - overhead, progress)
             seq.queued = self._sim
+            seq.name = name
             self.waiting.add(seq)
             seqs.append(seq)
         self._work.set()
@@ -209,6 +222,11 @@ class Engine:
 
     def _advance(self, batch: list[tuple[Sequence, int]], simulated: float) -> None:
         self._sim += simulated
+        # The step's time, shared evenly by its batch: the exact GPU time the gateway's ledger
+        # estimates (ledger/gputime.py), in wall seconds as the ledger sees them.
+        share = simulated * self.settings.time_scale / len(batch)
+        for seq, _ in batch:
+            seq.gpu += share
         self._complete(batch)
         changes = self.pool.take_changes()
         if changes and self.publish is not None:
@@ -289,7 +307,10 @@ class Engine:
         self.stats.prefix_queries += seq.job.prompt_tokens
         self.stats.prefix_hits += hits * size
         if seq.scheduled is None:  # a first admission; a resumed one recomputes what it had
-            self.stats.prompt_tokens_cached += hits * size
+            seq.cached = hits * size
+            # PrefillStats.finalize: the prompt's full blocks, less those found cached.
+            seq.cache_created = min(len(seq.chain) * size, seq.job.prompt_tokens) - seq.cached
+            self.stats.prompt_tokens_cached += seq.cached
         return n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -356,6 +377,11 @@ class Engine:
         stats.success[seq.job.finish_reason] += 1
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.name:
+            spent = self.gpu_seconds
+            spent[seq.name] = spent.pop(seq.name, 0.0) + seq.gpu
+            while len(spent) > GPU_KEPT:
+                del spent[next(iter(spent))]
         seq.finished = True
         seq.progress.set()
         seq.ended.set()

@@ -53,6 +53,7 @@ _INTERNAL = frozenset(
 )
 _MAX_REPORTED = 10
 _MAX_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000  # one error's line
 
 
 class ApiError(Exception):
@@ -100,12 +101,19 @@ def _internal(segment: str) -> bool:
     return bool(_BRACKETED.search(segment)) or segment.lower() in _INTERNAL
 
 
+def _bounded(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
 def _summary(value: Any) -> Any:
+    """handlers/validation.py::_summarize_error_input: containers described, text bounded."""
     if isinstance(value, str):
-        return value if len(value) <= _MAX_INPUT_CHARS else value[:_MAX_INPUT_CHARS] + "..."
-    if isinstance(value, list | tuple | dict | set):
+        return _bounded(value, _MAX_INPUT_CHARS)
+    if isinstance(value, bytes | bytearray):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, list | tuple | dict | set | frozenset):
         return f"<{type(value).__name__} of {len(value)} items>"
-    return str(value)
+    return _bounded(str(value), _MAX_INPUT_CHARS)
 
 
 def request_invalid(errors: list[Any], param: str | None = None) -> ApiError:
@@ -118,7 +126,7 @@ def request_invalid(errors: list[Any], param: str | None = None) -> ApiError:
             if "input" in err:
                 err["input"] = _summary(err["input"])
             err["loc"] = param_path(tuple(err.get("loc", ())))
-        lines.append(f"  {err}")
+        lines.append(f"  {_bounded(str(err), _MAX_ERROR_CHARS)}")
     if param is None and errors and isinstance(errors[0], dict) and errors[0].get("loc"):
         param = param_path(tuple(errors[0]["loc"]))
     label = "error" if len(errors) == 1 else "errors"
@@ -129,10 +137,7 @@ def request_invalid(errors: list[Any], param: str | None = None) -> ApiError:
 
 
 def from_pydantic(exc: ValidationError) -> ApiError:
-    errors = [
-        {**e, "loc": ("body", *e["loc"])}
-        for e in exc.errors(include_url=False, include_context=False)
-    ]
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
     return request_invalid(errors)
 
 

@@ -121,20 +121,8 @@ def _prompts(
     With the model's tokenizer (`counter`), text counts its tokens, else 4 characters a token;
     the text the engine hashes and seeds from is the simulator's rendering either way."""
     if isinstance(body, ChatBody):
-        if not body.messages:
-            raise invalid(
-                "Cannot apply chat template to an empty conversation. Provide at least one message."
-            )
-        text = render_chat([(m.role, _text(m.content)) for m in body.messages])
-        if counter is None:
-            return [_text_prompt(text, limit)]
-        try:
-            counted = counter.chat(
-                [m.model_dump() for m in body.messages], (body.model_extra or {}).get("tools")
-            )
-        except jinja2.TemplateError as exc:
-            raise invalid(str(exc)) from exc
-        return [Prompt(text, min(counted.tokens, limit + 1), counted.ids)]
+        messages = [m.model_dump() for m in body.messages]
+        return [chat_prompt(messages, (body.model_extra or {}).get("tools"), limit, counter)]
     raw = body.prompt
     if raw == []:
         raise invalid("You must pass at least one prompt")
@@ -153,6 +141,25 @@ def _prompts(
     if any(p.tokens == 0 for p in prompts):
         raise invalid("The decoder prompt cannot be empty")
     return prompts
+
+
+def chat_prompt(
+    messages: list[dict[str, Any]], tools: Any, limit: int, counter: PromptCounter | None
+) -> Prompt:
+    """A conversation through the chat template (`{"role", "content"}` messages), counted
+    with truncation at `limit + 1` tokens as a text prompt is."""
+    if not messages:
+        raise invalid(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
+    text = render_chat([(str(m["role"]), _text(m.get("content"))) for m in messages])
+    if counter is None:
+        return _text_prompt(text, limit)
+    try:
+        counted = counter.chat(messages, tools)
+    except jinja2.TemplateError as exc:
+        raise invalid(str(exc)) from exc
+    return Prompt(text, min(counted.tokens, limit + 1), counted.ids)
 
 
 def _text_prompt(text: str, limit: int, counter: PromptCounter | None = None) -> Prompt:
@@ -177,7 +184,11 @@ def _before_fields(kind: Kind, body: dict[str, Any]) -> None:
         raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if body.get("stream_options") and not body.get("stream"):
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
-    salt = body.get("cache_salt")
+    check_salt(body.get("cache_salt"))
+
+
+def check_salt(salt: Any) -> None:
+    """generate/base/protocol.py::validate_cache_salt, a `mode="before"` validator."""
     if salt is None:
         return
     if not isinstance(salt, str) or not salt:
@@ -192,9 +203,9 @@ def _before_fields(kind: Kind, body: dict[str, Any]) -> None:
         )
 
 
-def _validated(kind: Kind, body: Any) -> ChatBody | CompletionBody:
+def check_object(body: Any) -> dict[str, Any]:
+    """FastAPI's own check of the body, before the model's."""
     if not isinstance(body, dict):
-        # FastAPI's own check of the body, before the model's.
         err = {
             "type": "model_attributes_type",
             "loc": ("body",),
@@ -202,7 +213,11 @@ def _validated(kind: Kind, body: Any) -> ChatBody | CompletionBody:
             "input": body,
         }
         raise request_invalid([err])
-    _before_fields(kind, body)
+    return body
+
+
+def _validated(kind: Kind, body: Any) -> ChatBody | CompletionBody:
+    _before_fields(kind, check_object(body))
     try:
         if kind == "chat":
             return ChatBody.model_validate(body)
@@ -211,61 +226,78 @@ def _validated(kind: Kind, body: Any) -> ChatBody | CompletionBody:
         raise from_pydantic(exc) from None
 
 
-def _sampling(body: _Body) -> None:
-    """SamplingParams._verify_args, the checks a load test can reach."""
-    if body.n is not None and body.n < 1:
-        raise invalid(f"n must be at least 1, got {body.n}.")
-    t = body.temperature
+def check_sampling(temperature: float | None, top_p: float | None, n: int | None = 1) -> None:
+    """SamplingParams._verify_args, the checks a load test can reach (max_tokens: `job`)."""
+    if n is not None and n < 1:
+        raise invalid(f"n must be at least 1, got {n}.")
+    t = temperature
     if t is not None and not 0.0 <= t <= 2.0:
         which = "non-negative" if t < 0 else "in [0, 2]"
         raise invalid(f"temperature must be {which}, got {t}.", "temperature", t)
-    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
-        raise invalid(f"top_p must be in (0, 1], got {body.top_p}.", "top_p", body.top_p)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+
+
+def check_model(model: str | None, settings: SimSettings) -> None:
+    """serve/engine/serving.py::_check_model: absent or empty names the served model."""
+    if model and model != settings.model:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist. Valid aliases: {settings.model}.",
+            "NotFoundError",
+            "model",
+        )
+
+
+def check_cap(cap: int | None, param: str, limit: int) -> None:
+    """renderers/params.py::TokenizeParams: an output cap above the context is refused."""
+    if cap is not None and cap > limit:
+        raise invalid(
+            f"{param}={cap} cannot be greater than max_model_len={limit}. "
+            "Please request fewer output tokens.",
+            param,
+            cap,
+        )
+
+
+def check_prompt(prompt: Prompt, limit: int) -> None:
+    """renderers/params.py::_token_len_check (limit + 1 may be a truncated count)."""
+    if prompt.tokens > limit:
+        qualifier = "at least " if prompt.tokens == limit + 1 else ""
+        raise invalid(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {qualifier}{prompt.tokens} input tokens, which exceeds this limit "
+            "even without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            prompt.tokens,
+        )
+
+
+def priority(body: int, header: str | None) -> int:
+    """The X-Vllm-Priority header wins; vLLM ignores one it cannot read and keeps the body's."""
+    if header is not None:
+        with contextlib.suppress(ValueError):
+            return int(header)
+    return body
 
 
 def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | None) -> Request:
     """Validate a request body into the engine's jobs, or raise ApiError."""
     body = _validated(kind, raw)
-    if body.model and body.model != settings.model:
-        raise ApiError(
-            404,
-            f"The model `{body.model}` does not exist. Valid aliases: {settings.model}.",
-            "NotFoundError",
-            "model",
-        )
+    check_model(body.model, settings)
     limit = settings.max_model_len
     cap, cap_param = body.max_completion_tokens, "max_completion_tokens"
     if cap is None:
         cap, cap_param = body.max_tokens, "max_tokens"
-    if cap is not None and cap > limit:
-        raise invalid(
-            f"{cap_param}={cap} cannot be greater than max_model_len={limit}. "
-            "Please request fewer output tokens.",
-            cap_param,
-            cap,
-        )
-    counter = tokenizer.counter(settings.tokenizer) if settings.tokenizer else None
-    prompts = _prompts(body, limit, counter)
+    check_cap(cap, cap_param, limit)
+    prompts = _prompts(body, limit, prompt_counter(settings))
     for prompt in prompts:
-        if prompt.tokens > limit:
-            # limit + 1 may be a truncated count (renderers/params.py::_token_len_check).
-            qualifier = "at least " if prompt.tokens == limit + 1 else ""
-            raise invalid(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"contains {qualifier}{prompt.tokens} input tokens, which exceeds this limit "
-                "even without any output tokens. Please reduce the length of the input prompt.",
-                "input_tokens",
-                prompt.tokens,
-            )
-    _sampling(body)
-    priority = body.priority
-    if header_priority is not None:
-        # vLLM ignores a header it cannot read and keeps the body's value.
-        with contextlib.suppress(ValueError):
-            priority = int(header_priority)
+        check_prompt(prompt, limit)
+    check_sampling(body.temperature, body.top_p, body.n)
+    rank = priority(body.priority, header_priority)
     n = body.n or 1
     jobs = [
-        _job(settings, prompt, sample, cap, body.ignore_eos, priority, body.cache_salt or "")
+        job(settings, prompt, sample, cap, body.ignore_eos, rank, body.cache_salt or "")
         for prompt in prompts
         for sample in range(n)
     ]
@@ -287,7 +319,19 @@ def parse(kind: Kind, raw: Any, settings: SimSettings, header_priority: str | No
     )
 
 
-def _job(
+def prompt_counter(settings: SimSettings) -> PromptCounter | None:
+    """The served model's tokenizer, where the pod has one."""
+    return tokenizer.counter(settings.tokenizer) if settings.tokenizer else None
+
+
+def room(settings: SimSettings, prompt: Prompt, cap: int | None) -> int:
+    """The output cap: what fits beside the prompt, lowered to the request's cap
+    (serve/utils/api_utils.py::get_max_tokens)."""
+    left = settings.max_model_len - prompt.tokens
+    return left if cap is None else min(cap, left)
+
+
+def job(
     settings: SimSettings,
     prompt: Prompt,
     sample: int,
@@ -296,10 +340,9 @@ def _job(
     priority: int,
     cache_salt: str = "",
 ) -> Job:
-    # Room left beside the prompt: a larger max_tokens is clamped to it (0.32, 0.33), and a
-    # request with no room at all fails SamplingParams' max_tokens >= 1.
-    room = settings.max_model_len - prompt.tokens
-    wanted = room if cap is None else min(cap, room)
+    # A larger max_tokens is clamped to the room beside the prompt (0.32, 0.33), and a request
+    # with no room at all fails SamplingParams' max_tokens >= 1.
+    wanted = room(settings, prompt, cap)
     if wanted < 1:
         raise invalid(f"max_tokens must be at least 1, got {wanted}.", "max_tokens", wanted)
     # The 'model' stops (EOS) at its natural length unless ignore_eos or the cap comes first, as

@@ -18,6 +18,8 @@ from sim.engine import Engine, Sequence
 from sim.errors import ApiError, not_found_route, request_invalid
 from sim.faults import CLOSE_AFTER_CHUNKS, FaultState
 from sim.protocol import PRIORITY_HEADER, REQUEST_ID_HEADER, Kind, Request, dumps, parse
+from sim.responses import ResponseReply, ResponsesRequest
+from sim.responses import parse as parse_responses
 from sim.types import SimSettings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,6 +73,8 @@ class Service:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.completion_handler("chat"))
         app.router.add_post("/v1/completions", self.completion_handler("completion"))
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/admin/gpu_seconds", self.gpu_seconds)
         app.router.add_get("/admin/faults", self.get_faults)
         app.router.add_put("/admin/faults", self.put_faults)
         app.router.add_delete("/admin/faults", self.delete_faults)
@@ -145,22 +149,8 @@ class Service:
 
     def completion_handler(self, kind: Kind) -> Handler:
         async def handle(request: web.Request) -> web.StreamResponse:
-            if request.content_type != "application/json":  # vLLM's validate_json_request
-                reason = "Unsupported Media Type: Only 'application/json' is allowed"
-                return error_response(request_invalid([reason]))
-            raw = await request.read()
             try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                err = {
-                    "type": "json_invalid",
-                    "loc": ("body", getattr(exc, "pos", 0)),
-                    "msg": "JSON decode error",
-                    "input": {},
-                    "ctx": {"error": getattr(exc, "msg", str(exc))},
-                }
-                return error_response(request_invalid([err]))
-            try:
+                body = await _json_body(request)
                 parsed = parse(kind, body, self.settings, request.headers.get(PRIORITY_HEADER))
             except ApiError as exc:
                 return error_response(exc)
@@ -172,30 +162,38 @@ class Service:
         request_id = request.headers.get(REQUEST_ID_HEADER) or parsed.request_id
         reply = Reply(parsed, self.settings.model, self.fingerprint, request_id)
         fail = self.faults.fail_mid_stream()
-        seqs = await self.engine.submit(parsed.jobs)
+        seqs = await self.engine.submit(parsed.jobs, request_id or "")
         try:
             if parsed.stream:
                 return await self._stream(request, reply, seqs, fail)
-            await asyncio.gather(*(seq.ended.wait() for seq in seqs))
-            if not all(seq.done for seq in seqs):
-                return error_response(ApiError(503, "shutting down", _ERROR_TYPES[503]))
-            if fail:
-                return error_response(ApiError(500, "Internal server error", _ERROR_TYPES[500]))
-            whole = reply.whole([s.output for s in seqs], [s.job.finish_reason for s in seqs])
-            if self.faults.close():
-                return await _send_half(request, dumps(whole).encode())
-            return json_response(whole)
+            outputs, finishes = [s.output for s in seqs], [s.job.finish_reason for s in seqs]
+            return await self._whole(request, seqs, fail, lambda: reply.whole(outputs, finishes))
         finally:
             for seq in seqs:
                 self.engine.abort(seq)  # a no-op unless the client left early
 
+    async def _whole(
+        self,
+        request: web.Request,
+        seqs: list[Sequence],
+        fail: bool,
+        body: Callable[[], dict[str, Any]],
+    ) -> web.StreamResponse:
+        """A JSON reply once every sequence has ended (`body` makes it)."""
+        await asyncio.gather(*(seq.ended.wait() for seq in seqs))
+        if not all(seq.done for seq in seqs):
+            return error_response(ApiError(503, "shutting down", _ERROR_TYPES[503]))
+        if fail:
+            return error_response(ApiError(500, "Internal server error", _ERROR_TYPES[500]))
+        whole = body()
+        if self.faults.close():
+            return await _send_half(request, dumps(whole).encode())
+        return json_response(whole)
+
     async def _stream(
         self, request: web.Request, reply: Reply, seqs: list[Sequence], fail: bool
     ) -> web.StreamResponse:
-        response = web.StreamResponse()
-        response.content_type = "text/event-stream"
-        response.charset = "utf-8"
-        await response.prepare(request)
+        response = await _event_stream(request)
         close_after = CLOSE_AFTER_CHUNKS if self.faults.close() else None
         fail_after = CLOSE_AFTER_CHUNKS if fail else None
         progress = seqs[0].progress  # shared by the request's sequences
@@ -241,6 +239,66 @@ class Service:
             pass  # the client left; the finally of _complete aborts the sequences
         return response
 
+    # The Responses API.
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _json_body(request)
+            parsed = parse_responses(body, self.settings, request.headers.get(PRIORITY_HEADER))
+        except ApiError as exc:
+            return error_response(exc)
+        reply = ResponseReply(parsed, self.settings.model)
+        fail = self.faults.fail_mid_stream()
+        if parsed.stream:
+            return await self._stream_events(request, reply, parsed, fail)
+        (seq,) = await self.engine.submit([parsed.job], reply.id)
+        try:
+            return await self._whole(request, [seq], fail, lambda: reply.whole(seq))
+        finally:
+            self.engine.abort(seq)  # a no-op unless the client left early
+
+    async def _stream_events(
+        self, request: web.Request, reply: ResponseReply, parsed: ResponsesRequest, fail: bool
+    ) -> web.StreamResponse:
+        response = await _event_stream(request)
+        # A failure during generation cuts the stream as a dropped connection does: vLLM
+        # validates its error body as a stream event, which fails, and the server hangs up.
+        cut_after = CLOSE_AFTER_CHUNKS if self.faults.close() or fail else None
+        try:
+            await response.write(reply.opening())  # before the engine has the request
+        except ConnectionResetError:
+            return response
+        (seq,) = await self.engine.submit([parsed.job], reply.id)
+        sent = 0
+        try:
+            while True:
+                await seq.progress.wait()
+                seq.progress.clear()
+                events = b"".join(reply.token(t) for t in seq.output[sent:])
+                sent = len(seq.output)
+                if cut_after is not None and sent >= cut_after:
+                    await response.write(events)
+                    _drop(request)
+                    return response
+                if events:
+                    await response.write(events)
+                if seq.finished:
+                    break
+            if not seq.done:
+                _drop(request)  # shutting down: end the stream unfinished
+                return response
+            await response.write(reply.closing(seq))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        finally:
+            self.engine.abort(seq)  # a no-op unless the client left early
+        return response
+
+    async def gpu_seconds(self, request: web.Request) -> web.Response:
+        """Each recent request's exact GPU time by its ID (the simulator's own: no vLLM route)."""
+        return json_response(self.engine.gpu_seconds)
+
     # Fault admin.
 
     async def get_faults(self, request: web.Request) -> web.Response:
@@ -260,6 +318,34 @@ class Service:
 
     async def delete_faults(self, request: web.Request) -> web.Response:
         return json_response(self.faults.clear().model_dump())
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON body; ApiError as vLLM's validate_json_request and FastAPI refuse."""
+    if request.content_type != "application/json":
+        reason = "Unsupported Media Type: Only 'application/json' is allowed"
+        raise request_invalid([reason])
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        err = {
+            "type": "json_invalid",
+            "loc": ("body", getattr(exc, "pos", 0)),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": getattr(exc, "msg", str(exc))},
+        }
+        raise request_invalid([err]) from None
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    """A server-sent-events reply, its headers sent."""
+    response = web.StreamResponse()
+    response.content_type = "text/event-stream"
+    response.charset = "utf-8"
+    await response.prepare(request)
+    return response
 
 
 def _drop(request: web.Request) -> None:

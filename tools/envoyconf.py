@@ -344,11 +344,24 @@ def _local_replies(max_request_bytes: int) -> list[dict[str, Any]]:
     ]
 
 
-# The pod's usage fields copied into metadata (wire.USAGE_NAMESPACE): key, path under `usage`.
-USAGE_FIELDS = (
-    (wire.META_PROMPT_TOKENS, ("prompt_tokens",)),
-    (wire.META_COMPLETION_TOKENS, ("completion_tokens",)),
-    (wire.META_CACHED_TOKENS, ("prompt_tokens_details", "cached_tokens")),
+# The pod's usage fields copied into metadata (wire.USAGE_NAMESPACE): key, path to the value.
+# Chat and completions name them in `usage`; the Responses API otherwise, and its stream in the
+# `response.completed` event's response (a body has one usage, so at most one path matches).
+_USAGE_NAMES = (
+    (wire.META_PROMPT_TOKENS, ("prompt_tokens",), ("input_tokens",)),
+    (wire.META_COMPLETION_TOKENS, ("completion_tokens",), ("output_tokens",)),
+    (
+        wire.META_CACHED_TOKENS,
+        ("prompt_tokens_details", "cached_tokens"),
+        ("input_tokens_details", "cached_tokens"),
+    ),
+)
+USAGE_FIELDS = tuple(
+    (key, ("usage", *names)) for key, chat, responses in _USAGE_NAMES for names in (chat, responses)
+)
+STREAM_USAGE_FIELDS = (
+    *USAGE_FIELDS,
+    *((key, ("response", "usage", *responses)) for key, _, responses in _USAGE_NAMES),
 )
 
 
@@ -380,6 +393,7 @@ def render(
         services=services or Services(),
         local_replies=_local_replies(settings.max_request_bytes),
         usage_fields=USAGE_FIELDS,
+        stream_usage_fields=STREAM_USAGE_FIELDS,
         stats_paths=STATS_PATHS,
         pods={
             "cluster_type": "STATIC" if all(_is_ip(p.host) for p in pods) else "STRICT_DNS",

@@ -3,7 +3,8 @@
     llmgw usage [--database-url URL] [--tenant T] [--session S] [--since 1h]
                 [--by tenant|session|model|pod] [--json] [--events]
 
-Totals by a key (default tenant) as an aligned table, the charged tokens split into base and
+Totals by a key (default tenant) as an aligned table, the charged tokens and their cost (at the
+price table's prices when each request was recorded: llmgw/prices.py) split into base and
 borrowed quota (the seed's bill); `--session S`: that session's requests in time order; `--json`:
 the matching requests, one JSON object per line, keys JSON_FIELDS first (with `--by`, the totals
 instead); `--events`: what happened to tenants rather than to requests (`ledger_events`: tenant
@@ -21,6 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +44,11 @@ TOTAL_COLUMNS = (
     "base_tokens",
     "borrowed_tokens",
     "borrowed_requests",
+    "cost",
+    "base_cost",
+    "borrowed_cost",
+    "currency",
+    "gpu_seconds",
     "queue_p50_ms",
     "queue_p90_ms",
     "ttft_p50_ms",
@@ -59,6 +66,8 @@ SESSION_COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "charged_tokens",
+    "cost",
+    "gpu_seconds",
     "queue_ms",
     "ttft_ms",
     "duration_ms",
@@ -81,6 +90,7 @@ RECORD_COLUMNS = (
             "borrowed_tokens",
             "bytes_in",
             "bytes_out",
+            "cost_micros",
         )
         if c not in JSON_FIELDS
     ),
@@ -106,6 +116,24 @@ class Filters:
         return f"WHERE {' AND '.join(self.clauses)}" if self.clauses else ""
 
 
+def _amount(micros: str) -> str:
+    """SQL: micro-units as the currency's decimal amount."""
+    return f"round(({micros})::numeric / 1000000, 6)"
+
+
+# Columns computed from the stored ones.
+COMPUTED = {
+    "cost": f"{_amount('cost_micros')} AS cost",
+    "gpu_seconds": "round(gpu_seconds::numeric, 3) AS gpu_seconds",  # milliseconds: estimated
+}
+
+
+# A record's cost times its borrowed share of the charged tokens (integer micro-units).
+_BORROWED_MICROS = (
+    "(cost_micros * least(borrowed_tokens, charged_tokens) / greatest(charged_tokens, 1))"
+)
+
+
 def totals_sql(by: By, filters: Filters) -> str:
     key = {"tenant": "tenant", "session": "session", "model": "model", "pod": "pod"}[by]
     return (
@@ -122,6 +150,12 @@ def totals_sql(by: By, filters: Filters) -> str:
         " sum(greatest(charged_tokens - borrowed_tokens, 0))::bigint AS base_tokens,"
         " sum(least(borrowed_tokens, charged_tokens))::bigint AS borrowed_tokens,"
         " sum(borrowed_requests)::bigint AS borrowed_requests,"
+        # The cost split as the charged tokens are: a record's borrowed share of its charge.
+        f" {_amount('sum(cost_micros)')} AS cost,"
+        f" {_amount(f'sum(cost_micros - {_BORROWED_MICROS})')} AS base_cost,"
+        f" {_amount(f'sum({_BORROWED_MICROS})')} AS borrowed_cost,"
+        " string_agg(DISTINCT nullif(currency, ''), ',') AS currency,"
+        " round(sum(gpu_seconds)::numeric, 3) AS gpu_seconds,"
         # The wait in flow control's queue (none: not held; 0: went at once), then the pod's.
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY queue_ms) AS queue_p50_ms,"
         " percentile_cont(0.9) WITHIN GROUP (ORDER BY queue_ms) AS queue_p90_ms,"
@@ -139,7 +173,8 @@ def events_sql(filters: Filters) -> str:
 
 
 def records_sql(filters: Filters, columns: Sequence[str] = RECORD_COLUMNS) -> str:
-    return f"SELECT {', '.join(columns)} FROM outcomes {filters.where} ORDER BY ts, request_id"
+    selected = ", ".join(COMPUTED.get(c, c) for c in columns)
+    return f"SELECT {selected} FROM outcomes {filters.where} ORDER BY ts, request_id"
 
 
 async def query(url: str, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
@@ -170,7 +205,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     cells = [[cell(r[c]) for c in columns] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     numeric = [
-        bool(rows) and all(isinstance(r[c], int | float) or r[c] is None for r in rows)
+        bool(rows) and all(isinstance(r[c], int | float | Decimal) or r[c] is None for r in rows)
         for c in columns
     ]
 
@@ -184,7 +219,15 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def json_line(row: dict[str, Any]) -> str:
-    return json.dumps({k: cell(v) if isinstance(v, datetime) else v for k, v in row.items()})
+    return json.dumps({k: _json_value(v) for k, v in row.items()})
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return cell(value)
+    if isinstance(value, Decimal):  # an amount: a JSON number (cost_micros is the exact one)
+        return float(value)
+    return value
 
 
 # Arguments.

@@ -53,13 +53,16 @@ def sdk(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.base_url, api_key=api_key(stack, "standard"))
 
 
-async def stream(client: openai.AsyncOpenAI, name: str, i: int) -> tuple[int, int, str | None]:
+async def stream(
+    client: openai.AsyncOpenAI, name: str, content: str, ignore_eos: bool = False
+) -> tuple[int, int, str | None]:
     """One SDK-default stream (no max_tokens): (prompt tokens, completion tokens, finish)."""
     chunks = await client.chat.completions.create(
         model=name,
-        messages=[{"role": "user", "content": f"question {i}: tell me about the sea"}],
+        messages=[{"role": "user", "content": content}],
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True} if ignore_eos else None,
     )
     prompt, completion, finish = 0, 0, None
     async for chunk in chunks:
@@ -74,7 +77,8 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
     name = model(short_context_stack)
     async with sdk(short_context_stack) as client:
         streams = await asyncio.gather(
-            *(stream(client, name, i) for i in range(STREAMS)), return_exceptions=True
+            *(stream(client, name, f"question {i}: tell me about the sea") for i in range(STREAMS)),
+            return_exceptions=True,
         )
         served = [r for r in streams if not isinstance(r, BaseException)]
         print(f"{len(served)} of {STREAMS} SDK-default streams served: {outcomes(streams)}")
@@ -89,17 +93,15 @@ async def test_sdk_default_requests_are_all_served(short_context_stack: Stack) -
         )
         assert len(served) == STREAMS and not any(isinstance(r, BaseException) for r in whole)
         # One that never stops by itself runs to the context: the pod lowered the gateway's
-        # cap to what fits beside the prompt, as it does for a client's own.
-        endless = await client.chat.completions.create(
-            model=name,
-            messages=[{"role": "user", "content": "go on forever"}],
-            extra_body={"ignore_eos": True},
-        )
+        # cap to what fits beside the prompt, as it does for a client's own. Streamed: a real
+        # pod on a busy machine took longer to write its ~1,190 tokens than the stack's idle
+        # timeout allows a whole reply to be silent.
+        endless = await stream(client, name, "go on forever", ignore_eos=True)
     for prompt, completion, finish in served:
         assert completion >= 1 and finish in ("stop", "length")
         assert prompt + completion <= CONTEXT
-    assert endless.usage is not None and endless.usage.total_tokens == CONTEXT
-    assert endless.choices[0].finish_reason == "length"
+    prompt, completion, finish = endless
+    assert prompt + completion == CONTEXT and finish == "length"
 
 
 def outcomes(results: list[object]) -> dict[str, int]:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -364,3 +367,56 @@ def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
     # The key asked at the headers is cached per Envoy worker: at most one question a worker.
     keys = "cluster.extauthz_keys.upstream_rq_total"
     assert after[keys] - before.get(keys, 0) <= ledger_stack.settings.envoy.concurrency
+
+
+def tier_reloads(stack: Stack) -> float:
+    """The ledger's successful reloads of the tier table."""
+    with urllib.request.urlopen(stack.metrics["ledger"], timeout=5) as r:
+        text = r.read().decode()
+    found = re.search(
+        r'^llmgw_config_reloads_total\{config="tiers",result="ok"\} (\S+)$', text, re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def priced(stack: Stack, prices: str) -> None:
+    """The tier table with these prices, once the ledger has reloaded it (bounded)."""
+    before = tier_reloads(stack)
+    assert stack.settings.tiers_file is not None
+    stack.settings.tiers_file.write_text(LIMITS + prices)
+    eventually(lambda: tier_reloads(stack) > before, 10.0, "the ledger reloaded the prices")
+
+
+def test_each_request_is_priced_by_the_table_in_force(ledger_stack: Stack) -> None:
+    """Prices reloaded while running apply to the requests recorded after, never before; the
+    operator's totals add them up."""
+    key = add_tenant(ledger_stack, "lg-cost", "standard")
+    try:
+        priced(
+            ledger_stack,
+            f"prices: {{currency: USD, models: {{{MODEL}: {{input: 1.5, output: 4}}}}}}\n",
+        )
+        first = chat(ledger_stack, key, max_tokens=5)
+        priced(ledger_stack, "prices: {currency: EUR, default: {input: 10, output: 20}}\n")
+        second = chat(ledger_stack, key, max_tokens=7)
+    finally:
+        assert ledger_stack.settings.tiers_file is not None
+        ledger_stack.settings.tiers_file.write_text(LIMITS)
+    ids = [first.headers["x-request-id"], second.headers["x-request-id"]]
+    rows = recorded(ledger_stack, set(ids))
+    a, b = rows[ids[0]], rows[ids[1]]
+    # Micro-units: tokens times the price per million, rounded half up once.
+    expected_a = math.floor(a["prompt_tokens"] * 1.5 + a["completion_tokens"] * 4 + 0.5)
+    assert (a["cost_micros"], a["currency"]) == (expected_a, "USD") and expected_a > 0
+    expected_b = b["prompt_tokens"] * 10 + b["completion_tokens"] * 20
+    assert (b["cost_micros"], b["currency"]) == (expected_b, "EUR")
+    assert a["cost"] == expected_a / 1e6
+    # Its share of its pod's time while it ran (the router's published batches): some, and
+    # never more than the time it held the pod.
+    for row in (a, b):
+        assert row["gpu_seconds"] is not None
+        assert 0 < row["gpu_seconds"] <= row["duration_ms"] / 1000 + 0.001
+    totals = records(ledger_stack, "--by", "tenant", "--tenant", "lg-cost")
+    assert len(totals) == 1 and totals[0]["currency"] == "EUR,USD"  # two tables: said so
+    # add_tenant's probe, sent before any price, cost nothing.
+    assert totals[0]["cost"] == pytest.approx((expected_a + expected_b) / 1e6)

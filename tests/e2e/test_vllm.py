@@ -349,3 +349,43 @@ def test_the_router_reads_the_real_pods_metrics(real: Stack) -> None:
     eventually(idle, 30, what)
     load = fleet_load(real)
     assert load is not None and load.capacity_tpm > 0 and load.capacity_rpm > 0
+
+
+def test_the_responses_api_is_served_counted_and_metered_as_the_pod_counts(real: Stack) -> None:
+    """The SDK's `responses.create` through the gateway to a real vLLM pod, whole and streamed:
+    extauthz counts the prompt vLLM renders from the instructions and the input items exactly
+    (the reservation is that prompt plus the cap the pod got as max_output_tokens), and the
+    ledger charges what the pod's own counters show."""
+    items: Any = [
+        {"role": "user", "content": [{"type": "input_text", "text": noise("responses", 60)}]},
+        {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": "Go on."},
+    ]
+    with sdk(real, api_key(real, "standard")) as client:
+        create = client.responses.with_raw_response.create
+        before = pod_metrics(real)
+        raw = create(
+            model=model(real), instructions="Be brief.", input=items, max_output_tokens=8,
+            extra_body=NO_EOS,
+        )  # fmt: skip
+        whole = raw.parse()
+        row = settled(real, raw.headers["x-request-id"], before)
+        assert whole.usage is not None and whole.usage.output_tokens == 8
+        assert whole.status == "incomplete"  # ran to its cap, as vLLM says it
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (whole.usage.input_tokens, 8)
+        assert row["reserved_tokens"] == whole.usage.input_tokens + 8  # counted exactly
+        assert row["endpoint"] == wire.RESPONSES_PATH
+        before = pod_metrics(real)
+        streamed = create(
+            model=model(real), input="Tell me a story.", max_output_tokens=10, extra_body=NO_EOS,
+            stream=True,
+        )  # fmt: skip
+        events = list(streamed.parse())
+        row = settled(real, streamed.headers["x-request-id"], before)
+    done = events[-1]
+    assert done.type == "response.completed" and done.response.usage is not None
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (
+        done.response.usage.input_tokens,
+        10,
+    )
+    assert row["reserved_tokens"] == done.response.usage.input_tokens + 10

@@ -555,7 +555,7 @@ async def test_a_body_read_in_the_pool_decides_exactly_as_inline(
             b"{bad",
             json.dumps({"messages": []}).encode(),
         ):
-            pooled = await pool.read(body)
+            pooled = await pool.read(body, wire.CHAT_PATH)
             assert pooled is not None
             inline = decider.decide(snap, headers, body, NOW_S)
             again = decider.decide(snap, headers, body, NOW_S, pooled)
@@ -567,6 +567,104 @@ async def test_a_body_read_in_the_pool_decides_exactly_as_inline(
                 }
             else:
                 assert again == inline
-        assert await BodyPool(decider, from_bytes=10**9).read(chat()) is None  # small: inline
+        inline_pool = BodyPool(decider, from_bytes=10**9)
+        assert await inline_pool.read(chat(), wire.CHAT_PATH) is None  # small: inline
     finally:
         await pool.close()
+
+
+RESPONSES = {":path": wire.RESPONSES_PATH, ":method": "POST"}
+
+
+def responses(model: str = "llama-3-8b", **fields: object) -> bytes:
+    return json.dumps({"model": model, "input": "x" * 400, **fields}).encode()
+
+
+def test_a_responses_request_is_counted_and_capped_as_the_chat_vllm_renders_it_into(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    """Its input and instructions are the messages vLLM renders: the same prompt, the same
+    reservation, routed alike; the cap goes under max_output_tokens, the name the pod reads."""
+    headers = bearer(keys.acme, **RESPONSES)
+    as_responses = allowed(
+        decider.decide(snap, headers, responses(instructions="be brief", stream=True), NOW_S)
+    )
+    as_chat = allowed(
+        decider.decide(
+            snap,
+            bearer(keys.acme, **GENERATION),
+            json.dumps(
+                {
+                    "model": "llama-3-8b",
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": "x" * 400},
+                    ],
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ).encode(),
+            NOW_S,
+        )
+    )
+    assert as_responses.facts.prompt_tokens == as_chat.facts.prompt_tokens > 100
+    assert as_responses.facts.token_estimate == as_chat.facts.token_estimate
+    assert as_responses.facts.prefix_blocks == as_chat.facts.prefix_blocks != ()
+    # Its usage always ends the stream: the gateway strips none of it.
+    assert as_responses.facts.stream and as_responses.facts.include_usage
+    sent = as_the_pod_reads_it(
+        responses(max_output_tokens=9000),
+        allowed(decider.decide(snap, headers, responses(max_output_tokens=9000), NOW_S)),
+    )
+    assert sent["max_output_tokens"] == 4096 and "max_tokens" not in sent
+    named = responses(max_output_tokens=70)
+    assert (
+        as_the_pod_reads_it(named, allowed(decider.decide(snap, headers, named, NOW_S)))[
+            "max_output_tokens"
+        ]
+        == 70
+    )
+
+
+def test_responses_input_items_count_as_their_messages(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    """Message items with text parts, a tool call and its output, and what vLLM would refuse:
+    each counts (the bound holds every byte of text)."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "a" * 800}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "b" * 800},
+        {"type": "function_call_output", "call_id": "c1", "output": "c" * 800},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "d" * 800}],
+        },
+        {"type": "made_up", "payload": "e" * 800},
+    ]
+    d = allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(input=items), NOW_S))
+    assert d.facts.prompt_tokens >= 5 * 800 // 4
+    assert d.facts.prompt_bound >= 5 * 800
+    assert not d.facts.first_turn  # an assistant's message: a pod may hold this conversation
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"store": "true"}, "store"),
+        ({"background": True}, "background"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ],
+)
+def test_a_responses_request_that_needs_a_stored_response_is_refused(
+    decider: Decider, snap: Snapshot, keys: Keys, fields: dict[str, object], param: str
+) -> None:
+    """The gateway keeps no responses: what would need one is a clear 400, never a pod's
+    silent `store` off or a previous response on a pod the request does not reach."""
+    decision = decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(**fields), NOW_S)
+    refused = denied(decision, 400, "unsupported_parameter")
+    assert refused.param == param and "keeps no responses" in refused.message
+    # Stateless requests, the SDK's default (`store` omitted) or false, are served.
+    for stateless in ({}, {"store": False, "background": False, "previous_response_id": None}):
+        allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(**stateless), NOW_S))

@@ -31,7 +31,8 @@ def rec(n: int, **fields: object) -> Outcome:
 DATASET = [
     rec(1, ts=BASE + timedelta(seconds=3), tenant="acme", session="s1", model="m1", pod="p1",
         prompt_tokens=10, completion_tokens=20, charged_tokens=30, queue_ms=0.0,
-        ttft_ms=100.0, borrowed_requests=1, borrowed_tokens=12),
+        ttft_ms=100.0, borrowed_requests=1, borrowed_tokens=12, cost_micros=1234,
+        currency="USD", gpu_seconds=0.0523),
     rec(2, ts=BASE + timedelta(seconds=1), tenant="acme", session="s1", model="m1", pod="p2",
         status=503, outcome="upstream_error", prompt_tokens=10, borrowed_requests=1,
         borrowed_tokens=40),  # drawn at admission, then refunded: no borrowed use
@@ -39,7 +40,8 @@ DATASET = [
         status=0, outcome="aborted", prompt_tokens=10, completion_tokens=5, charged_tokens=15,
         queue_ms=800.0, ttft_ms=300.0),
     rec(4, ts=BASE + timedelta(seconds=4), tenant="beta", session="s2", model="m1", pod="p1",
-        prompt_tokens=7, completion_tokens=8, charged_tokens=15, ttft_ms=200.0),
+        prompt_tokens=7, completion_tokens=8, charged_tokens=15, ttft_ms=200.0,
+        cost_micros=500000, currency="USD"),
     rec(5, ts=BASE + timedelta(seconds=5), tenant="beta", model="m2", status=429,
         outcome="refused"),
     rec(6, ts=NOW - timedelta(days=3), tenant="acme", session="s3", model="m1", pod="p2",
@@ -78,6 +80,9 @@ async def test_totals_by_tenant(ledger_db: str) -> None:
         "tenant": "acme", "requests": "4", "errors": "1", "refused": "0", "aborted": "1",
         "prompt_tokens": "130", "completion_tokens": "125", "charged_tokens": "245",
         "base_tokens": "233", "borrowed_tokens": "12", "borrowed_requests": "2",
+        # req-1's cost split as its charge: 12 of its 30 tokens borrowed (micro-units, down).
+        "cost": "0.001234", "base_cost": "0.000741", "borrowed_cost": "0.000493",
+        "currency": "USD", "gpu_seconds": "0.052",
         "queue_p50_ms": "400.0", "queue_p90_ms": "720.0",  # two held; the others not
         "ttft_p50_ms": "300.0", "ttft_p90_ms": "460.0",
     }  # fmt: skip
@@ -130,6 +135,9 @@ async def test_json_records_keep_the_field_order(ledger_db: str) -> None:
     assert (first["ttft_ms"], first["charged_tokens"], first["stream"]) == (100.0, 30, False)
     assert (first["queue_ms"], records[1]["queue_ms"]) == (0.0, None)
     assert (first["borrowed_requests"], first["borrowed_tokens"]) == (1, 12)  # the record's draw
+    assert (first["cost"], first["currency"], first["cost_micros"]) == (0.001234, "USD", 1234)
+    assert (records[1]["cost"], records[1]["currency"]) == (0, "")  # unpriced
+    assert (first["gpu_seconds"], records[1]["gpu_seconds"]) == (0.052, None)
     assert records[1]["ttft_ms"] is None
 
 
@@ -139,6 +147,7 @@ async def test_json_totals_with_by(ledger_db: str) -> None:
     assert totals["m1"]["requests"] == 3 and totals["m2"]["charged_tokens"] == 15
     m1 = totals["m1"]
     assert (m1["base_tokens"], m1["borrowed_tokens"], m1["borrowed_requests"]) == (33, 12, 2)
+    assert (m1["cost"], m1["base_cost"], m1["borrowed_cost"]) == (0.501234, 0.500741, 0.000493)
 
 
 async def test_the_cli_command_reads_the_url_from_the_environment(ledger_db: str) -> None:

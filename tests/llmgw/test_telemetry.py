@@ -56,6 +56,7 @@ def test_children_bound_a_label_before_the_lookup() -> None:
 PER_TENANT: list[tuple[Children[MetricWrapperBase], tuple[str, ...]]] = [
     (ledger_metrics.requests, ("{}", "m", "ok")),
     (ledger_metrics.tokens, ("{}", "m", "prompt")),
+    (ledger_metrics.cost, ("{}", "m", "USD")),
     (ledger_metrics.ttft, ("{}", "m")),
     (ledger_metrics.duration, ("{}", "m")),
     (ledger_metrics.unchecked, ("{}",)),

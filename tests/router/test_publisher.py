@@ -39,6 +39,28 @@ def test_fleet_load() -> None:
     assert (load.capacity_tpm, load.capacity_rpm) == (0, 0)  # nothing served: unknown
 
 
+def test_each_scrapes_batch_is_published_once_in_unix_time() -> None:
+    """For the ledger's GPU time (ledger/gputime.py): every good scrape's running count since the
+    last publication, at the scrape's own time; a failed scrape or a gone pod adds none."""
+    clock = Clock()
+    fleet = Fleet(FleetSettings(capacity=10), clock=clock)
+    fleet.set_pods(["a:1", "b:1"])
+    batches = publisher.Batches(fleet)
+    fleet.listeners.append(batches.scraped)
+    started = time.time()
+    for i, running in enumerate((3.0, 5.0)):
+        fleet.store(PodMetrics("a:1", clock.now - 0.5 + i * 0.1, ok=True, running=running))
+    fleet.store(PodMetrics("b:1", clock.now, ok=False, running=9.0))
+    load = publisher.fleet_load(fleet, batches)
+    assert [count for _, count in load.batches["a:1"]] == [3.0, 5.0] and "b:1" not in load.batches
+    first, second = (at for at, _ in load.batches["a:1"])
+    assert started - 0.6 < first < second <= time.time() - 0.35  # when scraped, not published
+    assert publisher.fleet_load(fleet, batches).batches == {}  # published once
+    fleet.store(PodMetrics("a:1", clock.now, ok=True, running=1.0))
+    fleet.set_pods(["b:1"])
+    assert publisher.fleet_load(fleet, batches).batches == {}
+
+
 async def test_fleet_load_publishes_the_capacity_measured_from_scrapes(
     fake_pods: list[FakePod],
 ) -> None:

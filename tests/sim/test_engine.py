@@ -186,3 +186,39 @@ async def test_stop_ends_with_an_eos_token_counted_in_usage(
     last = json.loads(events[-1].removeprefix("data: "))["choices"][0]
     assert last["delta"] == {"content": ""} and last["finish_reason"] == "stop"
     assert len(events) == 1 + reply["usage"]["completion_tokens"]  # role + one per token
+
+
+async def test_each_request_is_charged_its_share_of_every_step_it_was_in(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    """The exact GPU time the ledger's estimate is measured against (bench/gputime.py): a step
+    shared by a batch of B costs each of them 1/B of it; the shares add up to the busy time."""
+    pod = await make_pod(time_scale=0.05)
+    start = pod.engine.sim_now()
+    alone = "alone-1"
+    async with http.post(
+        pod.url + "/v1/chat/completions",
+        json=chat("alone", max_tokens=8, ignore_eos=True),
+        headers={"X-Request-Id": alone},
+    ) as resp:
+        assert resp.status == 200
+    busy = (pod.engine.sim_now() - start) * 0.05
+    spent = pod.engine.gpu_seconds
+    assert spent[alone] == pytest.approx(busy)  # alone: every step was its own
+    start = pod.engine.sim_now()
+    names = [f"together-{i}" for i in range(8)]
+
+    async def one(name: str) -> None:
+        body = chat(name, max_tokens=16, ignore_eos=True)
+        async with http.post(
+            pod.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": name}
+        ) as resp:
+            assert resp.status == 200
+
+    await asyncio.gather(*map(one, names))
+    busy = (pod.engine.sim_now() - start) * 0.05
+    shares = [spent[n] for n in names]
+    assert sum(shares) == pytest.approx(busy, rel=0.05)  # idle gaps between arrivals aside
+    assert max(shares) < busy  # each shared its steps
+    async with http.get(pod.url + "/admin/gpu_seconds") as resp:
+        assert (await resp.json())[alone] == pytest.approx(spent[alone])

@@ -490,3 +490,155 @@ def test_metrics(pods: Pair) -> None:
     assert read[0].num_gpu_blocks == read[1].num_gpu_blocks
     for parsed in read:
         assert parsed.tokens_served and parsed.requests_served and parsed.itl_count
+
+
+# The Responses API (POST /v1/responses): the same conversation, its Response object and events.
+
+RESPONSES = "/v1/responses"
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{16}")
+ITEM_ID = re.compile(r"msg_[0-9a-f]{16}")
+
+
+def response_body(pair: Pair, **fields: Any) -> dict[str, Any]:
+    base = {"model": pair.model, "input": "Hello, how are you?", "max_output_tokens": 5}
+    return {**base, "ignore_eos": True, **fields}
+
+
+def response_events(reply: Reply) -> list[tuple[str, Any]]:
+    """An SSE body's (event, JSON) pairs, its framing checked: an `event:` line before each
+    `data:` line, blank-line separated, no `[DONE]`."""
+    assert reply.status == 200 and reply.content_type == "text/event-stream; charset=utf-8"
+    frames = reply.body.decode().split("\n\n")
+    assert frames[-1] == ""
+    pairs = []
+    for frame in frames[:-1]:
+        kind, data = frame.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        pairs.append((event["type"], event))
+    assert [e["sequence_number"] for _, e in pairs] == list(range(len(pairs)))
+    return pairs
+
+
+def test_responses_stream(pods: Pair) -> None:
+    real, sim = pods.both("POST", RESPONSES, response_body(pods, stream=True))
+    streams = [response_events(real), response_events(sim)]
+    assert squeezed([(k, shape(e)) for k, e in streams[0]]) == squeezed(
+        [(k, shape(e)) for k, e in streams[1]]
+    )
+    for stream in streams:
+        kinds = [k for k, _ in stream]
+        assert kinds[:4] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.completed"]  # fmt: skip
+        final = stream[-1][1]["response"]
+        assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 5
+        deltas = "".join(e["delta"] for k, e in stream if k == "response.output_text.delta")
+        assert final["output"][0]["content"][0]["text"] == deltas
+        assert RESPONSE_ID.fullmatch(final["id"]) and ITEM_ID.fullmatch(final["output"][0]["id"])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"instructions": "Answer briefly.", "temperature": 0.5, "top_p": 0.9},
+        {"max_output_tokens": None, "input": [
+            {"role": "developer", "content": [{"type": "input_text", "text": "Be terse."}]},
+            {"type": "message", "role": "user", "content": "Hello, how are you today?"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "I am fine, thank you."}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "What is the weather? 🌦️"}]},
+        ]},
+    ],
+)  # fmt: skip
+def test_whole_responses(pods: Pair, fields: dict[str, Any]) -> None:
+    """The Response object whole, the prompt counted alike (instructions a system message, the
+    items the chat messages vLLM makes of them), the cap lowered beside the prompt."""
+    sent = {k: v for k, v in response_body(pods, **fields).items() if v is not None}
+    real, sim = pods.both("POST", RESPONSES, sent)
+    assert real.status == sim.status == 200, real.body
+    assert real.content_type == sim.content_type == "application/json"
+    assert shape(real.json()) == shape(sim.json())
+    usage = [r.json()["usage"] for r in (real, sim)]
+    assert usage[0]["input_tokens"] == usage[1]["input_tokens"]
+    for reply in (real.json(), sim.json()):
+        assert reply["status"] == "incomplete"
+        assert reply["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert reply["usage"]["output_tokens"] == reply["max_output_tokens"]
+        assert reply["temperature"] == fields.get("temperature", 1.0)
+        assert reply["top_p"] == fields.get("top_p", 1.0)
+
+
+def test_responses_report_the_prefix_cache(pods: Pair) -> None:
+    """Cached and cache-written input tokens, the same prompt twice (over one 128-token block)."""
+    sent = response_body(pods, input="The quick brown fox jumps over the lazy dog. " * 30)
+    details = []
+    for pod in (pods.real, pods.sim):
+        first, second = pod.post(RESPONSES, sent), pod.post(RESPONSES, sent)
+        details.append([r.json()["usage"]["input_tokens_details"] for r in (first, second)])
+    assert details[0] == details[1]
+    assert details[0][1]["cached_tokens"] > 0 == details[0][1]["cache_write_tokens"]
+
+
+def test_what_the_gateway_adds_to_a_response_is_accepted(pods: Pair) -> None:
+    """The body's request_id names the response (X-Request-Id does not); the priority header."""
+    fields = {"cache_salt": "0123456789abcdef" * 2, "request_id": "from-body", "max_tokens": 3}
+    headers = {"X-Vllm-Priority": "5", "X-Request-Id": "from-envoy"}
+    real, sim = pods.both("POST", RESPONSES, response_body(pods, **fields), **headers)
+    assert real.status == sim.status == 200, real.body
+    assert real.json()["id"] == sim.json()["id"] == "from-body"
+
+
+BAD_RESPONSES: dict[str, dict[str, Any] | bytes] = {
+    "no input": {"input": None},
+    "unknown model": {"model": "nope"},
+    "store and background": {"background": True},
+    "background without store": {"background": True, "store": False},
+    "previous response": {"previous_response_id": "resp_0123456789abcdef"},
+    "prompt template": {"prompt": {"id": "pmpt_1"}},
+    "tool_choice required without tools": {"tool_choice": "required"},
+    "max_output_tokens over max_model_len": {"max_output_tokens": 4096},
+    "max_output_tokens 0": {"max_output_tokens": 0},
+    "prompt too long": {"input": LONG},
+    "empty input": {"input": []},
+    "unsupported item": {"input": [{"type": "item_reference", "id": "msg_1"}]},
+    "bad temperature": {"temperature": -1},
+    "bad top_p": {"top_p": 0},
+    "priority not an integer": {"priority": "high"},
+    "cache_salt with a slash": {"cache_salt": "tenant/a"},
+    "stream not a boolean": {"stream": 2},
+    "bad service_tier": {"service_tier": "gold"},
+    "bad JSON": b'{"model": ',
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_RESPONSES))
+def test_response_errors(pods: Pair, name: str) -> None:
+    fields = BAD_RESPONSES[name]
+    sent: Any = fields
+    if isinstance(fields, dict):
+        sent = {k: v for k, v in (response_body(pods) | fields).items() if v is not None}
+    real, sim = pods.real.post(RESPONSES, sent), pods.sim.post(RESPONSES, sent)
+    assert real.status == sim.status and real.status in (400, 404), real.body
+    assert real.content_type == sim.content_type == "application/json"
+    assert sim.json() == real.json()
+
+
+def test_a_bad_input_item_is_refused_alike(pods: Pair) -> None:
+    """pydantic reports every member of the SDK's item union (hundreds of lines): the status,
+    type and param agree, not the message (README: `responses.item_errors`)."""
+    sent = response_body(pods, input=[{"role": "tool", "content": "x"}])
+    real, sim = pods.real.post(RESPONSES, sent), pods.sim.post(RESPONSES, sent)
+    assert real.status == sim.status == 400
+    errors = [r.json()["error"] for r in (real, sim)]
+    assert {k: errors[0][k] for k in ("type", "param", "code")} == {
+        k: errors[1][k] for k in ("type", "param", "code")
+    }
+    found = {"responses.item_errors"} if errors[0]["message"] != errors[1]["message"] else set()
+    assert found == allowed("responses")

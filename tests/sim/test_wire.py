@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim import SimPod
@@ -358,7 +359,9 @@ async def test_large_bodies_are_read_like_vllm_reads_them(pod: SimPod) -> None:
 
 
 async def test_cache_salt_separates_prefix_caches(pod: SimPod) -> None:
-    prompt = [{"role": "user", "content": "a long shared prompt " * 200}]
+    prompt: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "a long shared prompt " * 200}
+    ]
     async with client(pod) as sdk:
         for salt in ("one", "one", "two"):
             await sdk.chat.completions.create(
