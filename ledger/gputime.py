@@ -1,5 +1,5 @@
 """A request's GPU time, estimated from what the gateway sees of it: how long it held its pod
-(from Envoy's start of the request to its end: queue wait excluded, prefill and decode included)
+(from when flow control let it go to its end, as Envoy timed it: prefill and decode included)
 and the pod's batch over that time, from the router's scrapes (the fleet load's `batches`: each
 scrape's running requests, llmgw/fleetload.py, read from Redis every `interval_s`). A request
 that shared its pod with 31 others for 2 s used 1/32 of those 2 s:

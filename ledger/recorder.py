@@ -218,9 +218,10 @@ class Recorder:
                 charged = actual if result.state == 2 else result.charged
             update = {"charged_tokens": charged, **_cost(o, prices)}
             if self.batches is not None and o.pod:
+                # On its pod from when flow control let it go (Envoy's clock starts before).
                 start = o.ts.timestamp()
                 update["gpu_seconds"] = self.batches.gpu_seconds(
-                    o.pod, start, start + o.duration_ms / 1000
+                    o.pod, start + (o.queue_ms or 0.0) / 1000, start + o.duration_ms / 1000
                 )
             record = o.model_copy(update=update)
             records.append(record)

@@ -63,7 +63,9 @@ async def test_records_are_priced_by_the_table_in_force(tmp_path: Path) -> None:
         await stored(sink, 2)
         # Reloaded: what is recorded from now on; nothing recorded before is priced again.
         table = Prices(default=ModelPrice(input=Decimal(1), output=Decimal("0.5")))
-        recorder.add([outcome(3, model="m", **USED), outcome(4, model="m", status=429)])
+        recorder.add(
+            [outcome(3, model="m", queue_ms=1500.0, **USED), outcome(4, model="m", status=429)]
+        )
         await stored(sink, 4)
     finally:
         await recorder.close(1.0)
@@ -72,6 +74,8 @@ async def test_records_are_priced_by_the_table_in_force(tmp_path: Path) -> None:
     # Its pod's time shared with a batch of 4 for 2 s; none without a pod.
     gpu = {r.request_id: r.gpu_seconds for r in sink.records}
     assert gpu["req-000001"] == pytest.approx(0.5) and gpu["req-000004"] is None
+    # Held 1.5 s of its 2 in flow control's queue: on its pod for 0.5 s only.
+    assert gpu["req-000003"] == pytest.approx(0.5 / 4)
     spent = REGISTRY.get_sample_value(
         "llmgw_ledger_cost_micros_total", {"tenant": "acme", "model": "m", "currency": "EUR"}
     )
