@@ -2,7 +2,8 @@
 --
 -- Decided from extauthz's request facts (stream, include_usage), never from the raw body. For
 -- every SSE response it counts the content events (those with a choice; the Responses API's
--- text deltas, whose usage always ends the stream, as OpenAI's does) that reach the client
+-- deltas of text, reasoning and tool calls, whose usage always ends the stream) that reach the
+-- client
 -- into {{ wire.USAGE_NAMESPACE }}/{{ wire.META_STREAMED_EVENTS }}, so the access log of a stream cut
 -- short (client hung up, pod reset) still says how many tokens were streamed. Pods send usage for
 -- every stream (vLLM --enable-force-include-usage: a final usage-only event, or since vLLM 0.20
@@ -26,9 +27,9 @@ local function has_choice(event)
 end
 
 -- The Responses API names each event on its own line first (vLLM writes `event: TYPE`), which no
--- JSON string can fake: a string's newlines are escaped.
-local function named(event, name)
-  return event:sub(1, #name + 8) == "event: " .. name .. "\n"
+-- JSON string can fake: a string's newlines are escaped. nil: a chat or completions event.
+local function kind_of(event)
+  return event:match("^event: ([%w_%.]+)\n")
 end
 
 -- A choice's first event names the role and carries no token.
@@ -62,8 +63,14 @@ function envoy_on_response(handle)
         break
       end
       local event = text:sub(at, stop)
-      if named(event, "response.output_text.delta") then
-        streamed = streamed + 1
+      local kind = kind_of(event)
+      if kind ~= nil then
+        -- Each step's output: text, reasoning, a tool call's arguments (`response.*.delta`).
+        if kind:sub(1, 9) == "response." and kind:sub(-6) == ".delta" then
+          streamed = streamed + 1
+        elseif kind == "error" or kind == "response.failed" then
+          handle:streamInfo():dynamicMetadata():set(USAGE, FAILED, true)
+        end
         out[#out + 1] = event
       elseif has_choice(event) then
         if not role_only(event) then
@@ -71,8 +78,7 @@ function envoy_on_response(handle)
         end
         out[#out + 1] = strip and without_usage(event) or event
       else
-        if event:find('^data:%s*[{]%s*"error"%s*:') or named(event, "error")
-            or named(event, "response.failed") then
+        if event:find('^data:%s*[{]%s*"error"%s*:') then
           -- The pod failed after its 200 (vLLM sends the error as an event): the outcome says so.
           handle:streamInfo():dynamicMetadata():set(USAGE, FAILED, true)
         end

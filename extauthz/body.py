@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from extauthz.settings import DecisionSettings
-from llmgw import facts, kvblocks, wire
+from llmgw import facts, kvblocks, responses, wire
 from llmgw.facts import RequestFacts
 
 _MODEL_NAME = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: safe as a header value
@@ -75,7 +75,7 @@ def read(raw: bytes, settings: DecisionSettings, path: str) -> Body:
         return Body("invalid")
     if path == wire.RESPONSES_PATH:
         stateful = next((name for name in _STATEFUL if _stateful(name, request.get(name))), None)
-        return _summary(facts.responses_as_chat(request), settings, stateful)
+        return _summary(responses.as_chat(request), settings, stateful)
     return _summary(request, settings)
 
 

@@ -19,7 +19,7 @@ from extauthz import metrics
 from extauthz.body import Body
 from extauthz.body import read as read_body
 from extauthz.decision import Decider
-from llmgw import tokenizer
+from llmgw import tokenizer, wire
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class BodyPool:
 
     async def start(self) -> None:
         """Start the workers now, not on the first large body."""
-        await self._run(b"{}", "")
+        await self._run(b"{}", wire.CHAT_PATH)
 
     async def read(self, body: bytes, path: str) -> Body | None:
         """The body of a request to `path` read in a worker if it is large, else None (the

@@ -254,7 +254,9 @@ class Decider:
         suffix = f'"cache_salt": "{self.cache_salt(cache_group)}"'
         suffix += f', "request_id": {json.dumps(request_id)}'
         if path == wire.RESPONSES_PATH:
-            suffix += f', "max_output_tokens": {cap}'
+            # vLLM stores every response unless told not to, when its pod runs with the store on
+            # (VLLM_ENABLE_RESPONSES_API_STORE): the gateway keeps none, so no pod may either.
+            suffix += f', "max_output_tokens": {cap}, "store": false'
         elif path != wire.EMBEDDINGS_PATH:
             suffix += f', "max_tokens": {cap}'
             if path == wire.CHAT_PATH and read.completion_cap:

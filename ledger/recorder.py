@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from ledger import metrics
 from ledger.breaker import Breakers, Transition
@@ -216,7 +216,13 @@ class Recorder:
                 # A duplicate was charged when first settled: what it used.
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged
-            update = {"charged_tokens": charged, **_cost(o, prices)}
+            update: dict[str, object] = {"charged_tokens": charged}
+            price = prices.of(o.model)
+            if price is not None:  # what its tokens cost, if its model has a price
+                update["cost_micros"] = price.cost_micros(
+                    o.prompt_tokens, o.cached_tokens, o.completion_tokens
+                )
+                update["currency"] = prices.currency
             if self.batches is not None and o.pod:
                 # On its pod from when flow control let it go (Envoy's clock starts before).
                 start = o.ts.timestamp()
@@ -228,15 +234,6 @@ class Recorder:
             _count(record)
         if self.sink is not None:
             self.sink.submit(records)
-
-
-def _cost(o: Outcome, prices: Prices) -> dict[str, Any]:
-    """What the request's tokens cost, if its model has a price."""
-    price = prices.of(o.model)
-    if price is None:
-        return {}
-    micros = price.cost_micros(o.prompt_tokens, o.cached_tokens, o.completion_tokens)
-    return {"cost_micros": micros, "currency": prices.currency}
 
 
 def _count(o: Outcome) -> None:

@@ -90,8 +90,8 @@ class Settings(Strict):
     # When a pod's failures are the pod's, not its tenants' breakers' (ledger/blame.py).
     blame: BlameSettings = BlameSettings()
     reload_interval_s: float = Field(default=0.5, gt=0)  # how often the tier table is checked
-    # How often the pods' batches are read (the router's fleet load, published each second:
-    # read twice as often, none is missed), for GPU time.
+    # How often the routers' stream of the pods' batches (llmgw/podbatches.py) is read, for
+    # GPU time.
     batches_interval_s: float = Field(default=0.5, gt=0)
     drain_s: float = Field(default=5.0, ge=0)  # on SIGTERM: time to write what is left
 

@@ -166,53 +166,6 @@ def from_body(
     )
 
 
-def responses_as_chat(request: Mapping[str, Any]) -> dict[str, Any]:
-    """A Responses API body as the chat request vLLM renders it into (responses/utils.py
-    `construct_input_messages`: the instructions a system message, then the input's items as
-    messages), so that it is counted, hashed, capped and routed as chat is. Its output cap,
-    `max_output_tokens`, reads as chat's; its usage always ends the stream (no `n`, no
-    stream_options). An item vLLM refuses still counts, by the size of its JSON."""
-    messages: list[Any] = []
-    instructions = request.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        messages.append({"role": "system", "content": instructions})
-    given = request.get("input")
-    items = given if isinstance(given, list) else [{"role": "user", "content": given}]
-    messages += map(_item_message, items)
-    stream = lax_bool(request.get("stream"))
-    chat: dict[str, Any] = {
-        "messages": messages,
-        "stream": stream,
-        "stream_options": {"include_usage": stream},
-        "tools": request.get("tools"),
-        "max_completion_tokens": request.get("max_output_tokens"),
-    }
-    if "model" in request:
-        chat["model"] = request["model"]
-    return chat
-
-
-def _item_message(item: object) -> object:
-    """One input item as the chat message vLLM makes of it (tool calls and their outputs, a
-    message's text parts); an item it would refuse as its JSON text, to be counted."""
-    if not isinstance(item, dict):
-        return {"role": "user", "content": _json(item) or str(item)}
-    kind = item.get("type")
-    if kind in ("function_call", "custom_tool_call"):
-        arguments = item.get("arguments", item.get("input"))
-        call = {"name": item.get("name"), "arguments": arguments}
-        return {"role": "assistant", "tool_calls": [{"id": item.get("call_id"), "function": call}]}
-    if kind in ("function_call_output", "custom_tool_call_output"):
-        output = item.get("output")
-        return {"role": "tool", "content": output if isinstance(output, str) else _json(output)}
-    if kind == "reasoning":
-        return {"role": "assistant", "reasoning": _json(item.get("content") or item.get("summary"))}
-    if isinstance(item.get("role"), str):
-        # As vLLM passes it on: its parts with a "text" (input_text, output_text) read as text.
-        return item
-    return {"role": "user", "content": _json(item)}
-
-
 def output_cap(request: Mapping[str, Any], maximum: int) -> int:
     """The output cap per sequence the pod gets: the client's (`asked_output`), lowered to
     `maximum`, or `maximum` when the client leaves it open. `min(output_cap(r, a), b)` is

@@ -1,5 +1,5 @@
-"""The fleet-load contract (router → ratelimit, extauthz, ledger): the fleet's utilisation,
-measured capacity, the context of each model it serves and each pod's batch.
+"""The fleet-load contract (router → ratelimit, extauthz): the fleet's utilisation, measured
+capacity and the context of each model it serves.
 
 The router's publisher (router/publisher.py) writes one `FleetLoad` as JSON to Redis key
 `llmgw.wire.FLEET_LOAD_KEY` every `publish_interval` seconds, with a TTL of `publish_ttl`; the
@@ -10,9 +10,7 @@ view, ratelimit/fleet.py) to bound the output cap it appends; none known: the ca
 them, as before the router had scraped any pod.
 
     {"load": 0.42, "capacity_tpm": 3000000, "capacity_rpm": 6000, "ts": 1767225600.123,
-     "contexts": {"llama-3-8b": 8192}, "batches": {"10.0.0.7:8000": [[1767225599.2, 12]]}}
-
-The ledger reads it too, for each pod's batch over time: what a request's GPU time was.
+     "contexts": {"llama-3-8b": 8192}}
 """
 
 from __future__ import annotations
@@ -46,10 +44,6 @@ class FleetLoad(BaseModel):
     ts: float  # Unix seconds when it was measured
     # Per model the fleet serves, its context (`ModelContexts.context`); {}: none known yet.
     contexts: dict[str, PositiveInt] = Field(default_factory=dict)
-    # Each pod's running requests at each of its scrapes since the previous publication, by its
-    # "ip:port" (as Envoy's access log names it): [(Unix seconds, running)], oldest first. The
-    # batch a request shared its pod with (ledger/gputime.py).
-    batches: dict[str, list[tuple[float, float]]] = Field(default_factory=dict)
 
     @field_validator("load")
     @classmethod

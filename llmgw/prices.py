@@ -24,15 +24,19 @@ from pydantic import Field
 from llmgw.config import Strict
 
 MICROS = Decimal(1_000_000)  # micro-units in a unit of the currency
+# A price per million tokens above any sold (a unit of the currency a token), and the most a
+# request may cost: what the ledger's 64-bit column holds. No table can make a record unstorable.
+MAX_PRICE = Decimal(1_000_000)
+MAX_COST_MICROS = 2**63 - 1
 
 
 class ModelPrice(Strict):
     """A model's prices per million tokens."""
 
-    input: Decimal = Field(ge=0, allow_inf_nan=False)
+    input: Decimal = Field(ge=0, le=MAX_PRICE, allow_inf_nan=False)
     # Prompt tokens the pod's prefix cache served; None: the input price.
-    cached_input: Decimal | None = Field(default=None, ge=0, allow_inf_nan=False)
-    output: Decimal = Field(ge=0, allow_inf_nan=False)
+    cached_input: Decimal | None = Field(default=None, ge=0, le=MAX_PRICE, allow_inf_nan=False)
+    output: Decimal = Field(ge=0, le=MAX_PRICE, allow_inf_nan=False)
 
     def cost_micros(self, prompt: int, cached: int, completion: int) -> int:
         """The cost in micro-units of `prompt` tokens (of which `cached` were served from the
@@ -40,7 +44,7 @@ class ModelPrice(Strict):
         cached = min(max(cached, 0), prompt)
         cached_price = self.input if self.cached_input is None else self.cached_input
         exact = (prompt - cached) * self.input + cached * cached_price + completion * self.output
-        return int(exact.to_integral_value(ROUND_HALF_UP))
+        return min(int(exact.to_integral_value(ROUND_HALF_UP)), MAX_COST_MICROS)
 
 
 class Prices(Strict):

@@ -179,5 +179,7 @@ def breaker_key(tenant: str) -> str:
 FLOW_SERVED_KEY = "llmgw:flow:served"
 # Fleet load published by the router for quota borrowing (Redis).
 FLEET_LOAD_KEY = "llmgw:fleet:load"
+# The pods' batches at each scrape (llmgw/podbatches.py): a stream every router replica adds to.
+POD_BATCHES_KEY = "llmgw:fleet:batches"
 # The fleet's borrowing pool (ratelimit/pool.py): its own hash tag, one Redis Cluster slot.
 POOL_PREFIX = "llmgw:pool:{fleet}"

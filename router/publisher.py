@@ -1,7 +1,8 @@
-"""The fleet-load publisher: the fleet's utilisation, measured capacity, contexts and batches
+"""The fleet-load publisher: the fleet's utilisation, measured capacity and contexts
 (llmgw/fleetload.py), written to Redis every `publish_interval` seconds with a TTL of
-`publish_ttl` seconds, for the rate limiter's borrowing pool (ratelimit/fleet.py), where the
-router runs apart extauthz's output cap, and the ledger's GPU time (ledger/gputime.py)."""
+`publish_ttl` seconds, for the rate limiter's borrowing pool (ratelimit/fleet.py) and, where the
+router runs apart, extauthz's output cap; and each pod's batch at each scrape since
+(llmgw/podbatches.py), added to a stream for the ledger's GPU time (ledger/gputime.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections import deque
 from llmgw import wire
 from llmgw.fleetload import FleetLoad
 from llmgw.link import RedisLink
+from llmgw.podbatches import SCRAPES_KEPT, STREAM_KEPT, PodBatches, Scrape
 from llmgw.resp import RespError
 from router import metrics
 from router.capacity import utilisation
@@ -22,37 +24,33 @@ from router.types import PodId
 log = logging.getLogger(__name__)
 
 
-# Scrapes of one pod a publication carries at most (the latest): 13 a second at the default
-# scrape interval.
-BATCHES_KEPT = 64
-
-
-class Batches:
-    """Each pod's running requests at each good scrape since the last publication, in Unix
-    seconds (a fleet listener: `fleet.listeners.append(batches.scraped)`)."""
+class ScrapeLog:
+    """Each pod's running requests at each good scrape since the last entry, at the scrape's
+    Unix time (a fleet listener: `fleet.listeners.append(log.scraped)`); a pod's latest
+    SCRAPES_KEPT."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        self.pending: dict[PodId, deque[tuple[float, float]]] = {}
+        self.pending: dict[PodId, deque[Scrape]] = {}
 
     def scraped(self, pod: PodId) -> None:
         snap = self.fleet.snapshots.get(pod)
         if snap is None or not snap.ok:
             return
         at = round(time.time() - (self.fleet.clock() - snap.at), 3)
-        samples = self.pending.get(pod)
-        if samples is None:
-            samples = self.pending[pod] = deque(maxlen=BATCHES_KEPT)
-        samples.append((at, snap.running))
+        scrapes = self.pending.get(pod)
+        if scrapes is None:
+            scrapes = self.pending[pod] = deque(maxlen=SCRAPES_KEPT)
+        scrapes.append(Scrape(at, snap.running))
 
-    def take(self) -> dict[PodId, list[tuple[float, float]]]:
+    def take(self) -> PodBatches:
         """What arrived since the last call, of the pods still in the fleet."""
-        taken = {p: list(s) for p, s in self.pending.items() if p in self.fleet.snapshots}
+        pods = {p: list(s) for p, s in self.pending.items() if p in self.fleet.snapshots}
         self.pending = {}
-        return taken
+        return PodBatches(ts=round(time.time(), 3), pods=pods)
 
 
-def fleet_load(fleet: Fleet, batches: Batches | None = None) -> FleetLoad:
+def fleet_load(fleet: Fleet) -> FleetLoad:
     """The mean utilisation over the known pods, a pod the router would not pick (unhealthy, or
     its metrics stale) counting as 1, and the capacity the pickable ones were measured at."""
     now = fleet.clock()
@@ -75,7 +73,6 @@ def fleet_load(fleet: Fleet, batches: Batches | None = None) -> FleetLoad:
         capacity_rpm=rpm,
         ts=round(time.time(), 3),
         contexts=fleet.contexts.current,
-        batches=batches.take() if batches is not None else {},
     )
 
 
@@ -83,16 +80,22 @@ async def run(fleet: Fleet, redis: RedisLink) -> None:
     """Publish every `publish_interval`; Redis errors are logged, not fatal (the next round
     connects again)."""
     s = fleet.settings
-    batches = Batches(fleet)
-    fleet.listeners.append(batches.scraped)
+    scrapes = ScrapeLog(fleet)
+    fleet.listeners.append(scrapes.scraped)
     while True:
-        payload = fleet_load(fleet, batches).model_dump_json()
+        payload = fleet_load(fleet).model_dump_json()
+        batches = scrapes.take()
         try:
             async with asyncio.timeout(s.publish_interval):  # connecting included
                 client = await redis.get()
                 await client.call(
                     "SET", wire.FLEET_LOAD_KEY, payload, "PX", int(s.publish_ttl * 1000)
                 )
+                if batches.pods:
+                    await client.call(
+                        "XADD", wire.POD_BATCHES_KEY, "MAXLEN", "~", str(STREAM_KEPT), "*",
+                        "b", batches.model_dump_json(),
+                    )  # fmt: skip
         except (TimeoutError, ConnectionError, OSError, RespError) as exc:
             log.warning("fleet load publish failed", extra={"error": repr(exc)})
         await asyncio.sleep(s.publish_interval)

@@ -121,6 +121,12 @@ def _amount(micros: str) -> str:
     return f"round(({micros})::numeric / 1000000, 6)"
 
 
+def _one_currency(total: str) -> str:
+    """SQL: an amount summed over records priced in one currency; none over several (a price
+    table changed its currency: `--since` narrows to one)."""
+    return f"CASE WHEN count(DISTINCT nullif(currency, '')) > 1 THEN NULL ELSE {total} END"
+
+
 # Columns computed from the stored ones.
 COMPUTED = {
     "cost": f"{_amount('cost_micros')} AS cost",
@@ -130,7 +136,8 @@ COMPUTED = {
 
 # A record's cost times its borrowed share of the charged tokens (integer micro-units).
 _BORROWED_MICROS = (
-    "(cost_micros * least(borrowed_tokens, charged_tokens) / greatest(charged_tokens, 1))"
+    "floor(cost_micros::numeric * least(borrowed_tokens, charged_tokens)"
+    " / greatest(charged_tokens, 1))"
 )
 
 
@@ -151,9 +158,10 @@ def totals_sql(by: By, filters: Filters) -> str:
         " sum(least(borrowed_tokens, charged_tokens))::bigint AS borrowed_tokens,"
         " sum(borrowed_requests)::bigint AS borrowed_requests,"
         # The cost split as the charged tokens are: a record's borrowed share of its charge.
-        f" {_amount('sum(cost_micros)')} AS cost,"
-        f" {_amount(f'sum(cost_micros - {_BORROWED_MICROS})')} AS base_cost,"
-        f" {_amount(f'sum({_BORROWED_MICROS})')} AS borrowed_cost,"
+        f" {_one_currency('sum(cost_micros)::bigint')} AS cost_micros,"
+        f" {_one_currency(_amount('sum(cost_micros)'))} AS cost,"
+        f" {_one_currency(_amount(f'sum(cost_micros - {_BORROWED_MICROS})'))} AS base_cost,"
+        f" {_one_currency(_amount(f'sum({_BORROWED_MICROS})'))} AS borrowed_cost,"
         " string_agg(DISTINCT nullif(currency, ''), ',') AS currency,"
         " round(sum(gpu_seconds)::numeric, 3) AS gpu_seconds,"
         # The wait in flow control's queue (none: not held; 0: went at once), then the pod's.

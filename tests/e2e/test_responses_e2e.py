@@ -21,10 +21,20 @@ from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, reservations
 from tests.eventually import eventually
 from tools.stack import Stack
 
+# A hard budget small enough that what is left lowers a request's cap.
+TIERS = """
+tiers:
+  standard: {requests: {second: 1000}, tokens: {minute: 1000000}}
+  budgeted: {requests: {second: 1000}, tokens: {minute: 1000000}, budget: {tokens: 400, per: day}}
+"""
+
 
 @pytest.fixture(scope="module")
 def responses_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with Stack(stack_settings(), tmp_path_factory.mktemp("responses") / "stack") as running:
+    state = tmp_path_factory.mktemp("responses")
+    (state / "tiers.yaml").write_text(TIERS)
+    settings = stack_settings().model_copy(update={"tiers_file": state / "tiers.yaml"})
+    with Stack(settings, state / "stack") as running:
         yield running
 
 
@@ -134,3 +144,21 @@ def test_what_needs_a_stored_response_is_refused_clearly(
     error = refused.value
     assert error.code == "unsupported_parameter" and error.param == param
     assert "keeps no responses" in error.message
+
+
+def test_a_budget_lowers_the_cap_the_pod_gets_as_max_output_tokens(
+    responses_stack: Stack,
+) -> None:
+    """What the hard budget has left, not the client's 2,000: the cap Envoy appends under the
+    Responses API's name, which the pod obeys (its reply says so)."""
+    key = add_tenant(responses_stack, "rs-budget", "budgeted")
+    with sdk(responses_stack, key) as client:
+        capped = client.responses.create(
+            model=MODEL,
+            input="a long story",
+            max_output_tokens=2000,
+            extra_body={"ignore_eos": True},
+        )
+    assert capped.usage is not None and capped.max_output_tokens is not None
+    assert capped.usage.output_tokens == capped.max_output_tokens < 400
+    assert capped.status == "incomplete"

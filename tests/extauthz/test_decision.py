@@ -617,6 +617,7 @@ def test_a_responses_request_is_counted_and_capped_as_the_chat_vllm_renders_it_i
         allowed(decider.decide(snap, headers, responses(max_output_tokens=9000), NOW_S)),
     )
     assert sent["max_output_tokens"] == 4096 and "max_tokens" not in sent
+    assert sent["store"] is False  # no pod keeps a response, whatever its own setting
     named = responses(max_output_tokens=70)
     assert (
         as_the_pod_reads_it(named, allowed(decider.decide(snap, headers, named, NOW_S)))[
@@ -626,26 +627,65 @@ def test_a_responses_request_is_counted_and_capped_as_the_chat_vllm_renders_it_i
     )
 
 
-def test_responses_input_items_count_as_their_messages(
+BIG = 2_000  # the test decider reads bodies of up to 10,000 bytes
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"role": "user", "content": [{"type": "input_text", "text": "a" * BIG}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "d" * BIG}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "b" * BIG},
+        # vLLM renders a custom call's input, and a call's name under its namespace.
+        {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "i" * BIG},
+        {"type": "function_call", "call_id": "c", "name": "f", "namespace": "n" * BIG},
+        {"type": "function_call_output", "call_id": "c1", "output": "c" * BIG},
+        {"type": "function_call_output", "output": [{"type": "input_text", "text": "o" * BIG}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r" * BIG}]},
+        {"type": "made_up", "payload": "e" * BIG},  # vLLM refuses it: counted all the same
+    ],
+)
+def test_every_input_item_vllm_renders_is_counted_in_full(
+    decider: Decider, snap: Snapshot, keys: Keys, item: dict[str, object]
+) -> None:
+    """The reservation and the bound a stream cut short is charged hold all of an item's text,
+    whatever the item's kind or the member vLLM reads it from."""
+    body = responses(input=[{"role": "user", "content": "hi"}, item])
+    d = allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), body, NOW_S))
+    assert d.facts.prompt_tokens >= BIG // 4
+    assert d.facts.prompt_bound >= BIG
+
+
+def test_a_custom_calls_input_is_counted_not_a_decoy(
     decider: Decider, snap: Snapshot, keys: Keys
 ) -> None:
-    """Message items with text parts, a tool call and its output, and what vLLM would refuse:
-    each counts (the bound holds every byte of text)."""
-    items = [
-        {"role": "user", "content": [{"type": "input_text", "text": "a" * 800}]},
-        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "b" * 800},
-        {"type": "function_call_output", "call_id": "c1", "output": "c" * 800},
-        {
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": "d" * 800}],
-        },
-        {"type": "made_up", "payload": "e" * 800},
+    call = {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "i" * BIG}
+    decoy = {**call, "arguments": "x"}  # vLLM renders `input` whatever else the item says
+    d = allowed(
+        decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(input=[decoy]), NOW_S)
+    )
+    assert d.facts.prompt_bound >= BIG
+
+
+def test_an_image_in_a_tool_output_counts_as_an_image(
+    decider: Decider, snap: Snapshot, keys: Keys
+) -> None:
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    plain = {"type": "function_call_output", "call_id": "c", "output": "x"}
+    pictured = {**plain, "output": [image]}
+    facts = [
+        allowed(
+            decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(input=[i]), NOW_S)
+        ).facts
+        for i in (plain, pictured)
     ]
+    assert facts[1].prompt_tokens >= facts[0].prompt_tokens + decider.settings.image_tokens - 1
+
+
+def test_an_assistant_item_makes_a_later_turn(decider: Decider, snap: Snapshot, keys: Keys) -> None:
+    items = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     d = allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(input=items), NOW_S))
-    assert d.facts.prompt_tokens >= 5 * 800 // 4
-    assert d.facts.prompt_bound >= 5 * 800
-    assert not d.facts.first_turn  # an assistant's message: a pod may hold this conversation
+    assert not d.facts.first_turn  # a pod may hold this conversation
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ from prometheus_client import REGISTRY
 
 from ledger.gputime import Batches
 from ledger.recorder import Recorder
-from llmgw.fleetload import FleetLoad
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
+from llmgw.podbatches import PodBatches, Scrape
 from llmgw.prices import ModelPrice, Prices
 from tests.ledger.conftest import T0, outcome
 from tests.ratelimit.rl_redis import redis_port, start_redis
@@ -51,8 +51,8 @@ async def test_records_are_priced_by_the_table_in_force(tmp_path: Path) -> None:
     redis = start_redis(tmp_path)
     table = Prices(currency="EUR", models={"m": ModelPrice(input=Decimal(2), output=Decimal(8))})
     sink = Sink()
-    batches = Batches()
-    batches.observe(FleetLoad(load=0.5, ts=T0.timestamp(), batches={POD: [(T0.timestamp(), 4.0)]}))
+    batches = Batches(clock=T0.timestamp)
+    batches.observe(PodBatches(ts=T0.timestamp(), pods={POD: [Scrape(T0.timestamp(), 4.0)]}))
     recorder = Recorder(
         RedisLink("127.0.0.1", redis_port(redis), 1.0), sink, batch_max=10, pending_max=1000,
         done_ttl_s=60, timeout_s=2.0, retry_max_s=0.1, prices=lambda: table, batches=batches,

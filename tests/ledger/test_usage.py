@@ -148,6 +148,7 @@ async def test_json_totals_with_by(ledger_db: str) -> None:
     m1 = totals["m1"]
     assert (m1["base_tokens"], m1["borrowed_tokens"], m1["borrowed_requests"]) == (33, 12, 2)
     assert (m1["cost"], m1["base_cost"], m1["borrowed_cost"]) == (0.501234, 0.500741, 0.000493)
+    assert m1["cost_micros"] == 501234  # the exact sum beside the amounts
 
 
 async def test_the_cli_command_reads_the_url_from_the_environment(ledger_db: str) -> None:

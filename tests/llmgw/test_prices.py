@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.config import ConfigError
-from llmgw.prices import ModelPrice, Prices, amount
+from llmgw.prices import MAX_COST_MICROS, MAX_PRICE, ModelPrice, Prices, amount
 from llmgw.tiers import load_tiers
 
 LLAMA = ModelPrice(input=Decimal("0.10"), cached_input=Decimal("0.05"), output=Decimal("0.40"))
@@ -32,6 +32,12 @@ def test_a_cost_is_rounded_once_half_up_not_per_kind() -> None:
     assert ModelPrice(input=Decimal("0.49"), output=Decimal(0)).cost_micros(1, 0, 0) == 0
     # Without a cached price, cached tokens cost the input price.
     assert price.cost_micros(10, 10, 0) == 4
+
+
+def test_no_request_costs_more_than_the_ledger_can_store() -> None:
+    """The highest price on the most tokens a reservation holds still fits a 64-bit column."""
+    dearest = ModelPrice(input=MAX_PRICE, output=MAX_PRICE)
+    assert dearest.cost_micros(10**15, 0, 10**15) == MAX_COST_MICROS == 2**63 - 1
 
 
 def test_a_model_not_listed_takes_the_default_or_is_unpriced() -> None:
@@ -60,6 +66,8 @@ def test_the_tier_tables_prices_section(tmp_path: Path) -> None:
         "{models: {m: {input: .nan, output: 1}}}",
         "{models: {m: {input: 1}}}",
         "{models: {m: {input: 1, output: 1, cashed_input: 1}}}",
+        "{models: {m: {input: 1e20, output: 1}}}",  # beyond any price: a typo
+        "{models: {m: {input: '1e999999', output: 1}}}",
     ],
 )
 def test_a_bad_price_table_is_refused_naming_the_key(tmp_path: Path, section: str) -> None:

@@ -39,26 +39,29 @@ def test_fleet_load() -> None:
     assert (load.capacity_tpm, load.capacity_rpm) == (0, 0)  # nothing served: unknown
 
 
-def test_each_scrapes_batch_is_published_once_in_unix_time() -> None:
+def test_each_scrapes_batch_is_taken_once_in_unix_time() -> None:
     """For the ledger's GPU time (ledger/gputime.py): every good scrape's running count since the
-    last publication, at the scrape's own time; a failed scrape or a gone pod adds none."""
+    last entry, at the scrape's own time; a failed scrape or a gone pod adds none."""
     clock = Clock()
     fleet = Fleet(FleetSettings(capacity=10), clock=clock)
     fleet.set_pods(["a:1", "b:1"])
-    batches = publisher.Batches(fleet)
-    fleet.listeners.append(batches.scraped)
+    log = publisher.ScrapeLog(fleet)
+    fleet.listeners.append(log.scraped)
     started = time.time()
     for i, running in enumerate((3.0, 5.0)):
         fleet.store(PodMetrics("a:1", clock.now - 0.5 + i * 0.1, ok=True, running=running))
     fleet.store(PodMetrics("b:1", clock.now, ok=False, running=9.0))
-    load = publisher.fleet_load(fleet, batches)
-    assert [count for _, count in load.batches["a:1"]] == [3.0, 5.0] and "b:1" not in load.batches
-    first, second = (at for at, _ in load.batches["a:1"])
-    assert started - 0.6 < first < second <= time.time() - 0.35  # when scraped, not published
-    assert publisher.fleet_load(fleet, batches).batches == {}  # published once
+    entry = log.take()
+    assert [s.running for s in entry.pods["a:1"]] == [3.0, 5.0] and "b:1" not in entry.pods
+    first, second = (s.at for s in entry.pods["a:1"])
+    assert started - 0.6 < first < second <= time.time() - 0.35  # when scraped, not taken
+    assert log.take().pods == {}  # taken once
     fleet.store(PodMetrics("a:1", clock.now, ok=True, running=1.0))
     fleet.set_pods(["b:1"])
-    assert publisher.fleet_load(fleet, batches).batches == {}
+    assert log.take().pods == {}
+    for i in range(100):  # a publisher that cannot write keeps a pod's latest only
+        fleet.store(PodMetrics("b:1", clock.now, ok=True, running=float(i)))
+    assert [s.running for s in log.take().pods["b:1"]] == [float(i) for i in range(36, 100)]
 
 
 async def test_fleet_load_publishes_the_capacity_measured_from_scrapes(
