@@ -162,3 +162,29 @@ def test_a_budget_lowers_the_cap_the_pod_gets_as_max_output_tokens(
     assert capped.usage is not None and capped.max_output_tokens is not None
     assert capped.usage.output_tokens == capped.max_output_tokens < 400
     assert capped.status == "incomplete"
+
+
+def test_a_completed_event_larger_than_envoys_default_still_gives_its_usage(
+    responses_stack: Stack,
+) -> None:
+    """`response.completed` echoes the whole response (instructions, output): 240 KB here, far
+    past the 8 KiB Envoy's SSE parser keeps of an event by default. Its usage is read all the
+    same, not the whole reservation charged."""
+    stack = responses_stack
+    key = add_tenant(stack, "rs-large", "standard")
+    with sdk(stack, key) as client:
+        events = list(
+            client.responses.create(
+                model=MODEL, instructions="be thorough " * 20_000, input="go",
+                max_output_tokens=500, stream=True,
+            )
+        )  # fmt: skip
+    done = events[-1]
+    assert done.type == "response.completed" and done.response.usage is not None
+    used = done.response.usage
+    assert used.output_tokens < 500  # stopped by itself: the reservation's cap was not used
+    row = recorded(stack, {done.response.id})[done.response.id]
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (
+        used.input_tokens,
+        used.output_tokens,
+    )
