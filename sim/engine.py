@@ -191,19 +191,23 @@ class Engine:
     async def _run(self) -> None:
         clock = asyncio.get_running_loop().time
         pace = clock()  # when the previous step ended, on the wall clock
+        ended = pace  # … and when it really did
         while True:
             batch = self._schedule()
             if not batch:
                 self._work.clear()
                 await self._work.wait()
-                pace = clock()
+                pace = ended = clock()
                 continue
             simulated = self._duration(batch)
             now = clock()
             end = (pace if now - pace < _MAX_LAG else now) + simulated * self.settings.time_scale
             await asyncio.sleep(max(0.0, end - now))
             pace = end
-            self._advance(batch, simulated)
+            # What the step took on the wall clock, since the last one really ended: more than
+            # simulated on a busy machine.
+            began, ended = ended, clock()
+            self._advance(batch, simulated, ended - began)
 
     def step(self) -> bool:
         """One step at once, unpaced; False if there was nothing to do. Tests drive the
@@ -220,11 +224,15 @@ class Engine:
         self.stats.iteration_tokens.observe(load.tokens)
         return step_seconds(self.profile, load) / self.settings.speed_factor
 
-    def _advance(self, batch: list[tuple[Sequence, int]], simulated: float) -> None:
+    def _advance(
+        self, batch: list[tuple[Sequence, int]], simulated: float, wall: float | None = None
+    ) -> None:
         self._sim += simulated
         # The step's time, shared evenly by its batch: the exact GPU time the gateway's ledger
-        # estimates (ledger/gputime.py), in wall seconds as the ledger sees them.
-        share = simulated * self.settings.time_scale / len(batch)
+        # estimates (ledger/gputime.py), in wall seconds as the ledger sees them (unpaced: the
+        # simulated time, scaled).
+        took = simulated * self.settings.time_scale if wall is None else wall
+        share = took / len(batch)
         for seq, _ in batch:
             seq.gpu += share
         self._complete(batch)

