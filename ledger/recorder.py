@@ -21,6 +21,7 @@ from ledger import metrics
 from ledger.breaker import Breakers, Transition
 from ledger.gputime import Batches
 from ledger.settings import SettleSettings
+from llmgw import wire
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
 from llmgw.prices import Prices
@@ -223,7 +224,7 @@ class Recorder:
                     o.prompt_tokens, o.cached_tokens, o.completion_tokens
                 )
                 update["currency"] = prices.currency
-            if self.batches is not None and o.pod:
+            if self.batches is not None and o.pod and o.endpoint in wire.GENERATION_PATHS:
                 # On its pod from when flow control let it go (Envoy's clock starts before).
                 start = o.ts.timestamp()
                 update["gpu_seconds"] = self.batches.gpu_seconds(

@@ -27,6 +27,7 @@ USED = {
     "cached_tokens": 40,
     "completion_tokens": 10,
     "duration_ms": 2000.0,
+    "endpoint": "/v1/chat/completions",
 }
 
 
@@ -64,9 +65,13 @@ async def test_records_are_priced_by_the_table_in_force(tmp_path: Path) -> None:
         # Reloaded: what is recorded from now on; nothing recorded before is priced again.
         table = Prices(default=ModelPrice(input=Decimal(1), output=Decimal("0.5")))
         recorder.add(
-            [outcome(3, model="m", queue_ms=1500.0, **USED), outcome(4, model="m", status=429)]
+            [
+                outcome(3, model="m", queue_ms=1500.0, **USED),
+                outcome(4, model="m", status=429),
+                outcome(5, **{**USED, "endpoint": "/v1/models"}),
+            ]
         )
-        await stored(sink, 4)
+        await stored(sink, 5)
     finally:
         await recorder.close(1.0)
         redis.stop()
@@ -74,6 +79,7 @@ async def test_records_are_priced_by_the_table_in_force(tmp_path: Path) -> None:
     # Its pod's time shared with a batch of 4 for 2 s; none without a pod.
     gpu = {r.request_id: r.gpu_seconds for r in sink.records}
     assert gpu["req-000001"] == pytest.approx(0.5) and gpu["req-000004"] is None
+    assert gpu["req-000005"] is None  # a pod's model list is no GPU time
     # Held 1.5 s of its 2 in flow control's queue: on its pod for 0.5 s only.
     assert gpu["req-000003"] == pytest.approx(0.5 / 4)
     spent = REGISTRY.get_sample_value(
@@ -85,4 +91,5 @@ async def test_records_are_priced_by_the_table_in_force(tmp_path: Path) -> None:
         "req-000002": (0, ""),  # its model has no price
         "req-000003": (100 * 1 + 10 * 0.5, "USD"),  # the new table's default
         "req-000004": (0, "USD"),  # refused: no tokens, no cost
+        "req-000005": (105, "USD"),
     }
