@@ -7,6 +7,7 @@ skipped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -192,10 +193,29 @@ async def test_a_gap_is_replayed(pods: Pods, subscribe: Run) -> None:
     assert batches("replayed") > replayed
 
 
+async def live(pods: Pods, pod: SimPod, fleet: Fleet) -> None:
+    """Until the subscription is live: a fresh prompt's blocks arrive (bounded). Without a
+    replay, what the pod published before the subscriber connected is lost for good (a busy
+    machine connected it after the first prompt's events)."""
+    for i in range(20):
+        text = f"warm up {i} " * 40
+        await chat(pod, text)
+        blocks = pods.blocks(text)
+
+        def arrived(b: tuple[int, ...] = blocks) -> bool:
+            return held(fleet, "p", b) == len(b)
+
+        with contextlib.suppress(AssertionError):
+            await eventually_async(arrived, 2, "warm-up")
+            return
+    raise AssertionError("the subscription never went live")
+
+
 async def test_a_gap_no_replay_fills_drops_the_pods_entries(pods: Pods, subscribe: Run) -> None:
     endpoint = pods.endpoint("p", replay=False)
     pod = await pods.start(endpoint)
     fleet, _ = await subscribe({"p": endpoint})
+    await live(pods, pod, fleet)
     warm = pods.blocks(PROMPT_A)
     await chat(pod, PROMPT_A)
     await eventually_async(lambda: held(fleet, "p", warm) == len(warm), 10, "A's blocks")
