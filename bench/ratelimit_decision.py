@@ -14,19 +14,22 @@ import argparse
 import asyncio
 import tempfile
 import time
+from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
 
 import redis.asyncio as redis_asyncio
 import uvloop
 
-from llmgw.tiers import PerUnit, TierSpec, TierTable
+from llmgw.prices import ModelPrice, Prices
+from llmgw.tiers import PerUnit, Spend, TierSpec, TierTable
 from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit.failover import Failover
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
 from ratelimit.limits import Limits
 from ratelimit.redis_store import ADMIT
-from ratelimit.types import Admission
+from ratelimit.types import Admission, Grant
 from tools.procs import Process, bin_path, free_port, redis_ping
 
 CONFIG = TierTable(
@@ -35,7 +38,14 @@ CONFIG = TierTable(
             requests=PerUnit(second=10**9, minute=10**9), tokens=PerUnit(minute=10**12)
         ),
         "small": TierSpec(requests=PerUnit(minute=100)),
-    }
+        # big's limits and a money budget per day and per month (never exhausted here).
+        "spender": TierSpec(
+            requests=PerUnit(second=10**9, minute=10**9),
+            tokens=PerUnit(minute=10**12),
+            spend=Spend(day=Decimal(10**7), month=Decimal(10**8)),
+        ),
+    },
+    prices=Prices(models={"m": ModelPrice(input=Decimal("0.1"), output=Decimal("0.4"))}),
 )
 
 
@@ -81,6 +91,7 @@ async def run(port: int, seconds: float) -> list[tuple[str, str]]:
     await asyncio.gather(*(worker() for _ in range(64)))
     rows.append(("decisions/s (64 concurrent)", f"{done / seconds:,.0f}"))
     rows += await breaker_cost(limiter, seconds)
+    rows += await money_cost(limiter, seconds)
     # The Redis client path alone: one EVALSHA, llmgw.resp vs redis.asyncio.
     assert limiter.store.redis is not None  # type: ignore[attr-defined]
     client = limiter.store.redis.client  # type: ignore[attr-defined]
@@ -138,6 +149,48 @@ async def breaker_cost(limiter: Limiter, seconds: float) -> list[tuple[str, str]
     return [
         (f"admit.lua {way}: p50 / p99", f"{pct(t, 0.5) * 1e6:.0f} µs / {pct(t, 0.99) * 1e6:.0f} µs")
         for way, t in times.items()
+    ]
+
+
+async def money_cost(limiter: Limiter, seconds: float) -> list[tuple[str, str]]:
+    """One decision without a money budget and with two (day and month): the client's CPU and
+    its Redis round trips per decision, in alternating rounds."""
+    plain = Admission("bench", "big", request_id="r", token_estimate=500, grant=Grant(100, 1))
+    priced = replace(plain, tier="spender", model="m", prompt_ceiling=120)
+    client = limiter.store.redis.client  # type: ignore[attr-defined]
+    sent = 0
+    call = client.call
+
+    def counted(*args: object) -> object:
+        nonlocal sent
+        sent += 1
+        return call(*args)
+
+    client.call = counted
+    cpu = {"without": 0.0, "with": 0.0}
+    count = {"without": 0, "with": 0}
+    trips = {"without": 0, "with": 0}
+    try:
+        for _ in range(10):
+            for way, req in (("without", plain), ("with", priced)):
+                before = sent
+                cpu0 = time.process_time()
+                end = time.perf_counter() + seconds / 10
+                while time.perf_counter() < end:
+                    assert (await limiter.admit(req)).allowed
+                    count[way] += 1
+                cpu[way] += time.process_time() - cpu0
+                trips[way] += sent - before
+    finally:
+        client.call = call
+    per = {way: cpu[way] / count[way] for way in cpu}
+    calls = {way: trips[way] / count[way] for way in cpu}
+    return [
+        ("CPU per decision, money budgets ÷ none", f"{per['with'] / per['without']:.2f}×"),
+        (
+            "Redis round trips per decision: none / money budgets",
+            f"{calls['without']:.2f} / {calls['with']:.2f}",
+        ),
     ]
 
 

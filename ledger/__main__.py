@@ -21,6 +21,7 @@ from ledger.reconcile import Database, Reconciler
 from ledger.recorder import Recorder
 from ledger.service import AccessLogService, register
 from ledger.settings import ENV_PREFIX, AlertSettings, Settings
+from ledger.spending import SpendAlerts
 from ledger.webhooks import Hook, Webhooks
 from llmgw import telemetry
 from llmgw.config import load, reveal
@@ -65,6 +66,7 @@ async def main(settings: Settings) -> None:
         breakers,
         prices=lambda: tiers.get().prices,
         batches=batches,
+        spending=SpendAlerts(tiers.get, alerts.emit),
     )
     recorder.start()
     reconciler = _reconciler(settings, recorder, db)

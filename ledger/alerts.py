@@ -27,7 +27,7 @@ from llmgw.outcome import Outcome
 
 log = logging.getLogger("ledger.alerts")
 
-AlertKind = Literal[DetectorKind, "platinum_breaker_open"]
+AlertKind = Literal[DetectorKind, "platinum_breaker_open", "spend_threshold"]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ledger import metrics
 from ledger.breaker import Breakers, Transition
 from ledger.gputime import Batches
 from ledger.settings import SettleSettings
+from ledger.spending import SpendAlerts
 from llmgw import wire
 from llmgw.link import RedisLink
 from llmgw.outcome import Outcome
@@ -61,8 +62,10 @@ class Recorder:
         breakers: Breakers | None = None,
         prices: Callable[[], Prices] = Prices,
         batches: Batches | None = None,
+        spending: SpendAlerts | None = None,
     ) -> None:
         self.redis = redis
+        self.spending = spending
         self.prices = prices
         self.batches = batches
         self.sink = sink
@@ -89,10 +92,12 @@ class Recorder:
         breakers: Breakers | None = None,
         prices: Callable[[], Prices] = Prices,
         batches: Batches | None = None,
+        spending: SpendAlerts | None = None,
     ) -> Recorder:
         """A recorder as the settle settings size it (the ledger's, and the sidecar's);
         `prices`, the price table as it is now (the tier table's, reloaded); `batches`, the pods'
-        batches for each record's GPU time (None: not estimated)."""
+        batches for each record's GPU time (None: not estimated); `spending`, the money budgets'
+        soft-limit alerts (None: none)."""
         return cls(
             redis,
             sink,
@@ -105,6 +110,7 @@ class Recorder:
             breakers=breakers,
             prices=prices,
             batches=batches,
+            spending=spending,
         )
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
@@ -179,8 +185,11 @@ class Recorder:
         """Settlement of each outcome that belongs to a tenant, by its index in the batch; not
         of a refusal by the rate limiter, which reserved nothing (settled, its request ID would
         release a reservation made under the same ID by another request)."""
+        prices = self.prices()
         charges = {
-            i: Charge(o.tenant, o.request_id, o.prompt_tokens + o.completion_tokens)
+            i: Charge(
+                o.tenant, o.request_id, o.prompt_tokens + o.completion_tokens, _cost(prices, o)
+            )
             for i, o in enumerate(batch)
             if o.tenant and o.reserved
         }
@@ -199,7 +208,16 @@ class Recorder:
         metrics.SETTLE_SECONDS.observe(time.perf_counter() - started)
         if self.breakers is not None:
             self.breakers.record(transitions)
-        return dict(zip(charges, settled, strict=True))
+        results = dict(zip(charges, settled, strict=True))
+        if self.spending is not None:
+            reached = [(batch[i], r.spent) for i, r in results.items() if r.spent]
+            if reached:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        await self.spending.settled(client, reached, int(time.time() * 1000))
+                except FAILURES as exc:  # an alert lost, never a settlement
+                    log.warning("spend alerts failed", extra={"error": repr(exc)})
+        return results
 
     def _store(self, batch: list[Outcome], results: dict[int, Settled] | None) -> None:
         records = []
@@ -218,11 +236,8 @@ class Recorder:
                 actual = o.prompt_tokens + o.completion_tokens
                 charged = actual if result.state == 2 else result.charged
             update: dict[str, object] = {"charged_tokens": charged}
-            price = prices.of(o.model)
-            if price is not None:  # what its tokens cost, if its model has a price
-                update["cost_micros"] = price.cost_micros(
-                    o.prompt_tokens, o.cached_tokens, o.completion_tokens
-                )
+            if prices.of(o.model) is not None:  # what its tokens cost, if its model has a price
+                update["cost_micros"] = _cost(prices, o)
                 update["currency"] = prices.currency
             if self.batches is not None and o.pod and o.endpoint in wire.GENERATION_PATHS:
                 # On its pod from when flow control let it go (Envoy's clock starts before).
@@ -254,3 +269,11 @@ def _count(o: Outcome) -> None:
     if o.ttft_ms is not None:
         metrics.ttft(*labels).observe(o.ttft_ms / 1000)
     metrics.duration(*labels).observe(o.duration_ms / 1000)
+
+
+def _cost(prices: Prices, o: Outcome) -> int:
+    """What an outcome's tokens cost in micro-units (0: its model has no price)."""
+    price = prices.of(o.model)
+    if price is None:
+        return 0
+    return price.cost_micros(o.prompt_tokens, o.cached_tokens, o.completion_tokens)

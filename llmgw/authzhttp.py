@@ -109,6 +109,7 @@ STRINGS = frozenset(
         wire.META_TOKEN_ESTIMATE,
         wire.META_TOKEN_PROMPT,
         wire.META_TOKEN_CHOICES,
+        wire.META_TOKEN_CEILING,
         wire.META_PREFIX_BLOCKS,
         wire.META_KV_BLOCKS,
         wire.META_BODY_SUFFIX,

@@ -90,6 +90,7 @@ class RequestFacts:
             wire.META_TOKEN_ESTIMATE: str(self.token_estimate),
             wire.META_TOKEN_PROMPT: str(self.prompt_tokens),
             wire.META_TOKEN_CHOICES: str(self.n),
+            wire.META_TOKEN_CEILING: str(self.prompt_ceiling),
             wire.META_PROMPT_ESTIMATE: float(self.prompt_tokens),
             wire.META_PROMPT_BOUND: float(self.prompt_bound),
             wire.META_STREAM: self.stream,

@@ -30,6 +30,7 @@ class Charge:
     tenant: str
     request_id: str
     tokens: int
+    cost_micros: int = 0  # what money budgets are charged (llmgw/prices.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +38,26 @@ class Settled:
     state: int  # 1 reservation settled, 0 no reservation, 2 already settled (a duplicate)
     reserved: int
     charged: int
+    # Each money budget window the request was charged to, and the costs settled in it so far
+    # (micro-units, without reservations outstanding): "spend:day" → amount.
+    spent: tuple[tuple[str, int], ...] = ()
 
 
 async def settle(client: Client, charges: Sequence[Charge], done_ttl_ms: int) -> list[Settled]:
     """Settle every charge; raises ConnectionError, TimeoutError or RespError when Redis fails."""
-    calls = [(1, tenant_prefix(c.tenant), c.request_id, c.tokens, done_ttl_ms) for c in charges]
+    calls = [
+        (1, tenant_prefix(c.tenant), c.request_id, c.tokens, done_ttl_ms, c.cost_micros)
+        for c in charges
+    ]
     replies = await evalsha_each(client, SOURCE, SHA, calls)
     out: list[Settled] = []
     for reply in replies:
         if isinstance(reply, BaseException):
             raise reply
-        if not isinstance(reply, list) or len(reply) != 3:
+        if not isinstance(reply, list) or len(reply) != 4 or not isinstance(reply[3], bytes):
             raise RespError(f"settle.lua returned {reply!r}")
-        state, reserved, charged = (v if isinstance(v, int) else 0 for v in reply)
-        out.append(Settled(state, reserved, charged))
+        state, reserved, charged = (v if isinstance(v, int) else 0 for v in reply[:3])
+        words = reply[3].decode().split()
+        spent = tuple((words[i], int(words[i + 1])) for i in range(0, len(words) - 1, 2))
+        out.append(Settled(state, reserved, charged, spent))
     return out

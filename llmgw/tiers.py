@@ -11,6 +11,7 @@ tiers:                        # replaces the built-in tier of the same name; new
     requests: {second: 200, minute: 6000}      # units: second, minute, hour, day
     tokens: {minute: 1000000, day: unlimited}  # `unlimited` (or leaving the unit out): no limit
     budget: {tokens: 50000000, per: day}       # hard budget, fixed window → insufficient_quota
+    spend: {day: 25.00, month: 500.00}         # money budgets (prices' currency), like `budget`
     borrow_share: 0.75                          # share of the fleet's borrowing pool (0-1)
     retry_base_s: 1.5                           # base delay of the Retry-After formula
     shadow: false                               # decide and count, never refuse
@@ -33,6 +34,8 @@ running: parse → validate → swap, the last good one kept.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -78,10 +81,54 @@ class Budget(Strict):
     per: Unit = Unit.DAY
 
 
+class Period(StrEnum):
+    """A money budget's period: the UTC day or the UTC calendar month."""
+
+    DAY = "day"
+    MONTH = "month"
+
+
+def month_index(ms: int) -> int:
+    """The UTC calendar month of an instant, as year × 12 + month − 1 (llmgw/reservation.lua's
+    rs_month)."""
+    at = datetime.fromtimestamp(ms // 1000, UTC)
+    return at.year * 12 + at.month - 1
+
+
+def month_start(index: int) -> int:
+    """When a month_index begins (ms)."""
+    return int(datetime(index // 12, index % 12 + 1, 1, tzinfo=UTC).timestamp()) * 1000
+
+
+# The most a money budget may be, in units of the currency: its micro-units stay below the
+# limiter's largest count (ratelimit/types.py MAX_COUNT, 2^48).
+MAX_SPEND = Decimal(100_000_000)
+Money = Annotated[Decimal, Field(ge=0, le=MAX_SPEND, allow_inf_nan=False)]
+
+
+class Spend(Strict):
+    """Money budgets, in the price table's currency: spent requests are priced (llmgw/prices.py),
+    reserved at admission at their worst case and settled at their cost, as `budget` is in
+    tokens. A model without a price costs nothing here."""
+
+    day: Money | None = None
+    month: Money | None = None
+    # Percentages of each budget at which the ledger alerts (`spend_threshold`), once a period.
+    alert_at: tuple[Annotated[int, Field(ge=1, le=100)], ...] = (50, 80, 100)
+
+    def amounts(self) -> tuple[tuple[Period, Decimal], ...]:
+        return tuple(
+            (period, amount)
+            for period in Period
+            if (amount := getattr(self, period.value)) is not None
+        )
+
+
 class TierSpec(Strict):
     requests: PerUnit = PerUnit()
     tokens: PerUnit = PerUnit()
     budget: Budget | None = None
+    spend: Spend | None = None
     borrow_share: float = Field(default=0.0, ge=0, le=1)
     retry_base_s: float = Field(default=1.0, gt=0)
     shadow: bool = False
@@ -101,6 +148,7 @@ class TenantSpec(Strict):
     requests: PerUnit | None = None
     tokens: PerUnit | None = None
     budget: Budget | None = None
+    spend: Spend | None = None
     shadow: bool | None = None
 
 
@@ -167,6 +215,7 @@ class TierTable(Strict):
                         "requests": spec.requests.merged(own.requests),
                         "tokens": spec.tokens.merged(own.tokens),
                         "budget": own.budget or spec.budget,
+                        "spend": own.spend or spec.spend,
                         "shadow": spec.shadow if own.shadow is None else own.shadow,
                     }
                 )

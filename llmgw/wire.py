@@ -51,6 +51,9 @@ META_PROMPT_BOUND = "prompt_bound"
 # token_prompt + cap × token_n): a hard budget with less left lowers the cap instead of refusing.
 META_TOKEN_PROMPT = "token_prompt"
 META_TOKEN_CHOICES = "token_n"
+# The prompt's ceiling (facts.py prompt_ceiling) as a string, for the descriptors: with the
+# model, what prices a request's worst case for money budgets.
+META_TOKEN_CEILING = "token_ceiling"
 META_STREAM = "stream"
 META_INCLUDE_USAGE = "include_usage"
 META_CHOICES = "n"

@@ -12,7 +12,7 @@ from ratelimit.types import Admission, Grant, Limit, Unit
 
 def from_context(context: TenantContext, facts: RequestFacts) -> Admission:
     """Count the request, and reserve its token estimate, which a hard budget may lower by its
-    output cap (Grant)."""
+    output cap (Grant); its model and prompt ceiling price it for money budgets."""
     return Admission(
         context.tenant,
         context.tier,
@@ -22,6 +22,8 @@ def from_context(context: TenantContext, facts: RequestFacts) -> Admission:
         requests_limit=_per_minute(context.rpm),
         tokens_limit=_per_minute(context.tpm),
         grant=Grant(facts.prompt_tokens, facts.n) if facts.n else None,
+        model=facts.model,
+        prompt_ceiling=facts.prompt_ceiling,
     )
 
 

@@ -8,12 +8,13 @@ llmgw/wire.py). Every descriptor starts with an entry `kind` (a `generic_key` ac
 Request time (one RateLimitRequest, decided with one atomic store call):
     kind=requests  tenant=T  tier=X  [session=S]              count 1 request
     kind=tokens    tenant=T  tier=X  request_id=R  token_estimate=N  [token_prompt=P  token_n=S]
-                                                          reserve N tokens under R
+                   [model=M  token_ceiling=C]             reserve N tokens under R
   Request-time descriptors arrive with hits_addend 0 (count 1), which is why the reservation
   size travels as the entry `token_estimate`. Both are checked together: admitted only if the
   request and its tokens fit, and then both are counted. N = P + cap × S: with both parts, a
   hard budget with less than N left (but at least P + S) admits the request at a lower cap
-  (types.Grant) instead of refusing it.
+  (types.Grant) instead of refusing it. M and C price the request's worst case for money
+  budgets (without M: the price table's dearest prices).
 
 Tokens are settled after the response by the ledger (ledger/), from Envoy's access log.
 
@@ -83,6 +84,8 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
     grant: Grant | None = None
     counted = False
     requests_limit = tokens_limit = None
+    model: str | None = None
+    ceiling = 0
     for descriptor in request.descriptors:
         entries = {e.key: e.value for e in descriptor.entries}
         kind = entries.get(KIND)
@@ -100,6 +103,8 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
                     choices = _int(entries.get(wire.META_TOKEN_CHOICES))
                     if prompt is not None and choices:
                         grant = Grant(prompt, choices)
+                    model = entries.get(wire.META_MODEL)
+                    ceiling = _int(entries.get(wire.META_TOKEN_CEILING)) or 0
         roles.append(role)
     context = TenantContext.from_metadata(copied)
     admission = None
@@ -114,5 +119,7 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
             requests_limit=requests_limit,
             tokens_limit=tokens_limit,
             grant=grant,
+            model=model,
+            prompt_ceiling=ceiling,
         )
     return Parsed(tuple(roles), admission)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from decimal import ROUND_CEILING, Decimal
+from typing import Literal
 
 from llmgw.fleetload import FleetLoad
+from llmgw.prices import Prices
 from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit import metrics
 from ratelimit.fleet import effective_load
@@ -18,6 +21,7 @@ from ratelimit.pool import Draw, Pool, size
 from ratelimit.store import Store
 from ratelimit.types import (
     MAX_COUNT,
+    PRICE_SCALE,
     Admission,
     Check,
     CheckState,
@@ -25,6 +29,7 @@ from ratelimit.types import (
     Kind,
     KindState,
     Limit,
+    Period,
     Policy,
     Refusal,
     StoreResult,
@@ -33,7 +38,7 @@ from ratelimit.types import (
     granted,
     share,
 )
-from ratelimit.windows import SLIDING, fixed, state
+from ratelimit.windows import SLIDING, fixed, period, state
 
 RETRY_MIN_MS = 1_000
 RETRY_MAX_MS = 30_000
@@ -79,8 +84,11 @@ class Limiter:
         self._plans: dict[int, tuple[Policy, tuple[Check, ...], tuple[Check, ...]]] = {}
 
     @staticmethod
-    def checks(policy: Policy, estimate: int | None, count_request: bool = True) -> list[Check]:
-        """The checks of one admission, at the base limits."""
+    def checks(
+        policy: Policy, estimate: int | None, count_request: bool = True, money: int = 0
+    ) -> list[Check]:
+        """The checks of one admission, at the base limits (`money`: its worst-case cost in
+        micro-units, for the money budgets)."""
         checks: list[Check] = []
         kinds: list[tuple[Kind, int, bool]] = [("requests", 1, False)] if count_request else []
         if estimate is not None:
@@ -95,9 +103,14 @@ class Limiter:
             checks.append(
                 Check(f"budget:{unit}", fixed(unit), policy.budget.amount, estimate, True, True)
             )
+        if estimate is not None:
+            for per, amount in policy.spend:
+                checks.append(Check(f"spend:{per}", period(per), amount, money, True, True, True))
         return checks
 
-    def _checks(self, policy: Policy, estimate: int | None, count_request: bool) -> list[Check]:
+    def _checks(
+        self, policy: Policy, estimate: int | None, money: int, count_request: bool
+    ) -> list[Check]:
         """`checks`, from the policy's cached plan."""
         plan = self._plans.get(id(policy))
         if plan is None or plan[0] is not policy:
@@ -108,7 +121,12 @@ class Limiter:
             plan = self._plans[id(policy)] = (policy, requests, tuple(c for c in base if c.reserve))
         checks = list(plan[1]) if count_request else []
         if estimate is not None:
-            checks += [Check(c.name, c.window, c.limit, estimate, True, c.caps) for c in plan[2]]
+            checks += [
+                Check(
+                    c.name, c.window, c.limit, money if c.money else estimate, True, c.caps, c.money
+                )
+                for c in plan[2]
+            ]
         return checks
 
     async def admit(self, req: Admission) -> Verdict:
@@ -118,7 +136,8 @@ class Limiter:
         fleet = self.fleet()
         load = effective_load(fleet, now_s, self.stale_after_s)
         estimate, fitted = self._fitted(policy, fleet, req.token_estimate, req.grant)
-        checks = self._checks(policy, estimate, req.count_request)
+        money, priced = _priced(policy, req, estimate)
+        checks = self._checks(policy, estimate, money, req.count_request)
         states: list[CheckState] = []
         draws: tuple[Draw, ...] = ()
         cap = 0
@@ -126,7 +145,8 @@ class Limiter:
             prefix = tenant_prefix(req.tenant)
             reservation = (req.request_id or "") if req.token_estimate is not None else ""
             # Only a budget that binds lowers the cap, and never in shadow mode (it would act).
-            grant = req.grant if policy.budget is not None and not policy.shadow else None
+            budgets = policy.budget is not None or policy.spend
+            grant = priced if budgets and not policy.shadow else None
             outcome = await self.store.admit(
                 prefix,
                 checks,
@@ -196,7 +216,7 @@ class Limiter:
         """A refusal on rate limits only (hard budgets never borrow), of a tier that borrows."""
         if self.pool is None or policy.borrow_share <= 0 or policy.shadow:
             return False
-        return all(s.passed or not s.check.name.startswith("budget:") for s in states)
+        return all(s.passed or s.check.name in _RATES for s in states)
 
     async def _borrow(
         self,
@@ -216,7 +236,7 @@ class Limiter:
         wants = []
         for s in refused:
             if not s.passed:
-                kind, unit = _NAMES[s.check.name]
+                kind, unit = _RATES[s.check.name]
                 excess = s.used + s.check.cost - max(s.check.limit, s.used)
                 wants.append(Draw(kind, unit, excess))
         draws = await self.pool.draw(fleet, load, policy.borrow_share, wants)
@@ -259,8 +279,8 @@ class Limiter:
             return [c.limit for c in checks]
         out = []
         for c in checks:
-            kind, unit = _NAMES[c.name]
-            extra = 0 if c.name.startswith("budget:") else size(fleet, 0.0, kind, unit)
+            rate = _RATES.get(c.name)
+            extra = 0 if rate is None else size(fleet, 0.0, *rate)
             out.append(c.limit + int(extra * policy.borrow_share))
         return out
 
@@ -272,7 +292,7 @@ class Limiter:
         failed = [s for s in states if not s.passed]
         if not failed:
             return None, None
-        budget = [s for s in failed if s.check.name.startswith("budget:")]
+        budget = [s for s in failed if s.check.name not in _RATES]
         if budget:
             return "insufficient_quota", _kind_state(budget[0])
         # A cost above every limit the window could ever have: waiting cannot help.
@@ -308,12 +328,70 @@ class Limiter:
                 metrics.borrowed(tenant, tier, kind).inc(amount)
 
 
-# Check name → its kind and unit ("budget:day" is a token limit), without parsing per decision.
-_NAMES: dict[str, tuple[Kind, Unit]] = {
-    f"{role}:{unit.value}": ("requests" if role == "requests" else "tokens", unit)
-    for role in ("requests", "tokens", "budget")
-    for unit in Unit
+# Check name → its kind and unit ("budget:day" is a token limit), without parsing per decision:
+# the rate limits (which may borrow), and every check.
+_RATES: dict[str, tuple[Literal["requests", "tokens"], Unit]] = {
+    f"{kind}:{unit.value}": (kind, unit) for kind in ("requests", "tokens") for unit in Unit
 }
+_NAMES: dict[str, tuple[Kind, Unit | Period]] = {
+    **_RATES,
+    **{f"budget:{unit.value}": ("tokens", unit) for unit in Unit},
+    **{f"spend:{per.value}": ("spend", per) for per in Period},
+}
+
+
+def _priced(policy: Policy, req: Admission, estimate: int | None) -> tuple[int, Grant | None]:
+    """The worst-case cost in micro-units of a request of `estimate` tokens, for the money
+    budgets, and the grant with its money parts (types.Grant): the prompt at its ceiling and
+    every output token at the model's prices (a model not named: the table's dearest), rounded
+    up. (0, req.grant) for a tenant without a money budget."""
+    grant = req.grant
+    if not policy.spend or estimate is None or policy.prices is None:
+        return 0, grant
+    inp, out = _prices(policy, req.model)
+    if grant is None:
+        return -(-estimate * max(inp, out) // PRICE_SCALE), None
+    cap = max(0, estimate - grant.prompt) // grant.sequences
+    ceiling = max(req.prompt_ceiling, grant.prompt)
+    grant = replace(
+        grant,
+        base=-(-ceiling * inp // PRICE_SCALE),
+        per_cap=grant.sequences * out,
+    )
+    return grant.base + -(-cap * grant.sequences * out // PRICE_SCALE), grant
+
+
+def _prices(policy: Policy, model: str | None) -> tuple[int, int]:
+    """A prompt token's and an output token's worst-case price, in millionths of a micro-unit
+    (rounded up); (0, 0) for a model without a price. Kept per table and model (a table is
+    immutable; keeping it makes the id() key safe)."""
+    assert policy.prices is not None
+    table = policy.prices
+    key = (id(table), model)
+    found = _SCALED.get(key)
+    if found is None or found[0] is not table:
+        if len(_SCALED) >= MAX_PLANS:  # models named by callers, tables made by reloads
+            _SCALED.clear()
+        found = _SCALED[key] = (table, *_worst(table, model))
+    return found[1], found[2]
+
+
+_SCALED: dict[tuple[int, str | None], tuple[Prices, int, int]] = {}
+
+
+def _worst(table: Prices, model: str | None) -> tuple[int, int]:
+    if model is not None:
+        found = table.of(model)
+        listed = [found] if found is not None else []
+    else:
+        listed = [*table.models.values(), *([table.default] if table.default else [])]
+    inp = max((max(p.input, p.cached_input or p.input) for p in listed), default=Decimal(0))
+    out = max((p.output for p in listed), default=Decimal(0))
+    return _scaled(inp), _scaled(out)
+
+
+def _scaled(price: Decimal) -> int:
+    return int((price * PRICE_SCALE).to_integral_value(ROUND_CEILING))
 
 
 def _raised(s: CheckState) -> Check:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from llmgw.prices import MICROS
 from llmgw.tiers import PerUnit, TenantSpec, TierTable
 from ratelimit.types import Limit, Policy
 
@@ -107,4 +108,8 @@ class Limits:
             shadow=spec.shadow,
             borrow_share=spec.borrow_share,
             retry_base_s=spec.retry_base_s,
+            spend=tuple((per, int(amount * MICROS)) for per, amount in spec.spend.amounts())
+            if spec.spend
+            else (),
+            prices=self.config.prices,
         )

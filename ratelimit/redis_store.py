@@ -126,10 +126,11 @@ def admit_args(
     args: list[Arg] = [*keys, int(shadow), reservation, int(ttl_ms), len(checks)]
     for c in checks:
         w = c.window
-        reserve = 2 if c.reserve and c.caps else int(c.reserve)
+        reserve = 3 if c.money else 2 if c.reserve and c.caps else int(c.reserve)
         args += [c.name, w.bucket_ms, w.buckets, int(w.rolling), c.limit, c.cost, reserve]
-    args += [grant.prompt, grant.sequences] if grant is not None else [0, 0]
-    return args
+    if grant is None:
+        return [*args, 0, 0, 0, 0]
+    return [*args, grant.prompt, grant.sequences, grant.base, grant.per_cap]
 
 
 def outcome(reply: Reply, checks: Sequence[Check]) -> StoreResult:

@@ -11,11 +11,11 @@ local added = 0
 for a = 1, #ARGV - 5, 6 do
   local name, bms, span = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]) + tonumber(ARGV[a + 3])
   local idx = tonumber(ARGV[a + 4])
-  local gone = (idx + span) * bms  -- when the bucket has left the window entirely
+  local gone = rs_start(idx + span, bms)  -- when the bucket has left the window entirely
   if gone > now then
     local key = rs_bucket(p, name, idx)
     if type(redis.pcall('INCRBY', key, ARGV[a + 5])) == 'number' then
-      redis.call('PEXPIRE', key, gone + bms - now)
+      redis.call('PEXPIRE', key, gone + rs_life(bms, 0, 0) - now)
       added = added + 1
     end
   end

@@ -7,6 +7,7 @@ import math
 
 from llmgw import wire
 from llmgw.facts import MetaValue
+from llmgw.prices import amount
 from ratelimit.types import KindState, Verdict
 
 Headers = list[tuple[str, str]]
@@ -113,10 +114,18 @@ def refusal(verdict: Verdict) -> tuple[Headers, bytes]:
         }
         headers.append(("x-should-retry", "false"))
     elif verdict.refusal == "insufficient_quota":
+        if state.kind == "spend":
+            spent = (
+                f"spent {amount(state.used)} of its budget of {amount(state.limit)} per "
+                f"{state.unit.value} (this request could cost up to {amount(state.requested)})"
+            )
+        else:
+            spent = (
+                f"used {state.used} of its budget of {state.limit} tokens per "
+                f"{state.unit.value} (requested {state.requested})"
+            )
         error = {
-            "message": f"You exceeded your current quota: tenant {verdict.tenant} has used "
-            f"{state.used} of its budget of {state.limit} tokens per {state.unit.value} "
-            f"(requested {state.requested}).",
+            "message": f"You exceeded your current quota: tenant {verdict.tenant} has {spent}.",
             "type": "insufficient_quota",
             "param": None,
             "code": "insufficient_quota",

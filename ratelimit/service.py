@@ -40,7 +40,7 @@ _NAMES = {
 
 def _status(add: Callable[..., object], state: KindState | None, over: bool) -> None:
     """One DescriptorStatus, added with `add` (the statuses field's)."""
-    if state is None:
+    if state is None or not isinstance(state.unit, Unit):  # a money budget has no RLS unit
         add(code=_OVER if over else _OK)
         return
     reset_ms = state.reset_ms
@@ -73,7 +73,7 @@ def to_response(parsed: Parsed, verdict: Verdict | None) -> rls_pb2.RateLimitRes
         if role == "requests":
             _status(add, verdict.requests, over == "requests")
         elif role == "tokens":
-            _status(add, verdict.tokens, over == "tokens")
+            _status(add, verdict.tokens, over == "tokens" or over == "spend")
         else:
             add(code=_OK)
     header = response.response_headers_to_add.add

@@ -58,7 +58,7 @@ class LocalStore:
     ) -> None:
         """Keep a Redis answer to start from (cheap: it runs on every Redis decision)."""
         for check, counts in zip(checks, outcome.counts, strict=True):
-            current = outcome.now_ms // check.window.bucket_ms
+            current = check.window.index(outcome.now_ms)
             self._seen[(prefix, check.name)] = (current, counts, check.cost if added else 0)
 
     def take(self) -> Made:
@@ -93,7 +93,7 @@ class LocalStore:
         cap = 0
         if grant is not None:
             caps = [
-                grant.cap(limit - u)
+                grant.money_cap(limit - u) if check.money else grant.cap(limit - u)
                 for check, (u, limit) in zip(checks, standing, strict=True)
                 if check.reserve and check.caps and u + check.cost > limit
             ]
@@ -105,7 +105,7 @@ class LocalStore:
         if ok or shadow:
             for check in checks:
                 if check.cost > 0:
-                    current = now_ms // check.window.bucket_ms
+                    current = check.window.index(now_ms)
                     made = self._made.setdefault((prefix, check.name), (check.window, {}))[1]
                     made[current] = made.get(current, 0) + check.cost
         return StoreResult(ok, counts, now_ms, self.replicas, local=True, cap=cap)
@@ -114,7 +114,7 @@ class LocalStore:
         """The check's buckets, newest first: this replica's share of Redis's last answer plus
         what was made here. Buckets that left the window are dropped."""
         w = check.window
-        current = now_ms // w.bucket_ms
+        current = w.index(now_ms)
         key = (prefix, check.name)
         made = self._made.get(key, (w, {}))[1]
         for index in [i for i in made if i <= current - w.span]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from llmgw.tiers import Unit as Unit  # one definition, shared with the tier table
+from llmgw.prices import Prices
+from llmgw.tiers import Period as Period  # one definition each, shared with the tier table
+from llmgw.tiers import Unit as Unit
+from llmgw.tiers import month_index, month_start
 
 UNIT_MS: dict[Unit, int] = {
     Unit.SECOND: 1_000,
@@ -17,8 +20,11 @@ UNIT_MS: dict[Unit, int] = {
 
 # The largest limit or count: 26 buckets of it (a day window and its cost) stay below 2^53.
 MAX_COUNT = 2**48
+# Micro-units in a unit of a money budget's per-token price (Grant.per_cap: a millionth of a
+# micro-unit per token, so that the prices' six decimal places stay whole numbers).
+PRICE_SCALE = 1_000_000
 
-Kind = Literal["requests", "tokens"]
+Kind = Literal["requests", "tokens", "spend"]
 # too_large: a cost above the highest limit the request could ever get (never retried).
 # circuit_open: the tenant's breaker (llmgw/breaker.py) is open, or half-open and not its turn.
 Refusal = Literal["requests", "tokens", "too_large", "insufficient_quota", "circuit_open"]
@@ -26,20 +32,29 @@ Refusal = Literal["requests", "tokens", "too_large", "insufficient_quota", "circ
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """A window of `window_ms` made of aligned buckets of `bucket_ms` (see windows.py)."""
+    """A window of `window_ms` made of aligned buckets of `bucket_ms` (see windows.py); bucket_ms
+    0: one bucket a UTC calendar month (money budgets), window_ms the longest month."""
 
     window_ms: int
     bucket_ms: int
     rolling: bool = True  # the bucket before the window counts, decaying; False: a fixed window
+    # Derived, kept: read several times per check of every decision.
+    buckets: int = field(init=False, compare=False, repr=False)
+    # How many buckets a decision reads: the window's, and the decaying one before them.
+    span: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def buckets(self) -> int:
-        return self.window_ms // self.bucket_ms
+    def __post_init__(self) -> None:
+        buckets = self.window_ms // self.bucket_ms if self.bucket_ms else 1
+        object.__setattr__(self, "buckets", buckets)
+        object.__setattr__(self, "span", buckets + self.rolling)
 
-    @property
-    def span(self) -> int:
-        """How many buckets a decision reads: the window's, and the decaying one before them."""
-        return self.window_ms // self.bucket_ms + self.rolling
+    def index(self, now_ms: int) -> int:
+        """The bucket `now_ms` falls in (calendar: year × 12 + month − 1)."""
+        return now_ms // self.bucket_ms if self.bucket_ms else month_index(now_ms)
+
+    def start(self, index: int) -> int:
+        """When bucket `index` begins (ms)."""
+        return index * self.bucket_ms if self.bucket_ms else month_start(index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +74,10 @@ class Policy:
     shadow: bool
     borrow_share: float  # share of the fleet's borrowable capacity this tier may take (0-1)
     retry_base_s: float
+    # Money budgets in micro-units per period (hard, like `budget`), and the prices that cost
+    # a request against them (the tier table's).
+    spend: tuple[tuple[Period, int], ...] = ()
+    prices: Prices | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +92,9 @@ class Check:
     # A hard budget: when the cost does not fit, the store may lower the request's output cap to
     # what the budget has left (Grant) instead of refusing.
     caps: bool = False
+    # A money budget (reserve and caps): its cost is micro-units, reserved apart from the
+    # tokens and lowered by the Grant's money parts.
+    money: bool = False
 
     def __post_init__(self) -> None:
         # Every number that reaches Redis is an int that INCRBY and Lua's doubles hold exactly;
@@ -81,19 +103,34 @@ class Check:
         object.__setattr__(self, "cost", min(max(int(self.cost), 0), MAX_COUNT + 1))
 
 
+# Grant.per_cap at or above this cannot lower a cap exactly in Lua's doubles (admit.lua's
+# long division): such a request is refused by a money budget it does not fit, never capped.
+MAX_PER_CAP = 2**43
+
+
 @dataclass(frozen=True, slots=True)
 class Grant:
     """A token reservation in its parts, estimate = prompt + cap × sequences: a hard budget with
     less left than the estimate but at least prompt + sequences admits the request at the cap
     that fits, ⌊(left − prompt) / sequences⌋, reserved as prompt + that cap × sequences in every
-    token window (admit.lua, LocalStore)."""
+    token window (admit.lua, LocalStore).
+
+    A money budget's cost at a cap is base + ⌈cap × per_cap / PRICE_SCALE⌉ micro-units (base: the
+    prompt's worst case; per_cap: every sequence's token at the output price, in millionths of a
+    micro-unit), so it lowers the cap to ⌊(left − base) × PRICE_SCALE / per_cap⌋; per_cap 0:
+    it does not lower it."""
 
     prompt: int
     sequences: int
+    base: int = 0
+    per_cap: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", min(max(int(self.prompt), 0), MAX_COUNT))
         object.__setattr__(self, "sequences", min(max(int(self.sequences), 1), MAX_COUNT))
+        object.__setattr__(self, "base", min(max(int(self.base), 0), MAX_COUNT + 1))
+        per_cap = max(int(self.per_cap), 0)
+        object.__setattr__(self, "per_cap", per_cap if per_cap < MAX_PER_CAP else 0)
 
     def cap(self, left: int) -> int:
         """The output cap per sequence that fits in `left` tokens; below 1: none does."""
@@ -102,14 +139,25 @@ class Grant:
     def cost(self, cap: int) -> int:
         return self.prompt + cap * self.sequences
 
+    def money_cap(self, left: int) -> int:
+        """The output cap per sequence that `left` micro-units pay for; 0: none (or no money
+        parts)."""
+        if not self.per_cap or left < self.base:
+            return 0
+        return (left - self.base) * PRICE_SCALE // self.per_cap
+
+    def money_cost(self, cap: int) -> int:
+        return self.base + -(-cap * self.per_cap // PRICE_SCALE)
+
 
 def granted(checks: Sequence[Check], grant: Grant | None, cap: int) -> list[Check]:
     """The checks as the store charged them: at a lowered cap (cap > 0), every reserving check
-    costs grant.cost(cap)."""
+    costs grant.cost(cap), every money check grant.money_cost(cap)."""
     if grant is None or cap <= 0:
         return list(checks)
     cost = grant.cost(cap)
-    return [replace(c, cost=cost) if c.reserve else c for c in checks]
+    money = grant.money_cost(cap)
+    return [replace(c, cost=money if c.money else cost) if c.reserve else c for c in checks]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +199,7 @@ class KindState:
 
     kind: Kind
     limit: int
-    unit: Unit
+    unit: Unit | Period
     remaining: int
     reset_ms: int
     used: int
@@ -175,6 +223,10 @@ class Admission:
     # The reservation's parts (token_estimate = prompt + cap × sequences), for a hard budget to
     # lower the cap instead of refusing; None: the budget refuses what does not fit.
     grant: Grant | None = None
+    # For money budgets: the model priced (None: the table's dearest prices) and the most tokens
+    # the prompt can be (llmgw/facts.py prompt_ceiling; 0: the grant's prompt).
+    model: str | None = None
+    prompt_ceiling: int = 0
 
 
 @dataclass(frozen=True, slots=True)

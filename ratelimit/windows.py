@@ -18,7 +18,8 @@ covers buckets c−N+1 … c and the last b − f ms of bucket c−N; that bucke
 
 A decision of cost k passes a check when used(t) + k ≤ L; when every check passes, k is added to
 B[c] of each, in one atomic step. Fixed windows (hard budgets): one bucket as long as the unit (the
-UTC day for `day`) and no decay, used(t) = B[c]. Bucket keys live N + 2 buckets (N + 1 fixed).
+UTC day for `day`; for money budgets also the UTC calendar month) and no decay, used(t) = B[c].
+Bucket keys live N + 2 buckets (N + 1 fixed; a month's, 62 days).
 
 Guarantee. At every instant the N buckets plus the weighted one hold at most L. A rolling window
 (s, s + W] with s = a·b + g also holds the part of B[a] admitted after s, which the rule counted
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ratelimit.types import UNIT_MS, Check, CheckState, Unit, Window
+from ratelimit.types import UNIT_MS, Check, CheckState, Period, Unit, Window
 
 SLIDING: dict[Unit, Window] = {
     Unit.SECOND: Window(1_000, 100),
@@ -54,6 +55,15 @@ def fixed(unit: Unit) -> Window:
     return _FIXED[unit]
 
 
+# The longest calendar month, for "a whole window" (a cost no month can hold).
+_MONTH = Window(31 * UNIT_MS[Unit.DAY], 0, rolling=False)
+
+
+def period(p: Period) -> Window:
+    """The fixed window of a money budget: the UTC day, or the UTC calendar month."""
+    return fixed(Unit.DAY) if p is Period.DAY else _MONTH
+
+
 def used(window: Window, counts: Sequence[int], now_ms: int) -> int:
     """used(t) of the rule, from the `window.span` buckets newest first."""
     n = window.buckets
@@ -67,8 +77,7 @@ def used(window: Window, counts: Sequence[int], now_ms: int) -> int:
 def state(check: Check, counts: Sequence[int], added: bool, now_ms: int) -> CheckState:
     """A check's standing after a decision, from its buckets before it (newest first)."""
     w = check.window
-    b = w.bucket_ms
-    current = now_ms // b
+    current = w.index(now_ms)
     before = used(w, counts, now_ms)
     passed = before + check.cost <= check.limit
     # Adding puts the cost in the newest bucket, one of the N counted whole.
@@ -76,7 +85,7 @@ def state(check: Check, counts: Sequence[int], added: bool, now_ms: int) -> Chec
     reset_ms = 0
     for age, count in enumerate(counts):
         if count + (cost if age == 0 else 0) > 0:
-            reset_ms = (current - age + w.span) * b - now_ms
+            reset_ms = w.start(current - age + w.span) - now_ms
             break
     free_ms = 0 if passed else _free_ms(check, counts, now_ms)
     return CheckState(check, before + cost, passed, reset_ms, free_ms)
@@ -87,7 +96,7 @@ def _free_ms(check: Check, counts: Sequence[int], now_ms: int) -> int:
     age ≤ N−1−m still count whole and the one of age N−m decays (rolling windows)."""
     w = check.window
     b, n = w.bucket_ms, w.buckets
-    start = now_ms // b * b
+    current = w.index(now_ms)
     if check.cost > check.limit:
         return w.window_ms  # never fits: a whole window
     for m in range(w.span + 1):
@@ -97,7 +106,7 @@ def _free_ms(check: Check, counts: Sequence[int], now_ms: int) -> int:
         decaying = counts[n - m] if w.rolling and m <= n else 0
         # The least f with ⌈decaying·(b − f)/b⌉ ≤ room; 0: it fits as this bucket begins.
         at = max(0, b - room * b // decaying) if decaying else 0
-        free_at = start + m * b + at
+        free_at = w.start(current + m) + at
         if free_at > now_ms:
             return free_at - now_ms
     return w.window_ms

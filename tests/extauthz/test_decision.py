@@ -93,6 +93,8 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         # Its parts, as strings for the rate-limit descriptors (a budget may lower the cap).
         wire.META_TOKEN_PROMPT: str(CHAT + 100),
         wire.META_TOKEN_CHOICES: "1",
+        # What prices it for money budgets: the prompt's ceiling (its bound, below).
+        wire.META_TOKEN_CEILING: str(4 + 400 + 2 * MESSAGE_TOKENS),
         wire.META_PROMPT_ESTIMATE: float(CHAT + 100),
         # The most it can be: the text's UTF-8 bytes ("user" and 400 characters of ASCII).
         wire.META_PROMPT_BOUND: float(4 + 400 + 2 * MESSAGE_TOKENS),
