@@ -138,8 +138,9 @@ class Recorder:
                 self._pending.popleft() for _ in range(min(self.batch_max, len(self._pending)))
             ]
             self._settling = batch
+            prices = self.prices()  # one table for a batch's charges and its records
             try:
-                results = await self._settle(batch)
+                results = await self._settle(batch, prices)
             except FAILURES as exc:
                 self._pending.extendleft(reversed(batch))
                 self._settling = []
@@ -156,7 +157,7 @@ class Recorder:
             failures = 0
             self._settling = []
             metrics.PENDING.set(len(self._pending))
-            self._store(batch, results)
+            self._store(batch, results, prices)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="ledger-settlement")
@@ -181,11 +182,10 @@ class Recorder:
         """Which of these requests' outcomes wait here (ledger/reconcile.py: not lost)."""
         return {o.request_id for o in (*self._pending, *self._settling)} & request_ids
 
-    async def _settle(self, batch: list[Outcome]) -> dict[int, Settled]:
+    async def _settle(self, batch: list[Outcome], prices: Prices) -> dict[int, Settled]:
         """Settlement of each outcome that belongs to a tenant, by its index in the batch; not
         of a refusal by the rate limiter, which reserved nothing (settled, its request ID would
         release a reservation made under the same ID by another request)."""
-        prices = self.prices()
         charges = {
             i: Charge(
                 o.tenant, o.request_id, o.prompt_tokens + o.completion_tokens, _cost(prices, o)
@@ -214,14 +214,20 @@ class Recorder:
             if reached:
                 try:
                     async with asyncio.timeout(self.timeout_s):
-                        await self.spending.settled(client, reached, int(time.time() * 1000))
+                        await self.spending.settled(client, reached)
                 except FAILURES as exc:  # an alert lost, never a settlement
                     log.warning("spend alerts failed", extra={"error": repr(exc)})
         return results
 
-    def _store(self, batch: list[Outcome], results: dict[int, Settled] | None) -> None:
+    def _store(
+        self,
+        batch: list[Outcome],
+        results: dict[int, Settled] | None,
+        prices: Prices | None = None,
+    ) -> None:
+        """`prices`: the table the batch was settled by (None: the table in force)."""
         records = []
-        prices = self.prices()
+        prices = prices if prices is not None else self.prices()
         for i, o in enumerate(batch):
             result = results.get(i) if results is not None else None
             if o.tenant and o.pod and o.reserved_tokens and not o.quota_checked:

@@ -3,10 +3,10 @@ tenant's budget window reach each of its tier's `spend.alert_at` percentages, on
 and percentage across every ledger replica.
 
 The settled costs are settle.lua's answer (a counter of their own beside the budget's, which
-also holds the reservations outstanding), so a threshold is reported at the settlement that
-reaches it. Each alert is claimed with one SET NX in Redis (only when this replica has not seen
-it yet: at most a few per tenant and period), so a second ledger replica does not send it
-again.
+also holds the reservations outstanding), with the day or month they were charged to by Redis's
+clock, so a threshold is reported at the settlement that reaches it, under its own window. Each
+alert is claimed with one SET NX in Redis (only when this replica has not seen it claimed yet: at
+most a few per tenant and period), so a second ledger replica does not send it again.
 """
 
 from __future__ import annotations
@@ -17,19 +17,14 @@ from decimal import Decimal
 from llmgw.outcome import Outcome
 from llmgw.prices import MICROS, amount
 from llmgw.resp import Client
-from llmgw.tiers import Period, TierTable, month_index
+from llmgw.tiers import Period, TierTable
 from llmgw.wire import tenant_prefix
 
-DAY_MS = 86_400_000
 # A claim outlives its window (the longest month) and a late settlement.
-CLAIM_TTL_MS = 62 * DAY_MS
-MAX_SEEN = 100_000  # claims remembered here; past it forgotten (Redis still answers)
+CLAIM_TTL_MS = 62 * 86_400_000
+MAX_SEEN = 100_000  # claims made here; past it forgotten (Redis still answers)
 
 Emit = Callable[..., object]
-
-
-def window_index(period: Period, now_ms: int) -> int:
-    return now_ms // DAY_MS if period is Period.DAY else month_index(now_ms)
 
 
 class SpendAlerts:
@@ -39,17 +34,16 @@ class SpendAlerts:
         self._seen: set[tuple[str, Period, int, int]] = set()
 
     def reached(
-        self, outcome: Outcome, spent: Sequence[tuple[str, int]], now_ms: int
-    ) -> list[tuple[Period, int, int, Decimal]]:
-        """The (period, percentage, micro-units settled, budget) newly reached by this tenant's
-        windows, as one settlement left them."""
-        table = self.tiers()
-        spec = table.tenant_spec(outcome.tenant, outcome.tier).spend
+        self, outcome: Outcome, spent: Sequence[tuple[str, int, int]]
+    ) -> list[tuple[Period, int, int, int, Decimal]]:
+        """The (period, bucket, percentage, micro-units settled, budget) this tenant's windows
+        reached, as one settlement left them, not yet claimed here."""
+        spec = self.tiers().tenant_spec(outcome.tenant, outcome.tier).spend
         if spec is None:
             return []
         budgets = dict(spec.amounts())
         out = []
-        for name, held in spent:
+        for name, index, held in spent:
             try:
                 per = Period(name.removeprefix("spend:"))
             except ValueError:
@@ -57,29 +51,25 @@ class SpendAlerts:
             budget = budgets.get(per)
             if budget is None:
                 continue
-            index = window_index(per, now_ms)
             for pct in spec.alert_at:
                 key = (outcome.tenant, per, index, pct)
                 if key not in self._seen and held * 100 >= budget * MICROS * pct:
-                    if len(self._seen) >= MAX_SEEN:
-                        self._seen.clear()
-                    self._seen.add(key)
-                    out.append((per, pct, held, budget))
+                    out.append((per, index, pct, held, budget))
         return out
 
     async def settled(
-        self,
-        client: Client,
-        settled: Sequence[tuple[Outcome, Sequence[tuple[str, int]]]],
-        now_ms: int,
+        self, client: Client, settled: Sequence[tuple[Outcome, Sequence[tuple[str, int, int]]]]
     ) -> None:
         """Claim and send the alerts these settlements reached."""
         currency = self.tiers().prices.currency
         for outcome, spent in settled:
-            for per, pct, held, budget in self.reached(outcome, spent, now_ms):
-                index = window_index(per, now_ms)
+            for per, index, pct, held, budget in self.reached(outcome, spent):
                 claim = f"{tenant_prefix(outcome.tenant)}:spendalert:{per}:{index}:{pct}"
-                if await client.call("SET", claim, 1, "NX", "PX", CLAIM_TTL_MS) is None:
+                claimed = await client.call("SET", claim, 1, "NX", "PX", CLAIM_TTL_MS)
+                if len(self._seen) >= MAX_SEEN:
+                    self._seen.clear()
+                self._seen.add((outcome.tenant, per, index, pct))  # claimed, here or elsewhere
+                if claimed is None:
                     continue  # another replica sent it
                 self.emit(
                     "spend_threshold",

@@ -213,10 +213,10 @@ def prompt_size(
 ) -> PromptSize:
     """The prompt's tokens without its tokenizer: text (characters / chars_per_token for the
     estimate, UTF-8 bytes for the bound, and PROMPT_SPECIAL_TOKENS a text prompt of a completion
-    in it), plus MESSAGE_TOKENS a chat message (and once for the
-    assistant's header); tool definitions and tool calls by the size of their JSON (the chat
-    template renders them into the prompt); each content part without text (an image, audio, a
-    file) as `image_tokens`; token-ID prompts by their length."""
+    in it), plus MESSAGE_TOKENS a chat message (and once for the assistant's header); tool
+    definitions, tool calls, documents and chat template arguments by the size of their JSON
+    (the chat template renders them into the prompt); each content part without text (an image,
+    audio, a file) as `image_tokens`; token-ID prompts by their length."""
     texts: list[str] = []
     tokens = 0
     specials = 0  # in the bound only: the estimate stays as it was
@@ -239,7 +239,9 @@ def prompt_size(
                     else:
                         tokens += image_tokens
             texts.append(_json(message.get("tool_calls")))
-    for name in ("tools", "functions"):
+    # Rendered into the prompt by the chat template too (vLLM passes `documents`, and
+    # `chat_template_kwargs` such as Llama 3.1's custom_tools, to it): their JSON's size.
+    for name in ("tools", "functions", "documents", "chat_template_kwargs"):
         texts.append(_json(request.get(name)))
     for name in ("prompt", "input"):
         value = request.get(name)

@@ -7,6 +7,8 @@
 -- was charged to. With c the current bucket and N the window's buckets, per window:
 --   * reserved bucket still counted whole (index > c − N): refund (n − actual) into it, or add
 --     the excess (actual − n) to the current bucket;
+--   * a fixed window's (a hard budget's) reserved bucket of an earlier day or month, while it
+--     lives: settled in it as above, so the cost stays with the budget that admitted it;
 --   * reserved bucket decaying (c − N) or gone (a stream about as long as its window, or longer):
 --     charge the actual tokens to the current bucket and leave the reservation where it is. The
 --     stream then counts in every window it ran in; the reservation counts on only while its
@@ -16,8 +18,8 @@
 -- to the current buckets of the tenant's windows (rs_tspec), when known.
 -- Buckets created here live as long as admit.lua's (rs_life).
 -- Returns {1 reservation settled | 0 none | 2 already settled, tokens reserved, tokens charged,
--- the costs settled so far in each money window: "<name> <micro-units> …" (rs_settled: for the
--- ledger's soft-limit alerts)}.
+-- the costs settled so far in each money window charged: "<name> <index> <micro-units> …"
+-- (rs_settled: for the ledger's soft-limit alerts)}.
 local p = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -40,23 +42,28 @@ if spec and (found == 1 or actual > 0 or cost > 0) then
     local held, used = reserved, actual
     if money then held, used = reserved_money, cost end
     local add = used
-    if found == 1 and idx > cur - nb then
+    -- Where the cost goes: the current bucket; a fixed window's (a budget's) stays with the
+    -- day or month it was admitted in while that bucket lives, so that a request settled after
+    -- midnight is charged against the budget that admitted it, never on top of the next one's.
+    local target = cur
+    local rk = rs_bucket(p, name, idx)
+    if found == 1 and (idx > cur - nb or (rolling == 0 and redis.call('EXISTS', rk) == 1)) then
       add = used - held
-      if add < 0 then
-        local rk = rs_bucket(p, name, idx)
-        if redis.call('EXISTS', rk) == 1 then redis.call('DECRBY', rk, -add) end
+      if rolling == 0 then target = idx end
+      if add < 0 and redis.call('EXISTS', rk) == 1 then
+        redis.call('DECRBY', rk, string.format('%d', -add))
       end
     end
-    local ckey = rs_bucket(p, name, cur)
     if add > 0 then
-      redis.call('INCRBY', ckey, add)
-      redis.call('PEXPIRE', ckey, rs_life(bms, nb, rolling))
+      local ckey = rs_bucket(p, name, target)
+      redis.call('INCRBY', ckey, string.format('%d', add))
+      if target == cur then redis.call('PEXPIRE', ckey, rs_life(bms, nb, rolling)) end
     end
     if money then
-      local skey = rs_settled(p, name, cur)
-      local total = redis.call('INCRBY', skey, cost)
+      local skey = rs_settled(p, name, target)
+      local total = redis.call('INCRBY', skey, string.format('%d', used))
       redis.call('PEXPIRE', skey, rs_life(bms, nb, rolling))
-      spent[#spent + 1] = name .. ' ' .. string.format('%d', total)
+      spent[#spent + 1] = name .. ' ' .. string.format('%d', target) .. ' ' .. string.format('%d', total)
     end
   end
 end

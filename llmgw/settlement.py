@@ -38,9 +38,10 @@ class Settled:
     state: int  # 1 reservation settled, 0 no reservation, 2 already settled (a duplicate)
     reserved: int
     charged: int
-    # Each money budget window the request was charged to, and the costs settled in it so far
-    # (micro-units, without reservations outstanding): "spend:day" → amount.
-    spent: tuple[tuple[str, int], ...] = ()
+    # Each money budget window the request was charged to: its name ("spend:day"), the bucket
+    # (the day or month, as Redis's clock counts them) and the costs settled in it so far
+    # (micro-units, without reservations outstanding).
+    spent: tuple[tuple[str, int, int], ...] = ()
 
 
 async def settle(client: Client, charges: Sequence[Charge], done_ttl_ms: int) -> list[Settled]:
@@ -58,6 +59,8 @@ async def settle(client: Client, charges: Sequence[Charge], done_ttl_ms: int) ->
             raise RespError(f"settle.lua returned {reply!r}")
         state, reserved, charged = (v if isinstance(v, int) else 0 for v in reply[:3])
         words = reply[3].decode().split()
-        spent = tuple((words[i], int(words[i + 1])) for i in range(0, len(words) - 1, 2))
+        spent = tuple(
+            (words[i], int(words[i + 1]), int(words[i + 2])) for i in range(0, len(words) - 2, 3)
+        )
         out.append(Settled(state, reserved, charged, spent))
     return out

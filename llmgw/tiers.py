@@ -215,7 +215,7 @@ class TierTable(Strict):
                         "requests": spec.requests.merged(own.requests),
                         "tokens": spec.tokens.merged(own.tokens),
                         "budget": own.budget or spec.budget,
-                        "spend": own.spend or spec.spend,
+                        "spend": _spend(spec.spend, own.spend),
                         "shadow": spec.shadow if own.shadow is None else own.shadow,
                     }
                 )
@@ -227,6 +227,13 @@ class TierTable(Strict):
         spec = self.tenant_spec(tenant, tier, over)
         budget = [spec.budget.tokens] if spec.budget else []
         return min([a for _, a in spec.tokens.amounts()] + budget, default=None)
+
+
+def _spend(tier: Spend | None, own: Spend | None) -> Spend | None:
+    """A tenant's money budgets over its tier's, period by period (its alert_at, when stated)."""
+    if own is None or tier is None:
+        return own or tier
+    return tier.model_copy(update=own.model_dump(exclude_unset=True))
 
 
 def watched_tiers(path: Path | None) -> Reloading[TierTable]:

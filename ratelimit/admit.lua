@@ -113,7 +113,8 @@ if grant ~= nil and grant >= 1 then
   for i = 1, n do
     local reserve = plan[i][6]
     if reserve == '3' then
-      plan[i][3], plan[i][4] = money, string.format('%d', money)
+      -- Without money parts its cost stays the request's own worst case (the strict side).
+      if per_cap > 0 then plan[i][3], plan[i][4] = money, string.format('%d', money) end
     elseif reserve ~= '0' then
       plan[i][3], plan[i][4] = cost, string.format('%d', cost)
     end

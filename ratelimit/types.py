@@ -152,12 +152,19 @@ class Grant:
 
 def granted(checks: Sequence[Check], grant: Grant | None, cap: int) -> list[Check]:
     """The checks as the store charged them: at a lowered cap (cap > 0), every reserving check
-    costs grant.cost(cap), every money check grant.money_cost(cap)."""
+    costs grant.cost(cap), every money check grant.money_cost(cap) (where the grant has money
+    parts)."""
     if grant is None or cap <= 0:
         return list(checks)
     cost = grant.cost(cap)
     money = grant.money_cost(cap)
-    return [replace(c, cost=money if c.money else cost) if c.reserve else c for c in checks]
+    out = []
+    for c in checks:
+        if c.money:  # without money parts, its own worst case stands (the strict side)
+            out.append(replace(c, cost=money) if grant.per_cap else c)
+        else:
+            out.append(replace(c, cost=cost) if c.reserve else c)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,19 @@ def test_a_non_stream_answer_cut_short_is_charged_the_whole_reservation() -> Non
     assert o.prompt_tokens + o.completion_tokens == 3 * 120
 
 
+@pytest.mark.parametrize("status", [0, 200])
+def test_a_request_whose_budget_lowered_its_cap_is_charged_the_reservation_at_that_cap(
+    status: int,
+) -> None:
+    """Its estimate (20 + 100) was made before the budget lowered the cap to 30: a non-stream
+    request cut short, or answered without usage, is charged 20 + 30, what was reserved."""
+    capped = {wire.META_DECIDED: True, wire.META_OUTPUT_CAP: 30.0}
+    flags = ("downstream_connection_termination",) if status == 0 else ()
+    o = to_outcome(entry(status, authz=capped, flags=flags))
+    assert o is not None and (o.prompt_tokens, o.completion_tokens) == (20, 30)
+    assert o.reserved_tokens == 50
+
+
 def test_an_aborted_stream_charges_the_larger_prompt_count() -> None:
     small = {wire.META_PROMPT_TOKENS: 5, wire.META_STREAMED_EVENTS: 2}  # one choice's own usage
     o = to_outcome(

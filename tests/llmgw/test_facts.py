@@ -215,3 +215,16 @@ def test_prefix_hashes_are_per_cache_group() -> None:
     mine = facts.block_hashes(text, 64, "tenant/a")
     assert mine == facts.block_hashes(text, 64, "tenant/a")
     assert set(mine).isdisjoint(facts.block_hashes(text, 64, "tenant/b"))
+
+
+def test_documents_and_chat_template_arguments_count_in_the_bound() -> None:
+    """vLLM hands both to the chat template, which renders them into the prompt: a prompt
+    priced or reserved at its bound covers them."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = facts.prompt_size({"messages": messages}, 4.0, 0)
+    document = {"title": "t", "text": "x" * 10_000}
+    with_documents = facts.prompt_size({"messages": messages, "documents": [document]}, 4.0, 0)
+    kwargs = {"custom_tools": [{"name": "f", "description": "y" * 5_000}]}
+    with_kwargs = facts.prompt_size({"messages": messages, "chat_template_kwargs": kwargs}, 4.0, 0)
+    assert with_documents.bound >= plain.bound + 10_000
+    assert with_kwargs.bound >= plain.bound + 5_000

@@ -5,15 +5,24 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
 from llmgw.config import ConfigError
-from llmgw.tiers import PerUnit, TenantSpec, TierSpec, TierTable, load_tiers, watched_tiers
+from llmgw.tiers import (
+    PerUnit,
+    Spend,
+    TenantSpec,
+    TierSpec,
+    TierTable,
+    load_tiers,
+    watched_tiers,
+)
 from ratelimit.limits import Limits, TableLimits, kept
 from ratelimit.settings import Settings
-from ratelimit.types import Limit, Unit
+from ratelimit.types import Limit, Period, Unit
 
 GOOD = """
 default_tier: free
@@ -138,3 +147,14 @@ def test_a_tenants_own_limits_merge_alike_stated_in_the_table_or_carried_by_the_
     assert carried.tokens == (Limit(Unit.MINUTE, 5000),)
     both = Limits(table.model_copy(update={"tenants": {"acme": own}}))
     assert both.policy("acme", "gold", Limit(Unit.MINUTE, 7)).requests[1] == Limit(Unit.MINUTE, 7)
+
+
+def test_a_tenants_money_budget_merges_over_its_tiers_period_by_period() -> None:
+    table = TierTable(
+        tiers={"t": TierSpec(spend=Spend(day=Decimal(25), month=Decimal(500)))},
+        tenants={"acme": TenantSpec(spend=Spend(day=Decimal(100)))},
+    )
+    spec = table.tenant_spec("acme", "t").spend
+    assert spec is not None and (spec.day, spec.month) == (Decimal(100), Decimal(500))
+    policy = Limits(table).policy("acme", "t")
+    assert policy.spend == ((Period.DAY, 100_000_000), (Period.MONTH, 500_000_000))

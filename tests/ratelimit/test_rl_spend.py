@@ -145,14 +145,16 @@ async def test_settlement_refunds_the_money_reserved_and_reports_the_costs_settl
         assert (await store.admit(PREFIX, checks, 0, reservation=rid, ttl_ms=60_000)).admitted
     [done] = await settle(resp, [Charge("acme", "s1", 120, cost_micros=12_345)], 60_000)
     assert (done.state, done.reserved, done.charged) == (1, 500, 120)
-    # The costs settled, not s2's reservation still outstanding: what the soft limits read.
-    assert done.spent == (("spend:day", 12_345),)
+    # The costs settled, not s2's reservation still outstanding: what the soft limits read, with
+    # the day they were charged to.
+    [(name, day, settled)] = done.spent
+    assert (name, settled) == ("spend:day", 12_345) and day == time.time_ns() // 86_400 // 10**9
     held = (await store.admit(PREFIX, [checks[0], money_check(90_000, 0)], 0)).counts
     assert (held[0][0], held[1][0]) == (120 + 500, 12_345 + 40_000)
     [again] = await settle(resp, [Charge("acme", "s1", 120, cost_micros=12_345)], 60_000)
     assert again.state == 2 and again.spent == ()
     [second] = await settle(resp, [Charge("acme", "s2", 0, cost_micros=0)], 60_000)
-    assert second.spent == (("spend:day", 12_345),)  # released: nothing spent
+    assert second.spent == (("spend:day", day, 12_345),)  # released: nothing spent
 
 
 async def test_calendar_months_in_lua_are_pythons(resp: Resp) -> None:
@@ -241,3 +243,51 @@ async def test_a_money_budget_never_borrows(resp: Resp) -> None:
     verdict = await engine.admit(ask)  # 1,000 prompt tokens at 0.5: 500 of 900
     assert verdict.allowed
     assert (await engine.admit(ask)).allowed is False
+
+
+async def test_a_request_settled_after_midnight_is_charged_to_the_day_that_admitted_it(
+    resp: Resp,
+) -> None:
+    """Admitted at 23:59 with the whole budget, settled after midnight: its cost stays in the
+    day it was admitted in, never on top of the next day's budget."""
+    store = RedisStore(resp)
+    today = time.time_ns() // 86_400 // 10**9
+    assert (
+        await store.admit(
+            PREFIX, [money_check(10_000, 10_000)], 0, reservation="old", ttl_ms=60_000
+        )
+    ).admitted
+    # As if admitted yesterday: the bucket and the reservation moved one day back.
+    await resp.call("RENAME", f"{PREFIX}:spend:day:{today}", f"{PREFIX}:spend:day:{today - 1}")
+    spec = await resp.call("HGET", f"{PREFIX}:res:old", "s")
+    assert isinstance(spec, bytes)
+    moved = spec.decode().replace(f" {today}", f" {today - 1}")
+    await resp.call("HSET", f"{PREFIX}:res:old", "s", moved)
+    assert (
+        await store.admit(
+            PREFIX, [money_check(10_000, 10_000)], 0, reservation="new", ttl_ms=60_000
+        )
+    ).admitted
+    [done] = await settle(resp, [Charge("acme", "old", 100, cost_micros=9_000)], 60_000)
+    assert done.spent == (("spend:day", today - 1, 9_000),)
+    assert await resp.call("GET", f"{PREFIX}:spend:day:{today - 1}") == b"9000"
+    assert await resp.call("GET", f"{PREFIX}:spend:day:{today}") == b"10000"
+
+
+async def test_a_token_budgets_lower_cap_keeps_the_money_worst_case_without_money_parts(
+    store: Store,
+) -> None:
+    """A per-token price too fine to lower a cap exactly (per_cap dropped): when a token budget
+    lowers the cap, the money check still holds the request's own worst case, never only the
+    prompt's."""
+    grant = Grant(prompt=100, sequences=9, base=100, per_cap=MAX_PER_CAP + 5)
+    assert grant.per_cap == 0
+    worst = 100 + 9 * 1000 * 1_000_000  # 9 sequences of 1,000 tokens at 10^6 micro-units
+    checks = [
+        Check("budget:day", DAY, 1_000, 100 + 9 * 1000, True, True),
+        money_check(10**11, worst),
+    ]
+    got = await store.admit(PREFIX, checks, 0, grant=grant)
+    assert got.admitted and got.cap == 100  # the token budget's: (1,000 − 100) / 9
+    after = await store.admit(PREFIX, [money_check(10**11, 0)], 0)
+    assert after.counts[0][0] == worst
