@@ -194,7 +194,10 @@ async def test_each_request_is_charged_its_share_of_every_step_it_was_in(
     """The exact GPU time the ledger's estimate is measured against (bench/gputime.py): a step
     shared by a batch of B costs each of them 1/B of what it took on the wall clock (at least its
     simulated time; more on a busy machine); the shares add up to the steps' time."""
-    pod = await make_pod(time_scale=0.05)
+    # Slow enough (64 steps of ~4 ms) that 8 requests sent at once overlap for most of their
+    # steps even when a busy machine's client sends them tens of milliseconds apart.
+    scale = 0.2
+    pod = await make_pod(time_scale=scale)
     start = pod.engine.sim_now()
     alone = "alone-1"
     async with http.post(
@@ -203,21 +206,21 @@ async def test_each_request_is_charged_its_share_of_every_step_it_was_in(
         headers={"X-Request-Id": alone},
     ) as resp:
         assert resp.status == 200
-    busy = (pod.engine.sim_now() - start) * 0.05
+    busy = (pod.engine.sim_now() - start) * scale
     spent = pod.engine.gpu_seconds
     assert spent[alone] >= busy * 0.999  # alone: every step was its own
     start = pod.engine.sim_now()
     names = [f"together-{i}" for i in range(8)]
 
     async def one(name: str) -> None:
-        body = chat(name, max_tokens=16, ignore_eos=True)
+        body = chat(name, max_tokens=64, ignore_eos=True)
         async with http.post(
             pod.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": name}
         ) as resp:
             assert resp.status == 200
 
     await asyncio.gather(*map(one, names))
-    busy = (pod.engine.sim_now() - start) * 0.05
+    busy = (pod.engine.sim_now() - start) * scale
     shares = [spent[n] for n in names]
     assert sum(shares) >= busy * 0.999
     assert max(shares) < sum(shares) / 2  # each shared its steps with the others
