@@ -14,7 +14,7 @@ from llmgw import config, logs
 from llmgw.config import deprecated
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology
-from tools import certs, envoyconf, usage
+from tools import certs, envoyconf, spend, usage
 from tools.engine import InstallError
 from tools.envoyconf import Address
 from tools.stack import Stack, StackSettings
@@ -250,6 +250,7 @@ def parser() -> argparse.ArgumentParser:
 
     extauthz_cli.register(sub)  # `tenants` and `keys`
     usage.register(sub)  # `usage`, from the ledger
+    spend.register(sub)  # `spend`: money budgets in Redis
     return top
 
 
