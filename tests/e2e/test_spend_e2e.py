@@ -63,8 +63,8 @@ async def burst(stack: Stack, key: str, size: int) -> list[tuple[int, str, str]]
             code = ""
             if resp.status != 200:
                 code = str((await resp.json(content_type=None))["error"]["code"])
-            else:
-                assert b"error" not in raw.split(b"\n")[-3:][0], raw[-300:]
+            else:  # streamed to its end
+                assert (b"response.completed" if i % 2 else b"data: [DONE]") in raw, raw[-300:]
             return resp.status, code, resp.headers.get("x-request-id", "")
 
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -100,13 +100,20 @@ def test_a_burst_of_200_spends_at_most_the_budget_and_bills_what_it_charged(
 ) -> None:
     stack = spend_stack
     key = add_tenant(stack, "sp-burst", "spender")
-    replies = asyncio.run(burst(stack, key, 200))
-    statuses = Counter(status for status, _, _ in replies)
-    codes = Counter(code for status, code, _ in replies if status != 200)
-    # Refused by the budget, or shed by extauthz on a machine too busy to check in time.
-    assert set(codes) <= {"insufficient_quota", "overloaded"}, codes
-    assert statuses[200] > 0 and codes["insufficient_quota"] > 0, statuses
-    served = {rid for status, _, rid in replies if status == 200}
+    served: set[str] = set()
+    codes: Counter[str] = Counter()
+    # A machine busy enough to shed most of a burst may leave the budget unspent: another burst
+    # then (at most three), until the budget refuses.
+    for _ in range(3):
+        replies = asyncio.run(burst(stack, key, 200))
+        served |= {rid for status, _, rid in replies if status == 200}
+        codes += Counter(code for status, code, _ in replies if status != 200)
+        if codes["insufficient_quota"]:
+            break
+    # Refused by the budget; else the gateway's load answers (shed by extauthz on a machine
+    # too busy to check in time, or flow control's queue while the pods are saturated).
+    assert set(codes) <= {"insufficient_quota", "overloaded", "queue_full", "queue_timeout"}, codes
+    assert served and codes["insufficient_quota"] > 0, codes
 
     # Settled: no reservation left outstanding, every served request recorded.
     eventually(lambda: not reservations(stack, "sp-burst"), 30, "reservations settled")
@@ -123,12 +130,13 @@ def test_a_burst_of_200_spends_at_most_the_budget_and_bills_what_it_charged(
     total = sum(r["cost_micros"] for r in rows)
     assert 0 < total <= BUDGET_MICROS
     assert spent(stack, "sp-burst") == total  # the budget holds exactly what was billed
-    # The soft limit at 50 % was reported, once.
+    # Each soft limit (50 % and 100 %) the settled spend reached was reported, once.
+    reached = (total * 2 >= BUDGET_MICROS) + (total == BUDGET_MICROS)
     alerts = lambda: sum(  # noqa: E731
         "spend_threshold" in line for line in events(stack, "sp-burst").splitlines()
     )
-    eventually(alerts, 20, "the 50 % alert", every_s=0.5)
-    assert alerts() == 1 + (total == BUDGET_MICROS), events(stack, "sp-burst")
+    eventually(lambda: alerts() >= reached, 20, "the soft-limit alerts", every_s=0.5)
+    assert alerts() == reached, events(stack, "sp-burst")
 
 
 def test_a_raised_budget_applies_at_the_next_reload(spend_stack: Stack) -> None:
