@@ -61,7 +61,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     os.umask(0o077)
     settings = _stack_settings(args)
     state_dir = args.state_dir / time.strftime("run-%Y%m%d-%H%M%S")
-    return supervise(Stack(settings, state_dir), args.ready_file)
+    # Without --ready-file, in the run directory (0700): where `llmgw usage` and `llmgw spend`
+    # find the stack's database and Redis.
+    return supervise(Stack(settings, state_dir), args.ready_file or state_dir / "ready.json")
 
 
 RENDERED_SERVICES = ("extauthz", "ratelimit", "router", "ledger")
@@ -176,7 +178,11 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         help="the served model's tokenizer.json: the pods and the gateway count prompts with it",
     )
-    up.add_argument("--ready-file", type=Path, help="write base URL, keys and pods here as JSON")
+    up.add_argument(
+        "--ready-file",
+        type=Path,
+        help="write base URL, keys and pods here as JSON (default: the run directory's ready.json)",
+    )
     up.add_argument(
         "--database-url", help="PostgreSQL for the usage ledger (default: a local server of ours)"
     )

@@ -3,10 +3,12 @@ combinations refused before anything starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tools import cli
-from tools.stack import StackSettings
+from tools import cli, launcher
+from tools.stack import Stack, StackSettings
 
 
 def settings(*argv: str) -> StackSettings:
@@ -57,3 +59,21 @@ def test_upstreams_alone_still_mean_pods_someone_else_runs() -> None:
     up = settings("--upstream", "vllm:8000")
     assert up.upstreams == ("vllm:8000",)
     assert up.engine == "sim"  # not used: the ready file says "external"
+
+
+def test_up_writes_its_ready_file_into_the_run_directory_unless_told_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where `llmgw usage` and `llmgw spend` look for the stack's database and Redis."""
+    given: list[tuple[Path, Path | None]] = []
+
+    def supervise(stack: Stack, ready_file: Path | None) -> int:
+        given.append((stack.state_dir, ready_file))
+        return 0
+
+    monkeypatch.setattr(launcher, "supervise", supervise)
+    assert cli.main(["up", "--state-dir", str(tmp_path)]) == 0
+    assert cli.main(["up", "--state-dir", str(tmp_path), "--ready-file", "up.json"]) == 0
+    (run, default), (_, named) = given
+    assert run.parent == tmp_path and run.name.startswith("run-")
+    assert default == run / "ready.json" and named == Path("up.json")
