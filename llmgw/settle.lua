@@ -8,7 +8,8 @@
 --   * reserved bucket still counted whole (index > c − N): refund (n − actual) into it, or add
 --     the excess (actual − n) to the current bucket;
 --   * a fixed window's (a hard budget's) reserved bucket of an earlier day or month, while it
---     lives: settled in it as above, so the cost stays with the budget that admitted it;
+--     lives: the refund and the excess both go into it, so the cost stays with the budget that
+--     admitted it;
 --   * reserved bucket decaying (c − N) or gone (a stream about as long as its window, or longer):
 --     charge the actual tokens to the current bucket and leave the reservation where it is. The
 --     stream then counts in every window it ran in; the reservation counts on only while its
