@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -28,25 +26,15 @@ from llmgw.reservation import with_prelude
 from llmgw.tiers import Period
 from llmgw.wire import tenant_prefix
 from ratelimit.windows import period
+from tools.usage import from_ready
 
-STATE_DIR = Path(".llmgw")
 FORGIVE = with_prelude(resources.files("llmgw").joinpath("forgive.lua").read_text())
 FORGIVE_SHA = hashlib.sha1(FORGIVE.encode()).hexdigest()
 
 
-def default_redis_url(state_dir: Path = STATE_DIR) -> str | None:
+def default_redis_url() -> str | None:
     """$LLMGW_REDIS_URL, else the newest run's ready.json."""
-    if url := os.environ.get("LLMGW_REDIS_URL"):
-        return url
-    runs = sorted(state_dir.glob("run-*/ready.json"), key=lambda p: p.parent.name, reverse=True)
-    for ready in runs:
-        try:
-            url = json.loads(ready.read_text()).get("redis_url")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(url, str) and url:
-            return url
-    return None
+    return os.environ.get("LLMGW_REDIS_URL") or from_ready("redis_url")
 
 
 def reset(client: redis.Redis, tenant: str, per: Period) -> tuple[int, int, int]:
@@ -61,11 +49,11 @@ def reset(client: redis.Redis, tenant: str, per: Period) -> tuple[int, int, int]
 def show(client: redis.Redis, tenant: str) -> list[tuple[Period, int, int]]:
     """Per period: what the current window holds and what of it was settled (micro-units)."""
     prefix = tenant_prefix(tenant)
+    seconds, micros = client.time()  # Redis's clock, as the windows are counted
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
     out = []
     for per in Period:
-        window = period(per)
-        seconds, micros = client.time()
-        index = window.index(int(seconds) * 1000 + int(micros) // 1000)
+        index = period(per).index(now_ms)
         held, settled = client.mget(
             f"{prefix}:spend:{per}:{index}", f"{prefix}:settled:spend:{per}:{index}"
         )

@@ -254,19 +254,24 @@ def since(text: str) -> datetime:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
-def default_database_url(state_dir: Path = STATE_DIR) -> str | None:
-    """$LLMGW_DATABASE_URL, the newest run's ready.json, or the local stack's running server."""
-    if url := os.environ.get("LLMGW_DATABASE_URL"):
-        return url
+def from_ready(key: str, state_dir: Path = STATE_DIR) -> str | None:
+    """A URL (`database_url`, `redis_url`) of the newest run's ready.json that has it."""
     runs = sorted(state_dir.glob("run-*/ready.json"), key=lambda p: p.parent.name, reverse=True)
     for ready in runs:
         try:
-            url = json.loads(ready.read_text()).get("database_url")
+            url = json.loads(ready.read_text()).get(key)
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(url, str) and url:
             return url
-    return postgres.running_url(state_dir / "postgres")
+    return None
+
+
+def default_database_url(state_dir: Path = STATE_DIR) -> str | None:
+    """$LLMGW_DATABASE_URL, the newest run's ready.json, or the local stack's running server."""
+    if url := os.environ.get("LLMGW_DATABASE_URL"):
+        return url
+    return from_ready("database_url", state_dir) or postgres.running_url(state_dir / "postgres")
 
 
 def register(sub: Any) -> None:

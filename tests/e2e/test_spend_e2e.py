@@ -6,9 +6,7 @@ the soft limit alerts, and a raised budget applies at extauthz's next reload."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +16,7 @@ import pytest
 
 from tests.e2e.conftest import stack_settings
 from tests.e2e.test_breaker_e2e import events
-from tests.e2e.test_ledger_e2e import records
+from tests.e2e.test_ledger_e2e import records, tier_reloads
 from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, auth, reservations
 from tests.eventually import eventually
 from tests.http import call
@@ -85,16 +83,6 @@ def spent(stack: Stack, tenant: str) -> int:
         return sum(int(r.get(k) or 0) for k in keys)
 
 
-def extauthz_reloads(stack: Stack) -> float:
-    """extauthz's reloads of its tenants file and tier table (one config, "tenants")."""
-    with urllib.request.urlopen(stack.metrics["extauthz"], timeout=5) as r:
-        text = r.read().decode()
-    found = re.search(
-        r'^llmgw_config_reloads_total\{config="tenants",result="ok"\} (\S+)$', text, re.M
-    )
-    return float(found.group(1)) if found else 0.0
-
-
 def test_a_burst_of_200_spends_at_most_the_budget_and_bills_what_it_charged(
     spend_stack: Stack,
 ) -> None:
@@ -158,10 +146,14 @@ def test_a_raised_budget_applies_at_the_next_reload(spend_stack: Stack) -> None:
     # The last one served had less left than its 200 tokens cost: served at the cap it paid for.
     assert served[:-1] == [200] * (len(served) - 1) and 0 < served[-1] < 200, served
 
-    before = extauthz_reloads(stack)
+    before = tier_reloads(stack, "extauthz", "tenants")
     stack.settings.tiers_file.write_text(TIERS.format(day="5.00", model=MODEL))  # type: ignore[union-attr]
     written = time.monotonic()
-    eventually(lambda: extauthz_reloads(stack) > before, 10, "extauthz reloaded the tier table")
+    eventually(
+        lambda: tier_reloads(stack, "extauthz", "tenants") > before,
+        10,
+        "extauthz reloaded the tier table",
+    )
     reloaded = time.monotonic() - written
     reply = call("POST", f"{stack.base_url}/chat/completions", body, headers=auth(key))
     assert reply.status == 200, reply.body
