@@ -369,12 +369,13 @@ def test_the_request_path_is_one_exchange(ledger_stack: Stack) -> None:
     assert after[keys] - before.get(keys, 0) <= ledger_stack.settings.envoy.concurrency
 
 
-def tier_reloads(stack: Stack) -> float:
-    """The ledger's successful reloads of the tier table."""
-    with urllib.request.urlopen(stack.metrics["ledger"], timeout=5) as r:
+def tier_reloads(stack: Stack, service: str = "ledger", config: str = "tiers") -> float:
+    """A service's successful reloads of a config (the ledger's tier table by default;
+    extauthz reloads its tenants file and the tier table as one config, "tenants")."""
+    with urllib.request.urlopen(stack.metrics[service], timeout=5) as r:
         text = r.read().decode()
     found = re.search(
-        r'^llmgw_config_reloads_total\{config="tiers",result="ok"\} (\S+)$', text, re.M
+        rf'^llmgw_config_reloads_total\{{config="{config}",result="ok"\}} (\S+)$', text, re.M
     )
     return float(found.group(1)) if found else 0.0
 
@@ -397,6 +398,9 @@ def test_each_request_is_priced_by_the_table_in_force(ledger_stack: Stack) -> No
             f"prices: {{currency: USD, models: {{{MODEL}: {{input: 1.5, output: 4}}}}}}\n",
         )
         first = chat(ledger_stack, key, max_tokens=5)
+        # Recorded before the table changes: a record is priced when the ledger records it,
+        # and Envoy's access log reaches the ledger a flush later than the reply.
+        recorded(ledger_stack, {first.headers["x-request-id"]})
         priced(ledger_stack, "prices: {currency: EUR, default: {input: 10, output: 20}}\n")
         second = chat(ledger_stack, key, max_tokens=7)
     finally:
