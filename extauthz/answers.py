@@ -107,6 +107,18 @@ def picked(answer: Answer, pods: tuple[PodId, ...]) -> None:
     answer.metadata[wire.DESTINATION_ENDPOINT] = endpoints(pods)
 
 
+def stored(answer: Answer, response_id: str) -> None:
+    """The request's response stored under `response_id` (extauthz/responseids.py: base64url,
+    nothing to escape): members appended after the decision's "store": false, which the pod's
+    parser lets the last of win. A request no pod was chosen for keeps that false: a response
+    stored on a pod its ID does not name could never be found."""
+    suffix = answer.metadata.get(wire.META_BODY_SUFFIX)
+    if isinstance(suffix, str):
+        answer.metadata[wire.META_BODY_SUFFIX] = (
+            f'{suffix}, "request_id": "{response_id}", "store": true'
+        )
+
+
 def queued(answer: Answer, waited_s: float, soon: bool) -> None:
     """The wait in flow control's queue, to the client and the ledger (0: none); `soon`: the
     request's outcome wanted at once (Envoy's prompt router log)."""

@@ -37,9 +37,21 @@ class Body:
     prefix_text: str = ""  # the rendered prompt's leading part that the prefix blocks cover
     # The leading token IDs that the pods' KV blocks cover (where the model has a tokenizer).
     prefix_tokens: tuple[int, ...] = ()
-    # A Responses request's member that needs a stored response (`store`, `background`,
-    # `previous_response_id`): the gateway keeps none, so it is refused.
-    stateful: str | None = None
+    # What a Responses request asks of a store of responses, as vLLM reads it: `store` (None:
+    # not sent, which vLLM takes as true), `background`, and `previous_response_id` (a value
+    # that is no string is kept as its repr, which names no response).
+    store: bool | None = None
+    background: bool = False
+    previous: str | None = None
+
+    @property
+    def stateful(self) -> str | None:
+        """The first member that needs a stored response, for a gateway that keeps none."""
+        if self.store:
+            return "store"
+        if self.background:
+            return "background"
+        return None if self.previous is None else "previous_response_id"
 
     def for_tenant(
         self, cache_group: str, salt: str, settings: DecisionSettings, max_output: int
@@ -74,24 +86,23 @@ def read(raw: bytes, settings: DecisionSettings, path: str) -> Body:
     if not isinstance(request, dict):
         return Body("invalid")
     if path == wire.RESPONSES_PATH:
-        stateful = next((name for name in _STATEFUL if _stateful(name, request.get(name))), None)
-        return _summary(responses.as_chat(request), settings, stateful)
+        store, previous = request.get("store"), request.get("previous_response_id")
+        return _summary(
+            responses.as_chat(request),
+            settings,
+            None if store is None else facts.lax_bool(store),
+            facts.lax_bool(request.get("background")),
+            previous if isinstance(previous, str) or previous is None else repr(previous)[:300],
+        )
     return _summary(request, settings)
 
 
-# What a Responses request may ask of a store of responses.
-_STATEFUL = ("store", "background", "previous_response_id")
-
-
-def _stateful(name: str, value: object) -> bool:
-    """True where the member asks for a stored response as vLLM reads it (a lax bool)."""
-    if name == "previous_response_id":
-        return value is not None
-    return facts.lax_bool(value)
-
-
 def _summary(
-    request: dict[str, Any], settings: DecisionSettings, stateful: str | None = None
+    request: dict[str, Any],
+    settings: DecisionSettings,
+    store: bool | None = None,
+    background: bool = False,
+    previous: str | None = None,
 ) -> Body:
     name = request.get("model")
     model = name if isinstance(name, str) and _MODEL_NAME.fullmatch(name) else None
@@ -121,5 +132,7 @@ def _summary(
         facts=parsed,
         prefix_text=facts.render(request)[: settings.max_prefix_blocks * facts.BLOCK_CHARS],
         prefix_tokens=prompt.ids[: kv.max_blocks * kv.block_size] if prompt is not None else (),
-        stateful=stateful,
+        store=store,
+        background=background,
+        previous=previous,
     )

@@ -6,6 +6,7 @@ the replica's Snowflake sequence and a missing `x-request-id` is filled with a r
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import uuid
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 
 from extauthz.body import Body
 from extauthz.body import read as read_body
+from extauthz.responseids import ResponseIds
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
@@ -54,13 +56,16 @@ class Decider:
         sessions: Sessions,
         cache_secret: bytes = b"",
         contexts: ModelContexts | None = None,
+        response_ids: ResponseIds | None = None,
     ) -> None:
         """`contexts`: the fleet's (the router's datastore, or the fleet load its rate limiter
-        reads); None: only the operator's `max_model_len`."""
+        reads); None: only the operator's `max_model_len`. `response_ids`: the stored
+        responses' (by default keyed by `cache_secret`, the sessions' secret)."""
         self.settings = settings
         self.sessions = sessions
         self.cache_secret = cache_secret
         self.contexts = contexts
+        self.response_ids = response_ids or ResponseIds(cache_secret)
         self._salts: dict[str, str] = {}
 
     def cache_salt(self, group: str) -> str:
@@ -102,9 +107,15 @@ class Decider:
         read = self._body(headers, body, parsed, path, tenant.id)
         if isinstance(read, Deny):
             return read
+        stored = self._stored(read, path, tenant.id)
+        if isinstance(stored, Deny):
+            return stored
+        pinned, stores = stored
         request_facts = self._facts(read, path, tenant)
         if isinstance(request_facts, Deny):
             return request_facts
+        if pinned is not None and read.kind == "object":
+            request_facts = self._with_history(request_facts)
         session = self._session(headers, tenant.id, int(now * 1000))
         if isinstance(session, Deny):
             return session
@@ -129,6 +140,8 @@ class Decider:
                 read, path, tenant.cache_group, context.request_id, request_facts.max_output
             ),
             allowed_models=_allowed_models(read, path, tenant),
+            pinned=pinned,
+            stores=stores,
         )
 
     def _body(
@@ -162,16 +175,59 @@ class Decider:
             refused = _refuse_body(headers, read, tenant)
             if refused is not None:
                 return refused
-        if read.stateful is not None:
+        return read
+
+    def _stored(self, read: Body, path: str, tenant: str) -> tuple[str | None, bool] | Deny:
+        """For the Responses API's store: the pod that holds the response the request names
+        (its path's, or its `previous_response_id`), and whether the request's own response
+        is stored; or the refusal."""
+        named = wire.response_id(path)
+        if not self.settings.responses_store:
+            if named is not None:
+                return _not_found(named, tenant, "This gateway keeps no responses: ")
+            if read.stateful is not None:
+                return Deny(
+                    400,
+                    "unsupported_parameter",
+                    f"This gateway keeps no responses: {read.stateful!r} is not supported. "
+                    "Send the conversation's items in 'input' instead, with 'store' false or "
+                    "omitted.",
+                    param=read.stateful,
+                    tenant=tenant,
+                )
+            return None, False
+        if path != wire.RESPONSES_PATH:
+            pod = None if named is None else self.response_ids.pod(tenant, named)
+            return _not_found(named, tenant) if named is not None and pod is None else (pod, False)
+        if read.background:
+            # Its usage would never pass through the gateway: unmetered, unpriced.
             return Deny(
                 400,
                 "unsupported_parameter",
-                f"This gateway keeps no responses: {read.stateful!r} is not supported. Send "
-                "the conversation's items in 'input' instead, with 'store' false or omitted.",
-                param=read.stateful,
+                "This gateway does not run responses in the background: send the request "
+                "without 'background' (stream it to follow its progress).",
+                param="background",
                 tenant=tenant,
             )
-        return read
+        stores = read.store is not False  # vLLM stores unless told not to
+        if read.previous is None:
+            return None, stores
+        pod = self.response_ids.pod(tenant, read.previous)
+        if pod is None:
+            return _not_found(read.previous, tenant, param="previous_response_id")
+        return pod, stores
+
+    def _with_history(self, request_facts: RequestFacts) -> RequestFacts:
+        """A request that continues a stored response: the pod puts the stored conversation
+        before its input, which the gateway never sees, so the prompt is reserved as the most
+        the model's context leaves beside the output cap, and settled at what the pod reports.
+        The context unknown: only the input is reserved."""
+        context = self._context(request_facts.model)
+        if context is None:
+            return request_facts
+        prompt = max(request_facts.prompt_tokens, context - request_facts.max_output)
+        bound = max(prompt, request_facts.prompt_bound)
+        return dataclasses.replace(request_facts, prompt_tokens=prompt, prompt_bound=bound)
 
     def _facts(self, read: Body, path: str, tenant: TenantView) -> RequestFacts | Deny:
         """The request facts as the tenant may have them, or the refusal of its model."""
@@ -284,6 +340,18 @@ def key_entry(snapshot: Snapshot, headers: Mapping[str, str], now: float) -> Key
     if entry is None or entry.revoked or (entry.expires is not None and now >= entry.expires):
         return BAD_KEY
     return entry
+
+
+def _not_found(named: str, tenant: str, why: str = "", param: str = "response_id") -> Deny:
+    """vLLM's answer for a response it does not hold, for one this tenant may not read: another
+    tenant's ID, a changed or made-up one (the gateway answers, no pod is asked)."""
+    return Deny(
+        404,
+        "response_not_found",
+        f"{why}Response with id {named[:200]!r} not found.",
+        param=param,
+        tenant=tenant,
+    )
 
 
 def _refuse_body(headers: Mapping[str, str], read: Body, tenant: str) -> Deny | None:

@@ -48,6 +48,7 @@ from extauthz.answers import (
     picked,
     queue_refused,
     queued,
+    stored,
     too_many_bodies,
 )
 from extauthz.bodypool import BodyPool, PoolDown
@@ -219,6 +220,9 @@ class Director:
         the request's model."""
         router, limiter, flow = self.router, self.limiter, self.flow
         model = request.facts.model
+        if router is not None and request.allow.pinned is not None:
+            # A stored response's request can go nowhere else: no queue chooses its pod.
+            return await self.go(router, request)
         if router is not None and flow is not None and model is not None:
             return await self.flowed(flow, router, request, model)
         if router is None:
@@ -360,7 +364,11 @@ class Director:
         picks."""
         try:
             asked = from_context(request.context, request.facts)
-            pick = router.choose(asked, subset=free or None)
+            pinned = request.allow.pinned
+            if pinned is not None:
+                pick = router.pin(asked, pinned)
+            else:
+                pick = router.choose(asked, subset=free or None)
         except Exception:  # a router bug costs the pick (Envoy's fallback picks), never the request
             self._pick_failed(request)
             return
@@ -379,6 +387,8 @@ class Director:
             return
         request.pods = pick.pods
         picked(answer, pick.pods)
+        if request.allow.stores:
+            stored(answer, self.decider.response_ids.mint(request.context.tenant, pick.pods[0]))
 
     def give_back(self, router: Router, request: RequestContext) -> None:
         """The request does not go to the chosen pods (refused, or its check abandoned)."""

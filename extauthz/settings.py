@@ -87,6 +87,10 @@ class DecisionSettings(Strict):
     # every request gets vLLM's default 0 (first come, first served); a client's own value still
     # never reaches the scheduler.
     engine_priority: bool = True
+    # The Responses API's store (`store`, `previous_response_id`, GET /v1/responses/{id} and its
+    # cancel): on only where the pods keep responses (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1).
+    # Off, they are refused and every Responses request is sent with "store": false.
+    responses_store: bool = False
 
     @model_validator(mode="after")
     def _shares_fit(self) -> DecisionSettings:
@@ -241,5 +245,10 @@ class Settings(Strict):
         if self.ratelimit_config is not None and not self.holds_limiter:
             raise ValueError(
                 "ratelimit_config: no rate limiter in this topology: its settings do nothing"
+            )
+        if self.decision.responses_store and not self.holds_router:
+            raise ValueError(
+                "decision.responses_store: a stored response's requests go to the pod that holds "
+                "it, which only the router inside this process can send them to (topology gateway)"
             )
         return self

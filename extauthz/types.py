@@ -151,6 +151,11 @@ class Allow:
     # What Envoy's Lua does to the request and its answer (envoy/rewrite.lua), when it does:
     body_suffix: str | None = None  # JSON members appended to the body (wire.META_BODY_SUFFIX)
     allowed_models: str | None = None  # the /v1/models the tenant sees (wire.META_ALLOWED_MODELS)
+    # Stored responses (DecisionSettings.responses_store): the pod holding the response the
+    # request names, where it must go; and whether its own response is stored, under an ID
+    # that names the pod it goes to (chosen at the pick: extauthz/responseids.py).
+    pinned: str | None = None
+    stores: bool = False
 
     @property
     def tenant(self) -> str:  # as Deny's: whose decision, for the metrics and the span

@@ -171,7 +171,10 @@ def to_outcome(entry: accesslog_pb2.HTTPAccessLogEntry) -> Outcome | None:
 def outcome_of(entry: Entry) -> Outcome | None:
     """None for an entry with no request ID (nothing to key it by)."""
     authz = Typed(entry.authz)  # strings over HTTP
-    usage = entry.usage
+    path = entry.path.partition("?")[0]
+    # Only generation is charged: a stored response read again (GET) shows its usage too.
+    generation = path in wire.GENERATION_PATHS
+    usage = entry.usage if generation else {}
     # The limiter's answer: the rate-limit filter's, or ext_authz's with the limiter inside it.
     admission = entry.ratelimit or authz
     context = TenantContext.from_metadata(authz)
@@ -190,14 +193,11 @@ def outcome_of(entry: Entry) -> Outcome | None:
     prompt = _int(usage, wire.META_PROMPT_TOKENS)
     completion = _int(usage, wire.META_COMPLETION_TOKENS)
     streamed = _int(usage, wire.META_STREAMED_EVENTS) or 0
-    path = entry.path.partition("?")[0]
-    prompt_tokens, completion_tokens = charge(
-        outcome,
-        facts,
-        (prompt, completion),
-        streamed,
-        reserved,
-        (status, codes, entry.attempts, bool(pod)),
+    answer = (status, codes, entry.attempts, bool(pod))
+    prompt_tokens, completion_tokens = (
+        charge(outcome, facts, (prompt, completion), streamed, reserved, answer)
+        if generation
+        else (0, 0)
     )
     return Outcome(
         request_id=request_id,
@@ -207,7 +207,7 @@ def outcome_of(entry: Entry) -> Outcome | None:
         session=context.session,
         key_id=context.key_id,
         model=facts.model or "",
-        endpoint=path[:256],
+        endpoint=wire.endpoint(path),
         pod=pod,
         status=status,
         flags=",".join(codes),

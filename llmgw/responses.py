@@ -19,6 +19,10 @@ from typing import Any
 
 from llmgw.facts import lax_bool
 
+# vLLM keeps responses (its store: `store`, `previous_response_id`, GET /v1/responses/{id})
+# only where its server starts with this set to 1; the simulator reads it too.
+STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+
 _CALLS = ("function_call", "custom_tool_call")
 _OUTPUTS = ("function_call_output", "custom_tool_call_output")
 _NAMESPACE_SEPARATOR = "__"  # vLLM's tool_parsers/utils.py flat_namespace_tool_name

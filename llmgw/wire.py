@@ -83,6 +83,27 @@ EMBEDDINGS_PATH = "/v1/embeddings"  # vectors: no output tokens, so no output ca
 RESPONSES_PATH = "/v1/responses"
 GENERATION_PATHS = (CHAT_PATH, "/v1/completions", EMBEDDINGS_PATH, RESPONSES_PATH)
 MODELS_PATH = "/v1/models"
+# A stored response, where the operator keeps them: GET its ID, POST its ID + "/cancel".
+RESPONSE_PREFIX = RESPONSES_PATH + "/"
+CANCEL_SUFFIX = "/cancel"
+
+
+def response_id(path: str) -> str | None:
+    """The stored response a path names (its query removed); None: the path names none."""
+    if not path.startswith(RESPONSE_PREFIX):
+        return None
+    named = path[len(RESPONSE_PREFIX) :].removesuffix(CANCEL_SUFFIX)
+    return named if named and "/" not in named else None
+
+
+def endpoint(path: str) -> str:
+    """A path as the ledger records it: a stored response's ID as its route's parameter, so
+    that the endpoints stay a bounded set of names."""
+    if response_id(path) is None:
+        return path[:256]
+    suffix = CANCEL_SUFFIX if path.endswith(CANCEL_SUFFIX) else ""
+    return RESPONSE_PREFIX + "{id}" + suffix
+
 
 # Endpoint picking (Gateway API Inference Extension protocol): the router writes an ordered
 # "ip:port,ip:port" list under this namespace and key; Envoy's override_host policy reads it.

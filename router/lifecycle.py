@@ -89,6 +89,16 @@ class Lifecycle:
         self.fleet.acquire(result.pods[0], req.request_id)
         return result
 
+    def pin(self, req: PickRequest, pod: PodId) -> Pick | None:
+        """The pick of a request that only `pod` can serve (it holds the stored response the
+        request names), counted in flight there as a choice is; then `hold` or `give_back`.
+        None: the pod is not in the fleet (Envoy's fallback sends it to a pod that answers it
+        has no such response)."""
+        if pod not in self.fleet.snapshots:
+            return None
+        self.fleet.acquire(pod, req.request_id)
+        return Pick((pod,), "pinned")
+
     def hold(self, req: PickRequest, chosen: Pick) -> None:
         """The request goes to the chosen pod: the pick counts as answered, and the plugins
         learn it once a pod has served it (`ended`: with a request ID), else now."""

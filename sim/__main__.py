@@ -13,6 +13,7 @@ from typing import Any
 
 from llmgw import logs
 from llmgw.config import ConfigError, load, validate
+from llmgw.responses import STORE_ENV  # "1" or "true" here; vLLM reads an integer
 from llmgw.serve import run
 from sim.pod import SimPod
 from sim.profile import PROFILES
@@ -106,6 +107,7 @@ def settings_from(argv: list[str]) -> SimSettings:
     if args["api_key"] is None:
         args["api_key"] = os.environ.get(API_KEY_ENV) or None
     args["hash_seed"] = os.environ.get("PYTHONHASHSEED")
+    args["enable_responses_api_store"] = os.environ.get(STORE_ENV)
     flags: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
     return validate(SimSettings, base.model_dump() | flags, "flags")
 

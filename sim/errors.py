@@ -136,8 +136,9 @@ def request_invalid(errors: list[Any], param: str | None = None) -> ApiError:
     return ApiError(400, message, "Bad Request", param)
 
 
-def from_pydantic(exc: ValidationError) -> ApiError:
-    errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+def from_pydantic(exc: ValidationError, source: str = "body") -> ApiError:
+    """A model of the body (or of the "query" parameters) that failed, as FastAPI reports it."""
+    errors = [{**e, "loc": (source, *e["loc"])} for e in exc.errors(include_url=False)]
     return request_invalid(errors)
 
 

@@ -1,14 +1,19 @@
-"""The Responses API (`POST /v1/responses`) as vLLM 0.32 serves a plain text model: no harmony,
-no reasoning or tool parser, and no response store (`VLLM_ENABLE_RESPONSES_API_STORE` unset).
+"""The Responses API (`/v1/responses`) as vLLM 0.32 serves a plain text model: no harmony, no
+reasoning or tool parser; the response store off (vLLM's default) or on
+(`VLLM_ENABLE_RESPONSES_API_STORE=1`: sim/store.py).
 
 A request (entrypoints/openai/responses/protocol.py::ResponsesRequest) becomes the conversation
 vLLM renders it into (responses/utils.py::construct_input_messages: `instructions` a system
-message, then the input's items as chat messages), so it is counted, cached, scheduled and
-metered as a chat request is. The checks run in vLLM's order: the model's `mode="before"`
-validators (the last defined first), its fields, the model name, then serving.py's: `background`
-(400: there is no store to run it from), `previous_response_id` (404: no response is ever
-stored), the input items, `max_output_tokens` against the context, the prompt against the
-context, SamplingParams. `store: true`, the default, is accepted and nothing is kept.
+message; after a `previous_response_id`, that response's stored conversation less its system
+messages and each text of its output as an assistant message; then the input's items as chat
+messages), so it is counted, cached, scheduled and metered as a chat request is. The checks run
+in vLLM's order: the model's `mode="before"` validators (the last defined first), its fields, the
+model name, then serving.py's: `background` (400: with the store off there is nothing to run it
+from; with it on vLLM runs it as a task, which the simulator does not: the gateway never sends
+it), `previous_response_id` (404 unless stored: with the store off none ever is), the input
+items, `max_output_tokens` against the context, the prompt against the context, SamplingParams.
+`store: true`, the default, keeps the finished response when the store is on (the service does)
+and is ignored when it is off.
 
 The reply is the Response object with every field (`model_dump`), named by the body's
 `request_id`, else `resp_` and 16 hex digits (the X-Request-Id header plays no part); "incomplete"
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -43,6 +49,7 @@ from sim.protocol import (
     prompt_counter,
     room,
 )
+from sim.store import ResponseStore, Stored
 from sim.types import INT64_MAX, INT64_MIN, Job, SimSettings
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -99,6 +106,7 @@ class ResponsesRequest:
     prompt: Prompt
     job: Job
     max_output_tokens: int  # as vLLM reports it: the cap lowered to what fits beside the prompt
+    messages: list[dict[str, Any]]  # the rendered conversation: what the store keeps
 
     @property
     def stream(self) -> bool:
@@ -171,14 +179,36 @@ def _check_item(index: int, item: Any, given: list[Any]) -> None:
     raise request_invalid(errors, "body.input")
 
 
-def _messages(body: ResponsesBody) -> list[dict[str, Any]]:
-    """utils.py::construct_input_messages for a request without history."""
+def _messages(body: ResponsesBody, previous: Stored | None) -> list[dict[str, Any]]:
+    """utils.py::construct_input_messages: the instructions, the history, the input."""
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
+    if previous is not None:
+        messages += _history(previous)
     if isinstance(body.input, str):
         return [*messages, {"role": "user", "content": body.input}]
-    for item in body.input:
+    return messages + _items(body.input)
+
+
+def _history(previous: Stored) -> list[dict[str, Any]]:
+    """A stored response's conversation less its system messages (instructions do not carry
+    over), then each text part of its output messages as an assistant message."""
+    kept = [m for m in previous.messages if m.get("role") != "system"]
+    texts = [
+        part["text"]
+        for item in previous.response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    ]
+    return kept + [{"role": "assistant", "content": text} for text in texts]
+
+
+def _items(items: list[Any]) -> list[dict[str, Any]]:
+    """utils.py::construct_chat_messages_with_tool_call: an item joins only an assistant
+    message of the same input, never the history's."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
         message = _message(item, messages[-1] if messages else None)
         if message is not None:
             messages.append(message)
@@ -232,27 +262,19 @@ def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     return functions or None
 
 
-def parse(raw: Any, settings: SimSettings, header_priority: str | None) -> ResponsesRequest:
-    """Validate a Responses request into the engine's job, or raise ApiError."""
+def parse(
+    raw: Any, settings: SimSettings, header_priority: str | None, store: ResponseStore
+) -> ResponsesRequest:
+    """Validate a Responses request into the engine's job, its history read from `store`, or
+    raise ApiError."""
     body = _validated(raw)
     check_model(body.model, settings)
     if body.background:  # `store` is true here: a false one failed before the fields
-        raise ApiError(
-            400,
-            "This vLLM engine does not support `store=True` and therefore does not support the "
-            "background mode. To enable these features, set the environment variable "
-            "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
-            "invalid_request_error",
-            "background",
-        )
+        raise _no_background(settings.enable_responses_api_store)
+    previous = None
     if body.previous_response_id is not None:
-        raise ApiError(
-            404,
-            f"Response with id '{body.previous_response_id}' not found.",
-            "invalid_request_error",
-            "response_id",
-        )
-    messages = _messages(body)
+        previous = store.find(body.previous_response_id)
+    messages = _messages(body, previous)
     limit = settings.max_model_len
     check_cap(body.max_output_tokens, "max_output_tokens", limit)
     prompt = chat_prompt(messages, _chat_tools(body.tools), limit, prompt_counter(settings))
@@ -269,7 +291,44 @@ def parse(raw: Any, settings: SimSettings, header_priority: str | None) -> Respo
     rank = priority(body.priority, header_priority)
     cap = body.max_output_tokens
     work = job(settings, prompt, 0, cap, body.ignore_eos, rank, body.cache_salt or "")
-    return ResponsesRequest(body, prompt, work, room(settings, prompt, cap))
+    return ResponsesRequest(body, prompt, work, room(settings, prompt, cap), messages)
+
+
+def _no_background(store_on: bool) -> ApiError:
+    if store_on:  # the simulator's own refusal: vLLM would run the request as a task
+        message = (
+            "The simulator does not run background responses: send the request without "
+            "`background`."
+        )
+    else:  # vLLM's
+        message = (
+            "This vLLM engine does not support `store=True` and therefore does not support the "
+            "background mode. To enable these features, set the environment variable "
+            "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server."
+        )
+    return ApiError(400, message, "invalid_request_error", "background")
+
+
+class RetrieveQuery(BaseModel):
+    """GET /v1/responses/{id}'s query parameters (api_router.py::retrieve_responses)."""
+
+    starting_after: int | None = None
+    stream: bool | None = False
+
+
+def retrieve_query(pairs: Iterable[tuple[str, str]]) -> RetrieveQuery:
+    """The parameters (the last of a repeated one, as Starlette reads them), or FastAPI's 400."""
+    try:
+        return RetrieveQuery.model_validate(dict(pairs))
+    except ValidationError as exc:
+        raise from_pydantic(exc, "query") from None
+
+
+def cannot_cancel() -> ApiError:
+    """serving.py::cancel_responses: only a queued or running (background) response can be
+    cancelled; every one stored here ran in the foreground and finished."""
+    message = "Cannot cancel a synchronous response."
+    return ApiError(400, message, "invalid_request_error", "response_id")
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -351,7 +410,7 @@ class ResponseReply:
             "background": body.background,
             "max_output_tokens": self.request.max_output_tokens,
             "max_tool_calls": body.max_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "prompt": None,
             "reasoning": body.reasoning,
             "service_tier": body.service_tier,
@@ -415,9 +474,9 @@ class ResponseReply:
             output_index=0,
         )
 
-    def closing(self, seq: Sequence) -> bytes:
+    def closing(self, seq: Sequence) -> tuple[bytes, dict[str, Any]]:
         """The message's done events (if it was opened), then response.completed carrying the
-        usage, whatever the status."""
+        usage, whatever the status; and that final Response object."""
         events = b""
         output: list[dict[str, Any]] = []
         if self.opened:
@@ -428,7 +487,7 @@ class ResponseReply:
             events += self._event("response.output_item.done", output_index=0, item=item)
             output.append(item)
         final = self.response(_status(seq), output, usage(seq))
-        return events + self._event("response.completed", response=final)
+        return events + self._event("response.completed", response=final), final
 
 
 def _status(seq: Sequence) -> str:

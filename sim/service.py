@@ -18,8 +18,9 @@ from sim.engine import Engine, Sequence
 from sim.errors import ApiError, not_found_route, request_invalid
 from sim.faults import CLOSE_AFTER_CHUNKS, FaultState
 from sim.protocol import PRIORITY_HEADER, REQUEST_ID_HEADER, Kind, Request, dumps, parse
-from sim.responses import ResponseReply, ResponsesRequest
+from sim.responses import ResponseReply, ResponsesRequest, cannot_cancel, retrieve_query
 from sim.responses import parse as parse_responses
+from sim.store import ResponseStore, Stored
 from sim.types import SimSettings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,6 +61,7 @@ class Service:
         # vLLM makes a new one (and a new `created`) for every /v1/models call; fixed per pod
         # here, so that two reads of the card agree.
         self.permission_id = "modelperm-" + random_id()
+        self.store = ResponseStore.of(settings)
 
     def app(self) -> web.Application:
         # vLLM (uvicorn) sets no body size limit; aiohttp's default 1 MiB would answer a plain
@@ -74,6 +76,9 @@ class Service:
         app.router.add_post("/v1/chat/completions", self.completion_handler("chat"))
         app.router.add_post("/v1/completions", self.completion_handler("completion"))
         app.router.add_post("/v1/responses", self.responses)
+        # vLLM serves these with the store off too: nothing is found.
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
         app.router.add_get("/admin/gpu_seconds", self.gpu_seconds)
         app.router.add_get("/admin/faults", self.get_faults)
         app.router.add_put("/admin/faults", self.put_faults)
@@ -244,7 +249,8 @@ class Service:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await _json_body(request)
-            parsed = parse_responses(body, self.settings, request.headers.get(PRIORITY_HEADER))
+            header_priority = request.headers.get(PRIORITY_HEADER)
+            parsed = parse_responses(body, self.settings, header_priority, self.store)
         except ApiError as exc:
             return error_response(exc)
         reply = ResponseReply(parsed, self.settings.model)
@@ -253,9 +259,18 @@ class Service:
             return await self._stream_events(request, reply, parsed, fail)
         (seq,) = await self.engine.submit([parsed.job], reply.id)
         try:
-            return await self._whole(request, [seq], fail, lambda: reply.whole(seq))
+            return await self._whole(
+                request, [seq], fail, lambda: self._kept(parsed, reply.whole(seq))
+            )
         finally:
             self.engine.abort(seq)  # a no-op unless the client left early
+
+    def _kept(self, parsed: ResponsesRequest, response: dict[str, Any]) -> dict[str, Any]:
+        """A finished response, kept if its request asks (`store`, true by default): a no-op
+        with the store off. One that failed or was cut short never gets here, as in vLLM."""
+        if parsed.body.store:
+            self.store.put(Stored(response, parsed.messages))
+        return response
 
     async def _stream_events(
         self, request: web.Request, reply: ResponseReply, parsed: ResponsesRequest, fail: bool
@@ -287,13 +302,40 @@ class Service:
             if not seq.done:
                 _drop(request)  # shutting down: end the stream unfinished
                 return response
-            await response.write(reply.closing(seq))
+            events, final = reply.closing(seq)
+            self._kept(parsed, final)  # before response.completed goes out, as vLLM keeps it
+            await response.write(events)
             await response.write_eof()
         except ConnectionResetError:
             pass
         finally:
             self.engine.abort(seq)  # a no-op unless the client left early
         return response
+
+    async def retrieve_response(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/responses/{id}: the stored Response object, or vLLM's 404."""
+        try:
+            query = retrieve_query(request.query.items())
+            stored = self.store.find(request.match_info["response_id"])
+        except ApiError as exc:
+            return error_response(exc)
+        if not query.stream:
+            return json_response(stored.response)
+        # vLLM replays the events of a background response only; for one that ran in the
+        # foreground its generator raises ("Unknown response_id") once the 200 and the
+        # event-stream headers are out, and uvicorn closes the connection: the same here.
+        response = await _event_stream(request)
+        _drop(request)
+        return response
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{id}/cancel: vLLM's 404, else its 400 (nothing here runs in the
+        background, so no stored response is queued or in progress)."""
+        try:
+            self.store.find(request.match_info["response_id"])
+        except ApiError as exc:
+            return error_response(exc)
+        return error_response(cannot_cancel())
 
     async def gpu_seconds(self, request: web.Request) -> web.Response:
         """Each recent request's exact GPU time by its ID (the simulator's own: no vLLM route)."""

@@ -70,6 +70,11 @@ class SimSettings(Strict):
     prefix_caching_hash_algo: HashAlgo = "sha256"
     hash_seed: str | None = None
     kv_events_config: KvEventsConfig = KvEventsConfig()
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: finished Responses are kept for GET
+    # /v1/responses/{id} and `previous_response_id` (sim/store.py).
+    enable_responses_api_store: bool = False
+    # vLLM never evicts (its own FIXME calls it a leak); the simulator drops the oldest past this.
+    responses_api_store_max: int = Field(default=10_000, ge=1)
 
     def kv_hashing(self) -> KvHashing:
         """How this pod hashes a tokenized prompt's blocks: every full block of it."""

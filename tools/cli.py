@@ -45,6 +45,8 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
         update["vllm"] = {**settings.vllm.model_dump(), "args": vllm_args}
     if args.tokenizer:
         update["tokenizer"] = args.tokenizer
+    if args.responses_store:
+        update["responses_store"] = True
     if args.database_url:
         update["database_url"] = args.database_url
     if settings.postgres_dir is None:  # the local ledger outlives one run of the stack
@@ -177,6 +179,12 @@ def parser() -> argparse.ArgumentParser:
         "--tokenizer",
         type=Path,
         help="the served model's tokenizer.json: the pods and the gateway count prompts with it",
+    )
+    up.add_argument(
+        "--responses-store",
+        action="store_true",
+        help="keep the Responses API's responses on the pods (store, previous_response_id, "
+        "GET /v1/responses/ID); default: stateless",
     )
     up.add_argument(
         "--ready-file",

@@ -378,11 +378,16 @@ def render(
     # Exact methods: generation is POST only, the model list GET only; anything else is a 404.
     post = '[{name: ":method", string_match: {exact: POST}}]'
     get = '[{name: ":method", string_match: {exact: GET}}]'
+    response = wire.RESPONSE_PREFIX + "[^/]+"
+    cancel = response + wire.CANCEL_SUFFIX
     routes = [
         {"match": f'{{path: "{p}", headers: {post}}}', "body": True} for p in wire.GENERATION_PATHS
     ] + [
         {"match": f'{{path: "{wire.MODELS_PATH}", headers: {get}}}', "body": False},
         {"match": f'{{prefix: "{wire.MODELS_PATH}/", headers: {get}}}', "body": False},
+        # A stored response (extauthz refuses these where the gateway keeps none).
+        {"match": f'{{safe_regex: {{regex: "{response}"}}, headers: {get}}}', "body": False},
+        {"match": f'{{safe_regex: {{regex: "{cancel}"}}, headers: {post}}}', "body": False},
     ]
     return env.get_template(TEMPLATE).render(
         wire=wire,

@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, model_validator
 from extauthz.demo import seed_demo
 from llmgw.config import Strict, renamed, reveal
 from llmgw.kvblocks import KvHashing
+from llmgw.responses import STORE_ENV
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology, pop_deprecated
 from router.fleet import KvEndpoint, KvEventSettings
@@ -100,6 +101,9 @@ class StackSettings(Strict):
     ratelimit_reservation_ttl_s: float = Field(default=3600.0, gt=0)
     # extauthz hands each tenant's priority to the pods' scheduler (x-vllm-priority); off: all 0.
     engine_priority: bool = True
+    # The Responses API's store: the pods keep responses (VLLM_ENABLE_RESPONSES_API_STORE) and
+    # the gateway routes a stored response's requests to its pod (README, "Stored responses").
+    responses_store: bool = False
     # Mutual TLS between Envoy and the services (llmgw/tls.py), with certificates made for the
     # run in its state directory: only Envoy reports outcomes. Off only to measure what it costs.
     tls: bool = True
@@ -129,6 +133,8 @@ class StackSettings(Strict):
     def _sim_pods_beside_real_ones(self) -> StackSettings:
         if self.sim_pods and (self.engine != "vllm" or self.upstreams):
             raise ValueError("sim_pods: simulated pods beside real ones need engine vllm")
+        if self.responses_store and not self.topology.router_inside:
+            raise ValueError("responses_store: needs the router inside extauthz (topology gateway)")
         return self
 
     @model_validator(mode="before")
@@ -267,7 +273,7 @@ class Stack:
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
         # Seeded as real pods are (the simulator reads it as vLLM does).
         env = {**(self._pod_key_env() or os.environ), "PYTHONHASHSEED": HASH_SEED}
-        return self._process(f"pod-{index}", argv, ready, env)
+        return self._process(f"pod-{index}", argv, ready, env | self._store_env())
 
     def _sim_flags(self, index: int) -> list[str]:
         pod = self.pods[index]
@@ -303,8 +309,13 @@ class Stack:
         events = self.kv_events[index] if self.kv_events else None
         argv = pod_argv(self.settings.vllm, model, pod.host, pod.port, events)
         env = pod_env(self.settings.vllm, index, self._pod_key_env() or os.environ)
+        env |= self._store_env()
         ready = http_ok(f"http://{pod.host}:{pod.port}/health")
         return self._process(f"pod-{index}", argv, ready, env, self.settings.vllm.start_timeout)
+
+    def _store_env(self) -> dict[str, str]:
+        """vLLM's switch for its store of responses (the simulator reads it too)."""
+        return {STORE_ENV: "1"} if self.settings.responses_store else {}
 
     def _pod_key_env(self) -> dict[str, str] | None:
         """The environment with the pods' key (not in argv: `ps` shows that), or None."""
@@ -320,6 +331,7 @@ class Stack:
                 "SESSIONS__SECRET": secrets.token_hex(32),
                 "DECISION__MAX_BODY_BYTES": str(self.settings.envoy.max_request_bytes),
                 "DECISION__ENGINE_PRIORITY": str(self.settings.engine_priority).lower(),
+                "DECISION__RESPONSES_STORE": str(self.settings.responses_store).lower(),
             },
             "ratelimit": {
                 "REDIS__HOST": "127.0.0.1",

@@ -710,3 +710,106 @@ def test_a_responses_request_that_needs_a_stored_response_is_refused(
     # Stateless requests, the SDK's default (`store` omitted) or false, are served.
     for stateless in ({}, {"store": False, "background": False, "previous_response_id": None}):
         allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(**stateless), NOW_S))
+
+
+def store_decider() -> Decider:
+    return make_decider(
+        max_body_bytes=10_000, responses_store=True, max_model_len={"llama-3-8b": 8192}
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "stores"), [({}, True), ({"store": True}, True), ({"store": False}, False)]
+)
+def test_with_the_store_on_a_response_is_stored_unless_told_not_to(
+    snap: Snapshot, keys: Keys, fields: dict[str, object], stores: bool
+) -> None:
+    """vLLM's default, `store` true, kept; until a pod is chosen (its ID names the pod) the
+    body still says "store": false, so that a request no pod was chosen for stores nothing."""
+    d = allowed(
+        store_decider().decide(snap, bearer(keys.acme, **RESPONSES), responses(**fields), NOW_S)
+    )
+    assert d.stores is stores and d.pinned is None
+    assert d.body_suffix is not None and d.body_suffix.endswith('"store": false')
+
+
+def test_with_the_store_on_background_stays_refused(snap: Snapshot, keys: Keys) -> None:
+    """A background response's usage never passes through the gateway: it would run unmetered."""
+    decision = store_decider().decide(
+        snap, bearer(keys.acme, **RESPONSES), responses(background=True), NOW_S
+    )
+    assert denied(decision, 400, "unsupported_parameter").param == "background"
+
+
+def test_a_follow_up_goes_to_the_pod_of_its_previous_response_reserved_at_the_context(
+    snap: Snapshot, keys: Keys
+) -> None:
+    decider = store_decider()
+    previous = decider.response_ids.mint("acme", "127.0.0.1:9001")
+    alone = allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(), NOW_S))
+    d = allowed(
+        decider.decide(
+            snap, bearer(keys.acme, **RESPONSES), responses(previous_response_id=previous), NOW_S
+        )
+    )
+    assert d.pinned == "127.0.0.1:9001" and d.stores
+    # The pod prepends the stored conversation, unseen here: the most the context allows.
+    assert d.facts.max_output == alone.facts.max_output
+    assert d.facts.prompt_tokens == 8192 - d.facts.max_output > alone.facts.prompt_tokens
+    assert d.facts.token_estimate == 8192 and d.facts.prompt_ceiling == 8192 - d.facts.max_output
+
+
+@pytest.mark.parametrize("who", ["another tenant's", "forged", "not a string"])
+def test_a_previous_response_this_tenant_was_not_given_is_not_found(
+    snap: Snapshot, keys: Keys, who: str
+) -> None:
+    decider = store_decider()
+    theirs = decider.response_ids.mint(tenants_of(snap, keys.globex), "127.0.0.1:9001")
+    named: object = {
+        "another tenant's": theirs,
+        "forged": decider.response_ids.mint("acme", "127.0.0.1:9001")[:-2] + "AA",
+        "not a string": 12,
+    }[who]
+    decision = decider.decide(
+        snap, bearer(keys.acme, **RESPONSES), responses(previous_response_id=named), NOW_S
+    )
+    refused = denied(decision, 404, "response_not_found")
+    assert refused.param == "previous_response_id"
+
+
+def tenants_of(snap: Snapshot, key: str) -> str:
+    return allowed(make_decider().decide(snap, bearer(key, **RESPONSES), responses(), NOW_S)).tenant
+
+
+@pytest.mark.parametrize(("method", "tail"), [("GET", ""), ("POST", "/cancel")])
+def test_a_stored_response_is_read_or_cancelled_only_by_its_tenant_at_its_pod(
+    snap: Snapshot, keys: Keys, method: str, tail: str
+) -> None:
+    decider = store_decider()
+    rid = decider.response_ids.mint("acme", "127.0.0.1:9001")
+    path = {":path": f"{wire.RESPONSES_PATH}/{rid}{tail}", ":method": method}
+    d = allowed(decider.decide(snap, bearer(keys.acme, **path), b"", NOW_S))
+    assert d.pinned == "127.0.0.1:9001" and not d.stores and d.facts.token_estimate == 0
+    refused = denied(
+        decider.decide(snap, bearer(keys.globex, **path), b"", NOW_S), 404, "response_not_found"
+    )
+    assert refused.param == "response_id" and rid[:20] in refused.message
+    # The store off: the gateway says it keeps none.
+    off = denied(
+        make_decider().decide(snap, bearer(keys.acme, **path), b"", NOW_S),
+        404,
+        "response_not_found",
+    )
+    assert "keeps no responses" in off.message
+    # A stranger's answer is the key's, before anything about the ID.
+    denied(decider.decide(snap, bearer("sk-nope", **path), b"", NOW_S), 401, "invalid_api_key")
+
+
+def test_the_paths_of_stored_responses() -> None:
+    assert wire.response_id("/v1/responses/resp_a") == "resp_a"
+    assert wire.response_id("/v1/responses/resp_a/cancel") == "resp_a"
+    for path in ("/v1/responses", "/v1/responses/", "/v1/responses/a/b", "/v1/responses//cancel"):
+        assert wire.response_id(path) is None
+    assert wire.endpoint("/v1/responses/resp_a") == "/v1/responses/{id}"
+    assert wire.endpoint("/v1/responses/resp_a/cancel") == "/v1/responses/{id}/cancel"
+    assert wire.endpoint(wire.CHAT_PATH) == wire.CHAT_PATH

@@ -252,3 +252,21 @@ def test_flow_controls_refusal_had_a_reservation_the_limiters_had_none(
     o = to_outcome(entry(429, pod=None, admission=checked, flags=("unauthorized",), authz=waited))
     assert o is not None and o.by_gateway and o.queue_ms == queue_ms
     assert o.reserved is reserved
+
+
+def test_a_stored_response_read_again_is_not_charged_and_its_endpoint_is_the_route() -> None:
+    """GET /v1/responses/{id} shows the stored response's usage: it was charged when generated.
+    Its ID is the route's parameter in the ledger (a bounded set of endpoints)."""
+    for tail in ("", "/cancel"):
+        read = entry(
+            200,
+            usage=USED,
+            path=f"/v1/responses/resp_abc{tail}?x=1",
+            authz={wire.META_TOKEN_ESTIMATE: "0"},
+        )
+        outcome = to_outcome(read)
+        assert outcome is not None and outcome.outcome == "ok"
+        assert (outcome.prompt_tokens, outcome.completion_tokens) == (0, 0)
+        assert outcome.endpoint == "/v1/responses/{id}" + tail
+    generated = to_outcome(entry(200, usage=USED, path=wire.RESPONSES_PATH))
+    assert generated is not None and generated.prompt_tokens == 31

@@ -12,7 +12,9 @@ import openai
 import pytest
 
 from sim import SimPod, SimSettings
+from sim.__main__ import STORE_ENV, settings_from
 from sim.responses import parse
+from sim.store import ResponseStore
 from sim.tokens import CHARS_PER_TOKEN, natural_length, render_chat
 from tests.sim.conftest import MakePod, drained
 
@@ -205,9 +207,10 @@ async def test_the_body_request_id_names_the_response_and_the_header_priority_co
     reply = await respond(http, pod, body, headers={"X-Request-Id": "from-envoy"})
     assert re.fullmatch(r"resp_[0-9a-f]{16}", reply["id"])
     settings = SimSettings()
-    assert parse({"input": "x", "priority": 3}, settings, None).job.priority == 3
-    assert parse({"input": "x", "priority": 3}, settings, "-2").job.priority == -2
-    assert parse({"input": "x", "priority": 3}, settings, "high").job.priority == 3
+    store = ResponseStore.of(settings)
+    assert parse({"input": "x", "priority": 3}, settings, None, store).job.priority == 3
+    assert parse({"input": "x", "priority": 3}, settings, "-2", store).job.priority == -2
+    assert parse({"input": "x", "priority": 3}, settings, "high", store).job.priority == 3
 
 
 async def test_the_openai_sdk_reads_both_replies(pod: SimPod) -> None:
@@ -330,3 +333,197 @@ async def test_store_is_accepted_and_extra_fields_ignored(
     reply = await respond(http, pod, body | extra | {"metadata": {"k": "v"}})
     assert reply["usage"]["output_tokens"] == 3 == pod.stats.generation_tokens
     assert reply["metadata"] == {"k": "v"} and "store" not in reply
+
+
+# The response store (VLLM_ENABLE_RESPONSES_API_STORE=1).
+
+
+async def stored_pod(make_pod: MakePod, **fields: Any) -> SimPod:
+    return await make_pod(enable_responses_api_store=True, **fields)
+
+
+async def retrieve(
+    http: aiohttp.ClientSession, pod: SimPod, response_id: str, status: int = 200, query: str = ""
+) -> Any:
+    async with http.get(f"{pod.url}{RESPONSES}/{response_id}{query}") as resp:
+        assert resp.status == status, await resp.text()
+        assert resp.headers["Content-Type"] == "application/json"
+        return await resp.json()
+
+
+async def cancel(http: aiohttp.ClientSession, pod: SimPod, response_id: str, status: int) -> Any:
+    async with http.post(f"{pod.url}{RESPONSES}/{response_id}/cancel") as resp:
+        assert resp.status == status, await resp.text()
+        return await resp.json()
+
+
+def not_found(response_id: str) -> dict[str, Any]:
+    """serving.py::_make_not_found_error's body."""
+    message = f"Response with id '{response_id}' not found."
+    error = {"message": message, "type": "invalid_request_error", "param": "response_id"}
+    return {"error": error | {"code": 404}}
+
+
+def output_text(reply: dict[str, Any]) -> str:
+    (message,) = reply["output"]
+    return "".join(part["text"] for part in message["content"])
+
+
+async def prompt_tokens(
+    http: aiohttp.ClientSession, pod: SimPod, messages: list[tuple[str, str]]
+) -> int:
+    """The prompt the same conversation makes as a chat request."""
+    body = {"messages": [{"role": r, "content": c} for r, c in messages], "max_tokens": 1}
+    async with http.post(pod.url + "/v1/chat/completions", json=body) as resp:
+        return int((await resp.json())["usage"]["prompt_tokens"])
+
+
+async def test_the_store_env_var_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(STORE_ENV, raising=False)
+    assert not settings_from([]).enable_responses_api_store
+    for value, on in (("1", True), ("true", True), ("0", False)):
+        monkeypatch.setenv(STORE_ENV, value)
+        assert settings_from([]).enable_responses_api_store is on
+
+
+async def test_a_stored_response_is_retrieved_as_it_was_sent(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await stored_pod(make_pod)
+    body = {"input": "hi", "max_output_tokens": 4, "metadata": {"k": "v"}}
+    reply = await respond(http, pod, body)
+    assert reply["previous_response_id"] is None and "store" not in reply  # no such field
+    assert await retrieve(http, pod, reply["id"]) == reply
+    async with openai.AsyncOpenAI(base_url=pod.url + "/v1", api_key="x", max_retries=0) as sdk:
+        read = await sdk.responses.retrieve(reply["id"])
+    assert read.id == reply["id"] and read.output_text == output_text(reply)
+    named = await respond(http, pod, body | {"request_id": "mine"})
+    assert await retrieve(http, pod, "mine") == named
+
+
+async def test_a_streamed_response_is_stored_as_its_completed_event_carries_it(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await stored_pod(make_pod)
+    events = await stream(http, pod, {"input": "hi", "max_output_tokens": 5, "ignore_eos": True})
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["status"] == "incomplete"
+    assert await retrieve(http, pod, final["id"]) == final
+
+
+async def test_previous_response_id_prepends_the_conversation(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's construct_input_messages: the new instructions, the stored conversation less its
+    system messages, the stored output as assistant messages, the new input; each turn's prompt
+    is counted, scheduled and metered whole."""
+    pod = await stored_pod(make_pod)
+    q1, q2, q3 = "Q1 " * 40, "Q2 " * 30, "Q3 " * 20
+    first = await respond(http, pod, {"instructions": "old rules", "input": q1,
+                                      "max_output_tokens": 6, "ignore_eos": True})  # fmt: skip
+    second = await respond(http, pod, {"input": q2, "previous_response_id": first["id"],
+                                       "max_output_tokens": 6, "ignore_eos": True})  # fmt: skip
+    assert second["previous_response_id"] == first["id"] and second["instructions"] is None
+    a1, a2 = output_text(first), output_text(second)
+    history = [("user", q1), ("assistant", a1), ("user", q2)]
+    assert second["usage"]["input_tokens"] == await prompt_tokens(http, pod, history)
+    alone = await prompt_tokens(http, pod, [("user", q2)])
+    assert second["usage"]["input_tokens"] > alone + len(q1 + a1) // CHARS_PER_TOKEN
+    # A chain: the second turn's stored conversation already holds the first.
+    metered = pod.stats.prompt_tokens
+    third = await respond(http, pod, {"instructions": "new rules", "input": q3,
+                                      "previous_response_id": second["id"],
+                                      "max_output_tokens": 2})  # fmt: skip
+    chain = [("system", "new rules"), *history, ("assistant", a2), ("user", q3)]
+    assert third["usage"]["input_tokens"] == await prompt_tokens(http, pod, chain)
+    assert pod.stats.prompt_tokens - metered == 2 * third["usage"]["input_tokens"]
+
+
+async def test_unknown_and_unstored_responses_are_vllms_404(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await stored_pod(make_pod)
+    body = {"input": "hi", "previous_response_id": "resp_nope"}
+    assert await respond(http, pod, body, 404) == not_found("resp_nope")
+    assert await retrieve(http, pod, "resp_nope", 404) == not_found("resp_nope")
+    unkept = await respond(http, pod, {"input": "hi", "max_output_tokens": 2, "store": False})
+    assert await retrieve(http, pod, unkept["id"], 404) == not_found(unkept["id"])
+    body["previous_response_id"] = unkept["id"]
+    assert await respond(http, pod, body, 404) == not_found(unkept["id"])
+
+
+async def test_a_response_that_failed_is_not_kept(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await stored_pod(make_pod)
+    async with http.put(pod.url + "/admin/faults", json={"error_mid_stream": 1}) as resp:
+        assert resp.status == 200
+    body = {"input": "hi", "max_output_tokens": 2, "request_id": "failed"}
+    await respond(http, pod, body, 500)
+    assert await retrieve(http, pod, "failed", 404) == not_found("failed")
+
+
+async def test_cancel_answers_404_or_that_a_synchronous_response_cannot_be(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await stored_pod(make_pod)
+    assert await cancel(http, pod, "resp_nope", 404) == not_found("resp_nope")
+    reply = await respond(http, pod, {"input": "hi", "max_output_tokens": 2})
+    error = {"message": "Cannot cancel a synchronous response.",
+             "type": "invalid_request_error", "param": "response_id", "code": 400}  # fmt: skip
+    assert await cancel(http, pod, reply["id"], 400) == {"error": error}
+    assert await retrieve(http, pod, reply["id"]) == reply  # unchanged
+
+
+async def test_retrieving_a_foreground_response_as_a_stream_cuts_it(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    """vLLM has no events of a response that ran in the foreground: the 200 goes out, then the
+    connection closes. Its query parameters are validated first, as FastAPI does."""
+    pod = await stored_pod(make_pod)
+    reply = await respond(http, pod, {"input": "hi", "max_output_tokens": 2})
+    url = f"{pod.url}{RESPONSES}/{reply['id']}"
+    async with http.get(url, params={"stream": "true", "starting_after": "0"}) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    error = (await retrieve(http, pod, reply["id"], 400, "?stream=maybe"))["error"]
+    assert (error["type"], error["param"]) == ("Bad Request", "query.stream")
+    assert error["message"].startswith("1 validation error:")
+    assert await retrieve(http, pod, reply["id"], query="?stream=false&starting_after=3") == reply
+
+
+async def test_background_stays_refused_with_the_store_on(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    pod = await stored_pod(make_pod)
+    error = (await respond(http, pod, {"input": "hi", "background": True}, 400))["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "background")
+    assert error["message"].startswith("The simulator does not run background responses")
+    assert pod.stats.prompt_tokens == 0
+
+
+async def test_with_the_store_off_nothing_is_found(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    """vLLM serves the routes with the store off; `store: true` is ignored, so every id is
+    unknown."""
+    reply = await respond(http, pod, {"input": "hi", "max_output_tokens": 2, "store": True})
+    assert await retrieve(http, pod, reply["id"], 404) == not_found(reply["id"])
+    assert await cancel(http, pod, reply["id"], 404) == not_found(reply["id"])
+    body = {"input": "hi", "previous_response_id": reply["id"]}
+    assert await respond(http, pod, body, 404) == not_found(reply["id"])
+
+
+async def test_the_store_drops_its_oldest_response_past_its_bound(
+    make_pod: MakePod, http: aiohttp.ClientSession
+) -> None:
+    """A difference from vLLM, which keeps every response until it stops."""
+    pod = await stored_pod(make_pod, responses_api_store_max=2)
+    ids = [
+        (await respond(http, pod, {"input": "hi", "max_output_tokens": 1}))["id"] for _ in range(3)
+    ]
+    assert await retrieve(http, pod, ids[0], 404) == not_found(ids[0])
+    for kept in ids[1:]:
+        assert (await retrieve(http, pod, kept))["id"] == kept
