@@ -15,6 +15,7 @@ from extauthz.director import Director
 from extauthz.fairness import Sharing
 from extauthz.flow import FlowControl
 from extauthz.httpserver import HttpCheckServer
+from extauthz.responseids import ResponseIds
 from extauthz.service import register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
@@ -43,6 +44,14 @@ def build_sessions(settings: Settings) -> Sessions:
     return Sessions(codec, s.worker_id)
 
 
+def response_ids(settings: Settings) -> ResponseIds:
+    """The stored responses' IDs, keyed by the session secret (their own derived keys): the
+    previous secret's IDs still read during a rotation."""
+    s = settings.sessions
+    previous = s.previous_secret.get_secret_value().encode() if s.previous_secret else None
+    return ResponseIds(s.secret.get_secret_value().encode(), previous)
+
+
 def cache_secret(settings: Settings) -> bytes:
     """The key of the tenants' cache salts: the session secret (salts are HMACs with their own
     label, so neither reveals the other); rotating it costs each group one cold cache."""
@@ -64,7 +73,13 @@ async def main(settings: Settings) -> None:
     # The fleet's contexts bound the output cap: the router's own where it is held, else those
     # the router apart publishes, as the limiter reads them (every topology holds one of the two).
     contexts = router.fleet.contexts if router is not None else limiter.fleet if limiter else None
-    decider = Decider(settings.decision, build_sessions(settings), cache_secret(settings), contexts)
+    decider = Decider(
+        settings.decision,
+        build_sessions(settings),
+        cache_secret(settings),
+        contexts,
+        response_ids(settings),
+    )
     bodies = BodyPool(decider, settings.decision.pool_from_bytes)
     await bodies.start()
     flow = None

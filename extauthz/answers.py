@@ -112,11 +112,10 @@ def stored(answer: Answer, response_id: str) -> None:
     nothing to escape): members appended after the decision's "store": false, which the pod's
     parser lets the last of win. A request no pod was chosen for keeps that false: a response
     stored on a pod its ID does not name could never be found."""
-    suffix = answer.metadata.get(wire.META_BODY_SUFFIX)
-    if isinstance(suffix, str):
-        answer.metadata[wire.META_BODY_SUFFIX] = (
-            f'{suffix}, "request_id": "{response_id}", "store": true'
-        )
+    suffix = answer.metadata[wire.META_BODY_SUFFIX]  # a stored response's body is an object
+    answer.metadata[wire.META_BODY_SUFFIX] = (
+        f'{suffix}, "request_id": "{response_id}", "store": true'
+    )
 
 
 def queued(answer: Answer, waited_s: float, soon: bool) -> None:

@@ -11,10 +11,11 @@ import hmac
 import json
 import uuid
 from collections.abc import Mapping
+from urllib.parse import parse_qs
 
 from extauthz.body import Body
 from extauthz.body import read as read_body
-from extauthz.responseids import ResponseIds
+from extauthz.responseids import Kept, ResponseIds
 from extauthz.sessions import Sessions
 from extauthz.settings import DecisionSettings
 from extauthz.tenants import digest
@@ -107,15 +108,14 @@ class Decider:
         read = self._body(headers, body, parsed, path, tenant.id)
         if isinstance(read, Deny):
             return read
-        stored = self._stored(read, path, tenant.id)
-        if isinstance(stored, Deny):
-            return stored
-        pinned, stores = stored
+        storage = self._storage(read, headers.get(":path", ""), tenant.id)
+        if isinstance(storage, Deny):
+            return storage
         request_facts = self._facts(read, path, tenant)
         if isinstance(request_facts, Deny):
             return request_facts
-        if pinned is not None and read.kind == "object":
-            request_facts = self._with_history(request_facts)
+        if storage.continues is not None and read.kind == "object":
+            request_facts = self._with_history(request_facts, storage.continues)
         session = self._session(headers, tenant.id, int(now * 1000))
         if isinstance(session, Deny):
             return session
@@ -129,7 +129,7 @@ class Decider:
             rpm=tenant.limits.rpm,
             tpm=tenant.limits.tpm,
         )
-        set_headers = self._headers(tenant, context, request_facts)
+        set_headers = self._headers(tenant, context, request_facts, storage.stores)
         return Allow(
             context,
             request_facts,
@@ -140,8 +140,8 @@ class Decider:
                 read, path, tenant.cache_group, context.request_id, request_facts.max_output
             ),
             allowed_models=_allowed_models(read, path, tenant),
-            pinned=pinned,
-            stores=stores,
+            pinned=None if storage.continues is None else storage.continues.pod,
+            stores=storage.stores,
         )
 
     def _body(
@@ -177,10 +177,11 @@ class Decider:
                 return refused
         return read
 
-    def _stored(self, read: Body, path: str, tenant: str) -> tuple[str | None, bool] | Deny:
-        """For the Responses API's store: the pod that holds the response the request names
-        (its path's, or its `previous_response_id`), and whether the request's own response
-        is stored; or the refusal."""
+    def _storage(self, read: Body, target: str, tenant: str) -> Storage | Deny:
+        """What the request asks of the store of responses (`target`: its path and query): the
+        stored response it reads, cancels or continues (its path's, or its
+        `previous_response_id`), and whether its own response is stored; or the refusal."""
+        path, _, query = target.partition("?")
         named = wire.response_id(path)
         if not self.settings.responses_store:
             if named is not None:
@@ -195,10 +196,24 @@ class Decider:
                     param=read.stateful,
                     tenant=tenant,
                 )
-            return None, False
+            return _STATELESS
+        if named is not None:
+            replayed = next((p for p in _REPLAYS if p in parse_qs(query)), None)
+            if replayed is not None:
+                # vLLM replays only background responses' events: for any other it fails once
+                # its 200 is sent (a broken stream), and the gateway runs none in the background.
+                return Deny(
+                    400,
+                    "unsupported_parameter",
+                    f"{replayed!r}: this gateway runs no responses in the background, so none "
+                    "can be streamed again. Read it whole.",
+                    param=replayed,
+                    tenant=tenant,
+                )
+            kept = self.response_ids.kept(tenant, named)
+            return _not_found(named, tenant) if kept is None else Storage(kept, False)
         if path != wire.RESPONSES_PATH:
-            pod = None if named is None else self.response_ids.pod(tenant, named)
-            return _not_found(named, tenant) if named is not None and pod is None else (pod, False)
+            return _STATELESS
         if read.background:
             # Its usage would never pass through the gateway: unmetered, unpriced.
             return Deny(
@@ -211,23 +226,23 @@ class Decider:
             )
         stores = read.store is not False  # vLLM stores unless told not to
         if read.previous is None:
-            return None, stores
-        pod = self.response_ids.pod(tenant, read.previous)
-        if pod is None:
+            return Storage(None, stores)
+        kept = self.response_ids.kept(tenant, read.previous)
+        if kept is None:
             return _not_found(read.previous, tenant, param="previous_response_id")
-        return pod, stores
+        return Storage(kept, stores)
 
-    def _with_history(self, request_facts: RequestFacts) -> RequestFacts:
+    def _with_history(self, request_facts: RequestFacts, kept: Kept) -> RequestFacts:
         """A request that continues a stored response: the pod puts the stored conversation
-        before its input, which the gateway never sees, so the prompt is reserved as the most
-        the model's context leaves beside the output cap, and settled at what the pod reports.
-        The context unknown: only the input is reserved."""
+        before its input, which the gateway never sees; reserved as the most it can be (what
+        its ID says, within what the model's context leaves beside the input and the cap), and
+        settled at what the pod reports."""
+        history = kept.tokens
         context = self._context(request_facts.model)
-        if context is None:
-            return request_facts
-        prompt = max(request_facts.prompt_tokens, context - request_facts.max_output)
-        bound = max(prompt, request_facts.prompt_bound)
-        return dataclasses.replace(request_facts, prompt_tokens=prompt, prompt_bound=bound)
+        if context is not None:
+            room = context - request_facts.prompt_tokens - request_facts.max_output
+            history = max(0, min(history, room))
+        return dataclasses.replace(request_facts, history=history)
 
     def _facts(self, read: Body, path: str, tenant: TenantView) -> RequestFacts | Deny:
         """The request facts as the tenant may have them, or the refusal of its model."""
@@ -278,9 +293,13 @@ class Decider:
         )
 
     def _headers(
-        self, tenant: TenantView, context: TenantContext, request_facts: RequestFacts
+        self,
+        tenant: TenantView,
+        context: TenantContext,
+        request_facts: RequestFacts,
+        stores: bool = False,
     ) -> tuple[tuple[str, str], ...]:
-        """The headers set on the request to the pod."""
+        """The headers set on the request to the pod (`stores`: its response is stored)."""
         set_headers = (
             *tenant.headers,
             # Replaces a client's header; overrides the body's `priority` in vLLM.
@@ -291,6 +310,10 @@ class Decider:
         )
         if request_facts.model is not None:
             set_headers = (*set_headers, (wire.HEADER_MODEL, request_facts.model))
+        if stores:
+            # Its ID names the pod chosen for it: Envoy retrying it on another pod would store
+            # it where its ID does not lead. The client gets the pod's answer, and may send again.
+            set_headers = (*set_headers, (wire.HEADER_MAX_RETRIES, "0"))
         return set_headers
 
     def _suffix(
@@ -340,6 +363,19 @@ def key_entry(snapshot: Snapshot, headers: Mapping[str, str], now: float) -> Key
     if entry is None or entry.revoked or (entry.expires is not None and now >= entry.expires):
         return BAD_KEY
     return entry
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Storage:
+    """What a request asks of the store of responses."""
+
+    continues: Kept | None  # the stored response it reads, cancels or continues
+    stores: bool  # its own response is stored (under an ID chosen at the pick)
+
+
+_STATELESS = Storage(None, False)
+# GET /v1/responses/{id}'s parameters that replay a background response's events.
+_REPLAYS = ("stream", "starting_after")
 
 
 def _not_found(named: str, tenant: str, why: str = "", param: str = "response_id") -> Deny:

@@ -57,6 +57,7 @@ from extauthz.context import RequestContext, Timings
 from extauthz.decision import Decider, key_entry, request_path
 from extauthz.flow import FlowControl, Refused
 from extauthz.queue import Waiter
+from extauthz.responseids import Kept
 from extauthz.store import TenantsStore
 from extauthz.types import Allow, Decision, Deny
 from extauthz.waits import Waits
@@ -220,9 +221,6 @@ class Director:
         the request's model."""
         router, limiter, flow = self.router, self.limiter, self.flow
         model = request.facts.model
-        if router is not None and request.allow.pinned is not None:
-            # A stored response's request can go nowhere else: no queue chooses its pod.
-            return await self.go(router, request)
         if router is not None and flow is not None and model is not None:
             return await self.flowed(flow, router, request, model)
         if router is None:
@@ -388,7 +386,12 @@ class Director:
         request.pods = pick.pods
         picked(answer, pick.pods)
         if request.allow.stores:
-            stored(answer, self.decider.response_ids.mint(request.context.tenant, pick.pods[0]))
+            facts = request.facts
+            # The conversation the pod keeps under this ID: at most what it was given and may
+            # generate (a follow-up bounds its own history by it).
+            tokens = facts.history + facts.prompt_ceiling + facts.max_output * facts.n
+            kept = Kept(pick.pods[0], tokens)
+            stored(answer, self.decider.response_ids.mint(request.context.tenant, kept))
 
     def give_back(self, router: Router, request: RequestContext) -> None:
         """The request does not go to the chosen pods (refused, or its check abandoned)."""

@@ -186,10 +186,11 @@ def outcome_of(entry: Entry) -> Outcome | None:
     outcome = kind_of(status, codes, pod, usage.get(wire.META_STREAM_FAILED) is True)
     estimate = str(authz.get(wire.META_TOKEN_ESTIMATE, ""))
     reserved = int(estimate) if estimate.isdigit() else 0
-    # A hard budget lowered the output cap the pod got: the reservation (what a request that
-    # never reported its usage is charged) is the one made at that cap.
-    if cap := _int(admission, wire.META_OUTPUT_CAP):
-        reserved = min(reserved, facts.prompt_tokens + cap * max(facts.n, 1))
+    # What a request that never reported its usage is charged: its prompt and every output
+    # token its cap allows — the cap a hard budget lowered it to, if one did; never the history
+    # a stored conversation's follow-up reserved beside them (only the pod knows that).
+    cap = _int(admission, wire.META_OUTPUT_CAP) or facts.max_output
+    reserved = min(reserved, facts.prompt_tokens + cap * max(facts.n, 1))
     prompt = _int(usage, wire.META_PROMPT_TOKENS)
     completion = _int(usage, wire.META_COMPLETION_TOKENS)
     streamed = _int(usage, wire.META_STREAMED_EVENTS) or 0

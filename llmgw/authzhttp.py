@@ -40,7 +40,12 @@ REQUEST_EXACT = (
 REQUEST_PREFIXES = (wire.HEADER_PREFIX,)
 
 # The answer's headers, by where Envoy puts them.
-UPSTREAM_EXACT = (wire.HEADER_SESSION, wire.HEADER_REQUEST_ID, wire.HEADER_VLLM_PRIORITY)
+UPSTREAM_EXACT = (
+    wire.HEADER_SESSION,
+    wire.HEADER_REQUEST_ID,
+    wire.HEADER_VLLM_PRIORITY,
+    wire.HEADER_MAX_RETRIES,
+)
 UPSTREAM_PREFIXES = (wire.HEADER_PREFIX,)
 # Added to the pod's response, which Envoy appends to (where gRPC's answer overwrites): the
 # pod's own headers of these names are removed first (envoy/envoy.yaml.j2), or a client would

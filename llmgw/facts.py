@@ -73,6 +73,10 @@ class RequestFacts:
     kv_blocks: tuple[int, ...] = ()
     kv_block_size: int = 0
     first_turn: bool = False  # a known body with no assistant message: no pod has its KV yet
+    # The most tokens the pod may put before the prompt unseen by the gateway (a stored
+    # conversation the request continues): reserved and priced, never charged unless the pod
+    # reports them (what a request that never reported is charged is its own prompt's).
+    history: int = 0
 
     @property
     def prompt_ceiling(self) -> int:
@@ -81,16 +85,18 @@ class RequestFacts:
 
     @property
     def token_estimate(self) -> int:
-        """The reservation: prompt plus every sequence's output cap."""
-        return min(self.prompt_tokens + self.max_output * self.n, MAX_RESERVATION)
+        """The reservation: history, prompt and every sequence's output cap."""
+        return min(self.history + self.prompt_tokens + self.max_output * self.n, MAX_RESERVATION)
 
     def to_metadata(self) -> dict[str, MetaValue]:
         meta: dict[str, MetaValue] = {
             # A string: Envoy's rate-limit `metadata` action drops non-string values.
             wire.META_TOKEN_ESTIMATE: str(self.token_estimate),
-            wire.META_TOKEN_PROMPT: str(self.prompt_tokens),
+            # What the admission reserves and prices before the output (a budget lowers the
+            # cap to what is left beside it): the history too.
+            wire.META_TOKEN_PROMPT: str(self.history + self.prompt_tokens),
             wire.META_TOKEN_CHOICES: str(self.n),
-            wire.META_TOKEN_CEILING: str(self.prompt_ceiling),
+            wire.META_TOKEN_CEILING: str(self.history + self.prompt_ceiling),
             wire.META_PROMPT_ESTIMATE: float(self.prompt_tokens),
             wire.META_PROMPT_BOUND: float(self.prompt_bound),
             wire.META_STREAM: self.stream,

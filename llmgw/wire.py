@@ -27,6 +27,8 @@ HEADER_DATA_PARALLEL_RANK = "x-data-parallel-rank"
 # vLLM's own (0.33 reads it and lets it override the body's `priority`): extauthz sets it from
 # the tenant's priority (llmgw/priority.py), so what the pod schedules by is what we decided.
 HEADER_VLLM_PRIORITY = "x-vllm-priority"
+# Envoy's retries of one request, over the route's (a stored response must not move pods).
+HEADER_MAX_RETRIES = "x-envoy-max-retries"
 # To the client, on every request flow control admitted (extauthz/flow.py): the milliseconds it
 # waited in the gateway's queue for a seat on the fleet (0: it did not wait), so that a slow
 # answer can be told apart as queue, prefill or decode.
@@ -97,8 +99,10 @@ def response_id(path: str) -> str | None:
 
 
 def endpoint(path: str) -> str:
-    """A path as the ledger records it: a stored response's ID as its route's parameter, so
-    that the endpoints stay a bounded set of names."""
+    """A path as the ledger records it: a route's parameter (a model's or a stored response's
+    ID) as its name, so that what `llmgw usage` groups by is a set of routes, not of IDs."""
+    if path.startswith(MODELS_PATH + "/"):
+        return MODELS_PATH + "/{id}"
     if response_id(path) is None:
         return path[:256]
     suffix = CANCEL_SUFFIX if path.endswith(CANCEL_SUFFIX) else ""

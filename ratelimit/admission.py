@@ -21,9 +21,9 @@ def from_context(context: TenantContext, facts: RequestFacts) -> Admission:
         facts.token_estimate,
         requests_limit=_per_minute(context.rpm),
         tokens_limit=_per_minute(context.tpm),
-        grant=Grant(facts.prompt_tokens, facts.n) if facts.n else None,
+        grant=Grant(facts.history + facts.prompt_tokens, facts.n) if facts.n else None,
         model=facts.model,
-        prompt_ceiling=facts.prompt_ceiling,
+        prompt_ceiling=facts.history + facts.prompt_ceiling,
     )
 
 

@@ -133,8 +133,6 @@ class StackSettings(Strict):
     def _sim_pods_beside_real_ones(self) -> StackSettings:
         if self.sim_pods and (self.engine != "vllm" or self.upstreams):
             raise ValueError("sim_pods: simulated pods beside real ones need engine vllm")
-        if self.responses_store and not self.topology.router_inside:
-            raise ValueError("responses_store: needs the router inside extauthz (topology gateway)")
         return self
 
     @model_validator(mode="before")

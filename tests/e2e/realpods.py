@@ -48,15 +48,20 @@ def vllm_settings_or_skip() -> VllmSettings:
 
 @contextmanager
 def real_stack(
-    state: Path, pods: int = 1, sim_pods: int = 0, vllm_args: tuple[str, ...] = ()
+    state: Path,
+    pods: int = 1,
+    sim_pods: int = 0,
+    vllm_args: tuple[str, ...] = (),
+    responses_store: bool = False,
 ) -> Iterator[Stack]:
     """The whole stack in front of `pods` real pods (then `sim_pods` simulated ones), stopped
-    however the module ends."""
+    however the module ends; `responses_store`: the pods keep the Responses API's responses."""
     vllm = vllm_settings_or_skip()
     settings = stack_settings(pods=pods).model_copy(
         update={
             "engine": "vllm",
             "sim_pods": sim_pods,
+            "responses_store": responses_store,
             "vllm": vllm.model_copy(update={"args": (*vllm.args, *vllm_args)}),
         }
     )

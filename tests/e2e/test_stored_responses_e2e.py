@@ -15,6 +15,7 @@ from tests.e2e.conftest import stack_settings
 from tests.e2e.test_ledger_e2e import recorded
 from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, reservations
 from tests.eventually import eventually
+from tests.http import call
 from tools.stack import Stack
 
 TURNS = 6  # without the pinning, 6 turns all on one of 2 pods by chance: ~1 run in 32
@@ -136,3 +137,33 @@ def test_a_response_not_stored_is_not_found_and_background_is_refused(store_stac
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=MODEL, input="hi", background=True)
         assert refused.value.param == "background"
+
+
+def test_a_stored_response_is_not_retried_on_a_pod_its_id_does_not_name(store_stack: Stack) -> None:
+    """Pod 0 answers this tenant 503 (Envoy retries a 503 on another pod): a response that is
+    stored is not retried, since its ID names the pod chosen for it, so the client gets the 503
+    and every response it got is found again. Envoy retrying it would store it on pod 1 under
+    an ID naming pod 0: found by nobody."""
+    stack = store_stack
+    key = add_tenant(stack, "st-retry", "standard")
+    url = f"{stack.pod_url(0)}/admin/faults"
+    fault = {"error_rate": 1.0, "error_status": 503, "error_tenants": ["st-retry"]}
+    assert call("PUT", url, fault).status == 200
+    refused, kept = 0, []
+    try:
+        with sdk(stack, key) as client:
+            for _ in range(8):
+                try:
+                    kept.append(
+                        client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+                    )
+                except openai.APIStatusError as error:
+                    assert error.status_code == 503
+                    refused += 1
+                    break  # one pod error: a second would open the tenant's circuit breaker
+    finally:
+        assert call("DELETE", url).status == 200
+    assert refused >= 1  # the premise: pod 0 was chosen for at least one of them
+    with sdk(stack, key) as client:  # read with pod 0 well again: where each ID leads
+        for response in kept:
+            assert client.responses.retrieve(response.id).id == response.id

@@ -44,7 +44,10 @@ RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("vllm") / "stack"
-    with real_stack(state, pods=1, vllm_args=("--max-num-seqs", "1")) as stack:
+    # With the pods' store of responses: vLLM's own, for the stored responses' test.
+    with real_stack(
+        state, pods=1, vllm_args=("--max-num-seqs", "1"), responses_store=True
+    ) as stack:
         yield stack
 
 
@@ -392,3 +395,30 @@ def test_the_responses_api_is_served_counted_and_metered_as_the_pod_counts(real:
         10,
     )
     assert row["reserved_tokens"] == done.response.usage.input_tokens + 10
+
+
+def test_a_stored_response_is_continued_and_read_again_at_the_real_pod(real: Stack) -> None:
+    """vLLM names the response after the ID the gateway chose (its pod, its tenant), keeps it,
+    puts it before the follow-up that names it (the pod's prompt grows by the conversation, and
+    the ledger charges what the pod counted), and gives it back to its tenant only."""
+    with sdk(real, api_key(real, "standard")) as client:
+        first = client.responses.create(
+            model=model(real), input="Hello there.", max_output_tokens=6, extra_body=NO_EOS
+        )
+        assert first.id.startswith("resp_") and first.usage is not None
+        before = pod_metrics(real)
+        raw = client.responses.with_raw_response.create(
+            model=model(real), input="Go on.", max_output_tokens=6, extra_body=NO_EOS,
+            previous_response_id=first.id,
+        )  # fmt: skip
+        follow = raw.parse()
+        row = settled(real, raw.headers["x-request-id"], before)
+        assert follow.usage is not None and follow.previous_response_id == first.id
+        assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (follow.usage.input_tokens, 6)
+        read = client.responses.retrieve(follow.id)
+        assert read.id == follow.id and read.output_text == follow.output_text
+        with pytest.raises(openai.BadRequestError):
+            client.responses.cancel(follow.id)  # vLLM cancels background responses only
+    with sdk(real, api_key(real, "free")) as other, pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(follow.id)

@@ -8,6 +8,7 @@ import pytest
 from extauthz import tenants
 from extauthz.answers import metadata
 from extauthz.decision import Decider
+from extauthz.responseids import Kept
 from extauthz.types import Allow, Deny, Snapshot
 from llmgw import wire
 from llmgw.facts import MESSAGE_TOKENS
@@ -741,11 +742,16 @@ def test_with_the_store_on_background_stays_refused(snap: Snapshot, keys: Keys) 
     assert denied(decision, 400, "unsupported_parameter").param == "background"
 
 
-def test_a_follow_up_goes_to_the_pod_of_its_previous_response_reserved_at_the_context(
-    snap: Snapshot, keys: Keys
+@pytest.mark.parametrize(("bound", "history"), [(1_000, 1_000), (10**6, None)])
+def test_a_follow_up_goes_to_the_pod_of_its_previous_response_reserved_for_its_history(
+    snap: Snapshot, keys: Keys, bound: int, history: int | None
 ) -> None:
+    """The pod puts the stored conversation before the input: reserved as the most the
+    previous response's ID says it can be, within what the context leaves; never charged as
+    the request's own prompt (the ledger charges that), so a follow-up cut short pays its
+    input, not the context."""
     decider = store_decider()
-    previous = decider.response_ids.mint("acme", "127.0.0.1:9001")
+    previous = decider.response_ids.mint("acme", Kept("127.0.0.1:9001", bound))
     alone = allowed(decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(), NOW_S))
     d = allowed(
         decider.decide(
@@ -753,10 +759,35 @@ def test_a_follow_up_goes_to_the_pod_of_its_previous_response_reserved_at_the_co
         )
     )
     assert d.pinned == "127.0.0.1:9001" and d.stores
-    # The pod prepends the stored conversation, unseen here: the most the context allows.
-    assert d.facts.max_output == alone.facts.max_output
-    assert d.facts.prompt_tokens == 8192 - d.facts.max_output > alone.facts.prompt_tokens
-    assert d.facts.token_estimate == 8192 and d.facts.prompt_ceiling == 8192 - d.facts.max_output
+    facts = d.facts
+    assert (facts.prompt_tokens, facts.max_output) == (
+        alone.facts.prompt_tokens,
+        alone.facts.max_output,
+    )
+    room = 8192 - facts.prompt_tokens - facts.max_output
+    assert facts.history == (room if history is None else history)
+    assert facts.token_estimate == alone.facts.token_estimate + facts.history
+    meta = facts.to_metadata()  # what the admission reserves and prices beside the cap
+    assert meta[wire.META_TOKEN_PROMPT] == str(facts.history + facts.prompt_tokens)
+    assert meta[wire.META_TOKEN_CEILING] == str(facts.history + facts.prompt_ceiling)
+    assert meta[wire.META_PROMPT_ESTIMATE] == float(facts.prompt_tokens)  # what is charged
+    # Its own response is stored: Envoy must not move it to another pod than its ID names.
+    assert (wire.HEADER_MAX_RETRIES, "0") in d.headers
+    assert (wire.HEADER_MAX_RETRIES, "0") in alone.headers  # stored too (vLLM's default)
+    unkept = decider.decide(snap, bearer(keys.acme, **RESPONSES), responses(store=False), NOW_S)
+    assert wire.HEADER_MAX_RETRIES not in dict(allowed(unkept).headers)  # Envoy's retries kept
+
+
+def test_a_stored_response_is_not_streamed_again(snap: Snapshot, keys: Keys) -> None:
+    """vLLM replays only background responses (for others its stream breaks after the 200)."""
+    decider = store_decider()
+    rid = decider.response_ids.mint("acme", Kept("127.0.0.1:9001", 10))
+    for query in ("stream=true", "starting_after=3", "stream=false&x=1"):
+        path = {":path": f"{wire.RESPONSES_PATH}/{rid}?{query}", ":method": "GET"}
+        decision = decider.decide(snap, bearer(keys.acme, **path), b"", NOW_S)
+        assert denied(decision, 400, "unsupported_parameter").param in ("stream", "starting_after")
+    plain = {":path": f"{wire.RESPONSES_PATH}/{rid}?x=1", ":method": "GET"}
+    assert allowed(decider.decide(snap, bearer(keys.acme, **plain), b"", NOW_S)).pinned
 
 
 @pytest.mark.parametrize("who", ["another tenant's", "forged", "not a string"])
@@ -764,10 +795,10 @@ def test_a_previous_response_this_tenant_was_not_given_is_not_found(
     snap: Snapshot, keys: Keys, who: str
 ) -> None:
     decider = store_decider()
-    theirs = decider.response_ids.mint(tenants_of(snap, keys.globex), "127.0.0.1:9001")
+    theirs = decider.response_ids.mint(tenants_of(snap, keys.globex), Kept("127.0.0.1:9001", 10))
     named: object = {
         "another tenant's": theirs,
-        "forged": decider.response_ids.mint("acme", "127.0.0.1:9001")[:-2] + "AA",
+        "forged": decider.response_ids.mint("acme", Kept("127.0.0.1:9001", 10))[:-2] + "AA",
         "not a string": 12,
     }[who]
     decision = decider.decide(
@@ -786,7 +817,7 @@ def test_a_stored_response_is_read_or_cancelled_only_by_its_tenant_at_its_pod(
     snap: Snapshot, keys: Keys, method: str, tail: str
 ) -> None:
     decider = store_decider()
-    rid = decider.response_ids.mint("acme", "127.0.0.1:9001")
+    rid = decider.response_ids.mint("acme", Kept("127.0.0.1:9001", 10))
     path = {":path": f"{wire.RESPONSES_PATH}/{rid}{tail}", ":method": method}
     d = allowed(decider.decide(snap, bearer(keys.acme, **path), b"", NOW_S))
     assert d.pinned == "127.0.0.1:9001" and not d.stores and d.facts.token_estimate == 0
@@ -813,3 +844,4 @@ def test_the_paths_of_stored_responses() -> None:
     assert wire.endpoint("/v1/responses/resp_a") == "/v1/responses/{id}"
     assert wire.endpoint("/v1/responses/resp_a/cancel") == "/v1/responses/{id}/cancel"
     assert wire.endpoint(wire.CHAT_PATH) == wire.CHAT_PATH
+    assert wire.endpoint("/v1/models/some/model") == "/v1/models/{id}"

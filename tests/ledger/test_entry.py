@@ -270,3 +270,26 @@ def test_a_stored_response_read_again_is_not_charged_and_its_endpoint_is_the_rou
         assert outcome.endpoint == "/v1/responses/{id}" + tail
     generated = to_outcome(entry(200, usage=USED, path=wire.RESPONSES_PATH))
     assert generated is not None and generated.prompt_tokens == 31
+
+
+def test_a_follow_up_cut_short_pays_its_own_input_not_the_history_it_reserved() -> None:
+    """A stored conversation's follow-up reserves its history (up to the model's context) beside
+    its own prompt; only the pod knows how long the history was, so a request that never
+    reported its usage is charged its own prompt and cap, as any other."""
+    history = 8_000
+    reserved = {
+        wire.META_TOKEN_ESTIMATE: str(history + 20 + 100),
+        wire.META_TOKEN_PROMPT: str(history + 20),
+        wire.META_TOKEN_CEILING: str(history + 20),
+    }
+    left = to_outcome(
+        entry(200, stream=True, usage={wire.META_STREAMED_EVENTS: 3}, authz=reserved,
+              flags=("downstream_connection_termination",))
+    )  # fmt: skip
+    assert left is not None and (left.prompt_tokens, left.completion_tokens) == (20, 3)
+    timed_out = to_outcome(entry(504, authz=reserved, flags=("upstream_request_timeout",)))
+    assert timed_out is not None and timed_out.outcome == "upstream_error"
+    assert (timed_out.prompt_tokens, timed_out.completion_tokens) == (20, 100)
+    assert timed_out.reserved_tokens == 120
+    reported = to_outcome(entry(200, usage=USED, authz=reserved))  # the pod's count wins
+    assert reported is not None and (reported.prompt_tokens, reported.completion_tokens) == (31, 9)
