@@ -74,6 +74,7 @@ class TenantsFollower:
         poll_seconds: float = 1.0,
         listen: bool = True,
         connect_timeout_s: float = 5.0,
+        settle_s: float = SETTLE_S,
     ) -> None:
         self.url = url
         self.cache = cache
@@ -81,6 +82,7 @@ class TenantsFollower:
         self.poll_seconds = poll_seconds
         self.listen = listen
         self.connect_timeout_s = connect_timeout_s
+        self.settle_s = settle_s
         self.catalog = Catalog.build((), tiers.current)
         self.up = False
         self.synced_at: float | None = None  # Unix time of the latest read
@@ -251,13 +253,14 @@ class TenantsFollower:
         )
 
     def _watermark(self, now: float) -> int:
-        """The rev to read past: the highest seen SETTLE_S ago (0: every tenant's rev)."""
+        """The rev to read past: the highest seen settle_s ago (0: every tenant's rev)."""
         if now - self._resynced >= RESYNC_S:
             self._resynced = now
             return 0
-        while len(self._marks) > 1 and self._marks[1][0] <= now - SETTLE_S:
+        settled = now - self.settle_s
+        while len(self._marks) > 1 and self._marks[1][0] <= settled:
             self._marks.popleft()
-        return self._marks[0][1] if self._marks and self._marks[0][0] <= now - SETTLE_S else 0
+        return self._marks[0][1] if self._marks and self._marks[0][0] <= settled else 0
 
     def _mark(self, now: float, revs: Sequence[Mapping[str, Any]]) -> None:
         highest = max((r["rev"] for r in revs), default=self._marks[-1][1] if self._marks else 0)

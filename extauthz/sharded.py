@@ -48,7 +48,8 @@ class Sharded(Mapping[K, V]):
             return shards[i]
 
         for key in drop:
-            if shard(key).pop(key, _ABSENT) is not _ABSENT:
+            if key in shards[hash(key) & _MASK]:
+                del shard(key)[key]
                 length -= 1
         for key, value in put.items():
             found = shard(key)
@@ -75,5 +76,3 @@ class Sharded(Mapping[K, V]):
     def __iter__(self) -> Iterator[K]:
         return chain.from_iterable(self._shards)
 
-
-_ABSENT = object()
