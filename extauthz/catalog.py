@@ -35,7 +35,7 @@ class Row:
     rev: int
     deleted: bool
     spec: str  # the Tenant's JSON, without keys
-    keys: tuple[Mapping[str, Any], ...] = ()
+    keys: tuple[Mapping[str, Any], ...] = ()  # ApiKey's fields
 
 
 def parse(row: Row) -> Tenant | None:
@@ -43,7 +43,7 @@ def parse(row: Row) -> Tenant | None:
     keys: list[ApiKey] = []
     for key in row.keys:
         try:
-            keys.append(ApiKey.model_validate({k: v for k, v in key.items() if k != "tenant"}))
+            keys.append(ApiKey.model_validate(key))
         except ValidationError as exc:
             log.error("tenants database: key skipped", extra=_why(row, exc, key=key.get("id")))
     try:

@@ -46,7 +46,8 @@ RESYNC_S = 300.0
 MAX_BACKOFF_S = 5.0
 DOWN = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
-_KEYS = "SELECT k.id, k.tenant, k.sha256, k.prefix, k.created, k.expires, k.revoked FROM api_keys k"
+_KEY_FIELDS = ("id", "sha256", "prefix", "created", "expires", "revoked")  # ApiKey's
+_KEYS = f"SELECT k.tenant, {', '.join('k.' + f for f in _KEY_FIELDS)} FROM api_keys k"
 _ALL = (
     "SELECT id, rev, deleted, CASE WHEN deleted THEN NULL ELSE spec::text END AS spec FROM tenants"
 )
@@ -290,7 +291,7 @@ class TenantsFollower:
 def _rows(tenant_rows: Sequence[Mapping[str, Any]], key_rows: Sequence[Any]) -> list[Row]:
     by_tenant: defaultdict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for key in key_rows:
-        by_tenant[key["tenant"]].append(dict(key))
+        by_tenant[key[0]].append(dict(zip(_KEY_FIELDS, key[1:], strict=True)))
     return [
         Row(r["id"], r["rev"], r["deleted"], r.get("spec") or "", tuple(by_tenant[r["id"]]))
         for r in tenant_rows

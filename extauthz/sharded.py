@@ -75,4 +75,3 @@ class Sharded(Mapping[K, V]):
 
     def __iter__(self) -> Iterator[K]:
         return chain.from_iterable(self._shards)
-
