@@ -15,6 +15,10 @@ sequence and notifies `llmgw_tenants` at commit.
   llmgw_extauthz_tenants_source_up is 0 and ..._synced_timestamp_seconds stops.
 - Cache: after every applied change, the snapshot as a tenants file (extauthz/tenants.py
   `replace`: atomic, 0600; key hashes only), written in a thread, writes coalesced.
+
+Measured at 100,000 tenants and 1,000,000 keys (bench/tenants_db.py, a busy 2-core machine): a
+change read and applied in ~3 ms (the apply 0.45 ms; a copy of every key would be 57 ms), the
+start-up ~52 s with a peak of ~2.5 GiB, the cache 168 MiB (its text joined in 0.34 s).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ CHANNEL = "llmgw_tenants"
 SETTLE_S = 10.0  # a writer commits within this of taking its rev (the admin API's take ms)
 RESYNC_S = 300.0
 MAX_BACKOFF_S = 5.0
+LOAD_TIMEOUT_S = 300.0  # reading every key (1,000,000: ~10 s); the other reads take connect's
 DOWN = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 _KEY_FIELDS = ("id", "sha256", "prefix", "created", "expires", "revoked")  # ApiKey's
@@ -235,8 +240,8 @@ class TenantsFollower:
         """Every tenant, replacing the snapshot (start-up, the database back after the cache)."""
         started = time.monotonic()
         async with conn.transaction(isolation="repeatable_read", readonly=True):
-            all_rows = await conn.fetch(_ALL)
-            keys = await conn.fetch(_ALL_KEYS)
+            all_rows = await conn.fetch(_ALL, timeout=LOAD_TIMEOUT_S)
+            keys = await conn.fetch(_ALL_KEYS, timeout=LOAD_TIMEOUT_S)
         rows = _rows(all_rows, keys)
         self._seen = {r.id: r.rev for r in rows}
         self._marks.clear()
