@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -14,12 +16,13 @@ from extauthz.decision import Decider
 from extauthz.director import Director
 from extauthz.fairness import Sharing
 from extauthz.flow import FlowControl
+from extauthz.follower import TenantsFollower
 from extauthz.httpserver import HttpCheckServer
 from extauthz.responseids import ResponseIds
 from extauthz.service import register
 from extauthz.sessions import SessionCodec, Sessions
 from extauthz.settings import ENV_PREFIX, Settings
-from extauthz.store import TenantsStore, tenants_store
+from extauthz.store import TenantsSource, tenants_store
 from llmgw import telemetry
 from llmgw.config import ConfigError, load
 from llmgw.serve import command, serve
@@ -61,7 +64,7 @@ def cache_secret(settings: Settings) -> bytes:
 async def main(settings: Settings) -> None:
     tracer = telemetry.setup(NAME, settings.tracing)
     telemetry.TENANTS.limit = settings.metrics.tenant_labels
-    store = tenants_store(settings.tenants_file, settings.tiers_file)
+    store, follow = await tenants_source(settings)
     limiter = None
     if settings.holds_limiter:
         limiter = held_limiter(admitting(settings), store)
@@ -83,7 +86,7 @@ async def main(settings: Settings) -> None:
     bodies = BodyPool(decider, settings.decision.pool_from_bytes)
     await bodies.start()
     flow = None
-    tasks = [asyncio.create_task(store.watch(settings.reload_interval_seconds))]
+    tasks = [asyncio.create_task(follow)]
     if router is not None and settings.flow.enabled:
         flow = FlowControl(settings.flow, router)
         if limiter is not None:  # its Redis: the replicas' service counts merged there
@@ -144,6 +147,21 @@ async def main(settings: Settings) -> None:
     )
 
 
+async def tenants_source(settings: Settings) -> tuple[TenantsSource, Coroutine[Any, Any, None]]:
+    """The snapshot's source, chosen at start, and the task that keeps it current."""
+    if settings.tenants_source == "database":
+        assert settings.tenants_database_url is not None and settings.tenants_cache is not None
+        follower = await TenantsFollower.open(
+            settings.tenants_database_url.get_secret_value(),
+            settings.tenants_cache,
+            settings.tiers_file,
+            poll_seconds=settings.tenants_poll_seconds,
+        )
+        return follower, follower.run()
+    store = tenants_store(settings.tenants_file, settings.tiers_file)
+    return store, store.watch(settings.reload_interval_seconds)
+
+
 def picking(settings: Settings) -> router_settings.Settings:
     """The settings of the router this process holds (only its fleet, plugins, profile and Redis
     apply: it serves on extauthz's port and traces with extauthz's tracer)."""
@@ -153,7 +171,7 @@ def picking(settings: Settings) -> router_settings.Settings:
     return held
 
 
-def held_limiter(settings: ratelimit_settings.Settings, store: TenantsStore) -> RateLimiter:
+def held_limiter(settings: ratelimit_settings.Settings, store: TenantsSource) -> RateLimiter:
     """The rate limiter this process holds. It decides by the tier table of the tenants snapshot,
     the process's one load and swap of it: a tenant moved onto a new tier is never decided by a
     table without that tier (which would limit it as the default tier)."""
@@ -180,7 +198,9 @@ def settings(path: Path | None) -> Settings:
     """The settings and the files they name (tenants, tier table, the router's and the rate
     limiter's), all validated."""
     loaded = load(Settings, path, ENV_PREFIX)
-    tenants.load(loaded.tenants_file, load_tiers(loaded.tiers_file))
+    tiers = load_tiers(loaded.tiers_file)
+    if loaded.tenants_source == "file":
+        tenants.load(loaded.tenants_file, tiers)
     if loaded.holds_router:
         picking(loaded)
     if loaded.holds_limiter:

@@ -58,7 +58,7 @@ from extauthz.decision import Decider, key_entry, request_path
 from extauthz.flow import FlowControl, Refused
 from extauthz.queue import Waiter
 from extauthz.responseids import Kept
-from extauthz.store import TenantsStore
+from extauthz.store import TenantsSource
 from extauthz.types import Allow, Decision, Deny
 from extauthz.waits import Waits
 from llmgw import authzhttp, wire
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 class Director:
     def __init__(
         self,
-        store: TenantsStore,
+        store: TenantsSource,
         decider: Decider,
         tracer: trace.Tracer,
         clock: Callable[[], float] = time.time,

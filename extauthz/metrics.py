@@ -85,3 +85,12 @@ SATURATED = Gauge(
     ["model"],
 )
 saturated = Children(SATURATED)
+# The tenants' database source (extauthz/follower.py): while down, the last snapshot serves.
+TENANTS_SOURCE_UP = Gauge(
+    "llmgw_extauthz_tenants_source_up",
+    "1 while the tenants database answers the follower; 0: the last snapshot serves, stale.",
+)
+TENANTS_SYNCED = Gauge(
+    "llmgw_extauthz_tenants_synced_timestamp_seconds",
+    "Unix time of the tenants database's latest read (its age: how stale the snapshot may be).",
+)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -186,7 +186,14 @@ class Settings(Strict):
     tracing: TracingSettings = TracingSettings()
     metrics: MetricsSettings = MetricsSettings()  # the held limiter's too
     log_level: str = "info"
+    # Where the tenants come from, chosen at start: the tenants file (hot-reloaded), or the
+    # admin API's PostgreSQL tables, followed (extauthz/follower.py), with `tenants_cache` the
+    # snapshot it persists after each change and starts from while the database is down.
+    tenants_source: Literal["file", "database"] = "file"
     tenants_file: Path = Path("tenants.yaml")
+    tenants_database_url: Secret | None = None
+    tenants_cache: Path | None = None
+    tenants_poll_seconds: float = Field(default=1.0, gt=0, le=1.0)  # change seen within 2 s
     tiers_file: Path | None = None  # the tier table (llmgw/tiers.py); None: the built-in tiers
     reload_interval_seconds: float = Field(default=0.25, gt=0, le=0.5)
     decision: DecisionSettings = DecisionSettings()
@@ -237,6 +244,17 @@ class Settings(Strict):
     @property
     def holds_limiter(self) -> bool:
         return self.topology is not None and self.topology.limiter_inside
+
+    @model_validator(mode="after")
+    def _tenants_source(self) -> Settings:
+        if self.tenants_source == "database" and (
+            self.tenants_database_url is None or self.tenants_cache is None
+        ):
+            raise ValueError(
+                "tenants_source database: set tenants_database_url and tenants_cache (the "
+                "snapshot a restart during an outage starts from)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _configs_used(self) -> Settings:

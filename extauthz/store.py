@@ -8,6 +8,7 @@ table that lacks it (the default tier's limits)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from extauthz import metrics, tenants
 from extauthz.types import Snapshot
@@ -15,6 +16,14 @@ from llmgw.reload import Reloading
 from llmgw.tiers import load_tiers
 
 TenantsStore = Reloading[Snapshot]
+
+
+class TenantsSource(Protocol):
+    """What the Director and the limiter read the snapshot from: the tenants file (TenantsStore)
+    or the database (extauthz/follower.py TenantsFollower). Read `current` once per request."""
+
+    @property
+    def current(self) -> Snapshot: ...
 
 
 def tenants_store(tenants_file: Path, tiers_file: Path | None = None) -> TenantsStore:

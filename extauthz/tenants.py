@@ -21,6 +21,7 @@ from extauthz.types import (
     ApiKey,
     KeyEntry,
     Snapshot,
+    Tenant,
     TenantsFile,
     TenantView,
 )
@@ -72,34 +73,44 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
                 f"{source}: tenants.{i}.tier: unknown tier {tenant.tier!r} "
                 f"(the tier table has {', '.join(sorted(known))})"
             )
-        view = TenantView(
-            id=tenant.id,
-            tier=tenant.tier,
-            priority=tenant.priority,
-            models=None if tenant.models == "*" else frozenset(tenant.models),
-            headers=(
-                (wire.HEADER_TENANT, tenant.id),
-                (wire.HEADER_TIER, tenant.tier),
-                (wire.HEADER_PRIORITY, str(tenant.priority)),
-            ),
-            limits=tenant.limits,
-            cache_group=f"group/{tenant.cache_group}"
-            if tenant.cache_group
-            else f"tenant/{tenant.id}",
-            max_output=known[tenant.tier].max_output_tokens,
-            token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.spec()),
-        )
+        view = tenant_view(tenant, table)
         tenants[tenant.id] = view
-        for key in tenant.keys:
-            raw = bytes.fromhex(key.sha256)
-            keys[raw] = KeyEntry(
-                digest=raw,
-                key_id=key.id,
-                tenant=view,
-                expires=key.expires.timestamp() if key.expires else None,
-                revoked=key.revoked,
-            )
+        keys.update(key_entries(tenant, view))
     return Snapshot(keys=MappingProxyType(keys), tenants=MappingProxyType(tenants), tiers=table)
+
+
+def tenant_view(tenant: Tenant, table: TierTable) -> TenantView:
+    """The tenant as the decision reads it; its tier must be in `table`."""
+    return TenantView(
+        id=tenant.id,
+        tier=tenant.tier,
+        priority=tenant.priority,
+        models=None if tenant.models == "*" else frozenset(tenant.models),
+        headers=(
+            (wire.HEADER_TENANT, tenant.id),
+            (wire.HEADER_TIER, tenant.tier),
+            (wire.HEADER_PRIORITY, str(tenant.priority)),
+        ),
+        limits=tenant.limits,
+        cache_group=f"group/{tenant.cache_group}" if tenant.cache_group else f"tenant/{tenant.id}",
+        max_output=table.all_tiers[tenant.tier].max_output_tokens,
+        token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.spec()),
+    )
+
+
+def key_entries(tenant: Tenant, view: TenantView) -> dict[bytes, KeyEntry]:
+    """The tenant's keys by digest."""
+    out: dict[bytes, KeyEntry] = {}
+    for key in tenant.keys:
+        raw = bytes.fromhex(key.sha256)
+        out[raw] = KeyEntry(
+            digest=raw,
+            key_id=key.id,
+            tenant=view,
+            expires=key.expires.timestamp() if key.expires else None,
+            revoked=key.revoked,
+        )
+    return out
 
 
 def load(path: Path, table: TierTable) -> Snapshot:
@@ -108,7 +119,13 @@ def load(path: Path, table: TierTable) -> Snapshot:
 
 def write(path: Path, data: TenantsFile) -> None:
     """Replace the file atomically: readers see the old file or the new one, never half."""
-    text = yaml.safe_dump(data.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    replace(
+        path, yaml.safe_dump(data.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    )
+
+
+def replace(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, mode 0600 (mkstemp's: the file holds key hashes)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as out:

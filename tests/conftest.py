@@ -5,9 +5,14 @@ installs in the background meanwhile."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import asyncpg
 import pytest
+
+from tools.postgres import Postgres
 
 TIERS = ("vllm", "e2e")  # the later tiers, most significant first
 
@@ -26,3 +31,36 @@ def _collect_garbage() -> Iterator[None]:
     in its own teardown, so its ResourceWarning fails that test, not a later one by chance."""
     yield
     gc.collect()
+
+
+# A real PostgreSQL (tools.postgres): the ledger's and the tenants database's tests.
+
+
+@pytest.fixture(scope="session")
+def shared_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
+    pg = Postgres(tmp_path_factory.mktemp("pg") / "postgres")
+    pg.start(60)
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture
+def own_pg(tmp_path: Path) -> Iterator[list[Postgres]]:
+    """A server of this test's own, for tests that kill it; [-1] is the current one."""
+    procs = [Postgres(tmp_path / "postgres")]
+    procs[0].start(60)
+    yield procs
+    procs[-1].stop()
+
+
+@pytest.fixture
+async def db(shared_pg: Postgres) -> AsyncIterator[str]:
+    """The URL of an empty database of this test's own on the shared server."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(shared_pg.url)
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+        yield shared_pg.url.rsplit("/", 1)[0] + f"/{name}"
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    finally:
+        await admin.close()

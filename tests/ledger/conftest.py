@@ -1,11 +1,9 @@
-"""Fixtures of the ledger tests: a real PostgreSQL (tools.postgres), a fresh database per test."""
+"""Fixtures of the ledger tests (their PostgreSQL: tests/conftest.py)."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -14,39 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from ledger.db import Ledger, LedgerMetrics
 from llmgw.outcome import Outcome
-from tools.postgres import Postgres
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture(scope="session")
-def shared_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
-    pg = Postgres(tmp_path_factory.mktemp("pg") / "postgres")
-    pg.start(60)
-    yield pg
-    pg.stop()
-
-
-@pytest.fixture
-def own_pg(tmp_path: Path) -> Iterator[list[Postgres]]:
-    """A server of this test's own, for tests that kill it; [-1] is the current one."""
-    procs = [Postgres(tmp_path / "postgres")]
-    procs[0].start(60)
-    yield procs
-    procs[-1].stop()
-
-
-@pytest.fixture
-async def db(shared_pg: Postgres) -> AsyncIterator[str]:
-    """The URL of an empty database of this test's own on the shared server."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(shared_pg.url)
-    try:
-        await admin.execute(f"CREATE DATABASE {name}")
-        yield shared_pg.url.rsplit("/", 1)[0] + f"/{name}"
-        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-    finally:
-        await admin.close()
 
 
 @pytest.fixture
