@@ -113,7 +113,7 @@ class Admin:
         return response
 
     def _authorized(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "").encode()
+        given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
         return hmac.compare_digest(given, self._bearer)
 
     # Parsing.
@@ -125,7 +125,7 @@ class Admin:
         if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
             raise ApiError.invalid("limit", f"an integer from 1 to {MAX_LIMIT}")
         after = request.query.get("after")
-        if numeric and after is not None and not after.isdigit():
+        if numeric and after is not None and not (after.isdigit() and len(after) <= 18):
             raise ApiError.invalid("after", "the last_id of a page of this list (an integer)")
         return PageRequest(int(raw), after)
 

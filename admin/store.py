@@ -2,8 +2,9 @@
 
 Every change is one transaction: the row change, the tenant's new revision (`rev` from the
 sequence, `updated`), `pg_notify('llmgw_tenants', rev)` (delivered at commit: a follower that
-hears it reads `WHERE rev > $last`) and an audit row. Nothing here writes or returns a key's
-hash or secret, except `create_key` and `rotate_key`, which return the new secret once.
+hears it reads `WHERE rev > $last`) and an audit row. A key's secret is never stored (its
+SHA-256 is): `create_key` and `rotate_key` return it, once; no answer, audit row or log line
+holds the secret or the hash.
 """
 
 from __future__ import annotations
@@ -107,27 +108,30 @@ class Store:
                 raise ApiError.conflict(f"tenant {spec.id!r} exists", "id")
             detail = {"spec": spec_of(spec)}
             done = await self._changed(conn, spec.id, "tenant.create", spec.id, detail)
+            row = await self._row(conn, spec.id)
         done.report()
-        return await self.tenant(spec.id)
+        return row
 
     async def update_tenant(self, tenant_id: str, body: object) -> TenantRow:
+        """The fields `body` names replaced (admin/specs.py), under the row's lock."""
         async with self.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(
+            record = await conn.fetchrow(
                 f"SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1 AND NOT deleted FOR UPDATE",
                 tenant_id,
             )
-            if row is None:
+            if record is None:
                 raise ApiError.not_found("tenant", tenant_id)
-            before = spec_of(_tenant(row).spec)
-            after = spec_of(changed_tenant(_tenant(row).spec, body, self.tiers()))
+            current = _tenant(record)
+            before = spec_of(current.spec)
+            after = spec_of(changed_tenant(current.spec, body, self.tiers()))
             if after == before:  # nothing changed: no revision, no notification
-                return _tenant(row)
+                return current
             await conn.execute("UPDATE tenants SET spec = $2 WHERE id = $1", tenant_id, after)
-            fields = sorted(k for k in after if after[k] != before.get(k))
-            detail = {"changed": fields}
+            detail = {"changed": sorted(k for k in after if after[k] != before.get(k))}
             done = await self._changed(conn, tenant_id, "tenant.update", tenant_id, detail)
+            row = await self._row(conn, tenant_id)
         done.report()
-        return await self.tenant(tenant_id)
+        return row
 
     async def delete_tenant(self, tenant_id: str) -> TenantRow:
         """A tombstone (followers learn the tenant went), every key of it revoked."""
@@ -144,9 +148,9 @@ class Store:
             )
             detail = {"revoked_keys": sorted(r["id"] for r in revoked)}
             done = await self._changed(conn, tenant_id, "tenant.delete", tenant_id, detail)
-            row = await conn.fetchrow(f"SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1", found)
+            row = await self._row(conn, tenant_id)
         done.report()
-        return _tenant(row)
+        return row
 
     # Keys.
 
@@ -249,6 +253,12 @@ class Store:
         return changed
 
     # Helpers.
+
+    async def _row(self, conn: Any, tenant_id: str) -> TenantRow:
+        """The tenant as `conn`'s transaction sees it (tombstones too)."""
+        return _tenant(
+            await conn.fetchrow(f"SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1", tenant_id)
+        )
 
     async def _locked_key(self, conn: Any, key_id: str) -> KeyRow:
         row = await conn.fetchrow(
