@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
-# One image for the four services; the command names the service:
+# One image for the services; the command names the service:
 #   docker build -t llmgw .
-#   docker run llmgw extauthz | ratelimit | router | ledger
+#   docker run llmgw extauthz | ratelimit | router | ledger | admin
 # Settings come from LLMGW_<SERVICE>__... environment variables (see compose/docker-compose.yaml).
 # Envoy, Redis and PostgreSQL run from their own official images.
 
@@ -25,10 +25,11 @@ COPY extauthz extauthz
 COPY ratelimit ratelimit
 COPY router router
 COPY ledger ledger
+COPY admin admin
 # The `llmgw` command (tenants, keys, usage, certs, render-envoy): the wheel's console script.
 COPY tools tools
 RUN pip install --no-deps . \
- && python -c "import extauthz.__main__, ratelimit.__main__, router.__main__, ledger.__main__" \
+ && python -c "import extauthz.__main__, ratelimit.__main__, router.__main__, ledger.__main__, admin.__main__" \
  && pip uninstall -y pip setuptools
 
 FROM ${PYTHON}

@@ -104,9 +104,9 @@ class Migration:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
 
-def migrations() -> list[Migration]:
-    """The schema migrations shipped in ledger/migrations/, in version order."""
-    folder = resources.files("ledger") / "migrations"
+def migrations(package: str = "ledger") -> list[Migration]:
+    """The schema migrations shipped in `package`/migrations/, in version order."""
+    folder = resources.files(package) / "migrations"
     files = sorted((f for f in folder.iterdir() if f.name.endswith(".sql")), key=lambda f: f.name)
     return [Migration(f.name.removesuffix(".sql"), f.read_text()) for f in files]
 
@@ -115,19 +115,23 @@ class MigrationError(RuntimeError):
     """An applied migration's file changed since it was applied."""
 
 
-async def migrate(conn: Any, available: Sequence[Migration] | None = None) -> list[str]:
-    """Apply the migrations not yet in `schema_migrations`; returns the versions applied now.
-    Safe when several ledgers start at once: they take turns under an advisory lock."""
+async def migrate(
+    conn: Any, available: Sequence[Migration] | None = None, table: str = "schema_migrations"
+) -> list[str]:
+    """Apply the migrations not yet in `table`; returns the versions applied now. Safe when
+    several processes start at once: they take turns under an advisory lock. Each service's
+    migrations (the ledger's by default, the admin's: admin/migrations/ into
+    `admin_schema_migrations`) are numbered and tracked in a table of their own, one database."""
     available = migrations() if available is None else available
     applied_now: list[str] = []
     await conn.execute("SELECT pg_advisory_lock($1)", MIGRATIONS_LOCK)
     try:
         await conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            f"CREATE TABLE IF NOT EXISTS {table} ("
             " version text PRIMARY KEY, checksum text NOT NULL,"
             " applied_at timestamptz NOT NULL DEFAULT now())"
         )
-        rows = await conn.fetch("SELECT version, checksum FROM schema_migrations")
+        rows = await conn.fetch(f"SELECT version, checksum FROM {table}")
         done = {r["version"]: r["checksum"] for r in rows}
         for m in available:
             if m.version in done:
@@ -137,12 +141,12 @@ async def migrate(conn: Any, available: Sequence[Migration] | None = None) -> li
             async with conn.transaction():
                 await conn.execute(m.sql)
                 await conn.execute(
-                    "INSERT INTO schema_migrations (version, checksum) VALUES ($1, $2)",
+                    f"INSERT INTO {table} (version, checksum) VALUES ($1, $2)",
                     m.version,
                     m.checksum,
                 )
             applied_now.append(m.version)
-            log.info("migration applied", extra={"version": m.version})
+            log.info("migration applied", extra={"version": m.version, "table": table})
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATIONS_LOCK)
     return applied_now

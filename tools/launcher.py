@@ -34,9 +34,15 @@ def banner(info: dict[str, Any]) -> str:
         f"  base_url:  {info['base_url']}",
         f"  pods:      {', '.join(str(p['url']) for p in info['pods'])}",
         f"  redis:     {redacted(info['redis_url'])} (password: see the ready file)",
-        f"  admin:     {info['envoy_admin_url']} (localhost only)",
+        f"  envoy:     {info['envoy_admin_url']} (its admin; localhost only)",
         f"  logs:      {info['logs']}",
     ]
+    if info.get("admin_url"):
+        lines += [
+            f"  admin API: {info['admin_url']}/admin/v1/ (localhost only; its OpenAPI document:"
+            f" {info['admin_url']}/openapi.json)",
+            f"  admin token: {info['admin_token']}   (Authorization: Bearer <admin token>)",
+        ]
     if info.get("database_url"):  # never the URL itself: it carries the password
         lines.append(
             "  ledger:    .venv/bin/llmgw usage --by tenant   (PostgreSQL, see the ready file)"
@@ -55,7 +61,7 @@ def banner(info: dict[str, Any]) -> str:
 
 def write_ready(ready_file: Path, info: dict[str, Any]) -> None:
     """Replace the ready file atomically: readers never see half of it. Owner-only (0600): it
-    holds the demo tenants' API keys and the Redis and database passwords."""
+    holds the demo tenants' API keys, the admin token and the Redis and database passwords."""
     tmp = ready_file.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:

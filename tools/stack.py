@@ -88,6 +88,9 @@ class StackSettings(Strict):
     # without extauthz they count nothing.
     # The ledger settles tokens and keeps the usage ledger, in PostgreSQL.
     services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
+    # The admin API (admin/: tenants, keys, usage) on a free loopback port, on the stack's
+    # PostgreSQL (the ledger's), with a token made for the run; the demo tenants imported.
+    admin: bool = True
     # How Envoy checks and where the rate limiter and the router run (llmgw/topology.py); the
     # gateway is what compose and k8s run.
     topology: Topology = Topology.GATEWAY
@@ -160,6 +163,9 @@ class Stack:
         self.redis_password = secrets.token_hex(24)
         self.pod_api_key = reveal(settings.pod_api_key)
         self.database_url: str | None = None
+        # The admin API's URL (not Envoy's admin: `admin_url`) and its token, made for the run.
+        self.admin_api_url: str | None = None
+        self.admin_token = secrets.token_hex(32)
         self.services = Services()
         self.metrics: dict[str, str] = {}
         self.tenants_file = state_dir / "tenants.yaml"
@@ -187,6 +193,8 @@ class Stack:
             self._start_redis()
             self._start_pods()
             self._start_services()
+            if self.settings.admin:
+                self._start_admin()
             self._start_envoy()
         except BaseException:
             self.stop()
@@ -440,8 +448,31 @@ class Stack:
             settings |= PATIENT_SCRAPES
         return settings
 
+    def _start_admin(self) -> None:
+        """The admin API, importing the tenants file (the demo tenants) into the database."""
+        port = free_port()
+        settings = {
+            "HOST": "127.0.0.1",
+            "PORT": str(port),
+            "DATABASE_URL": self._database(),
+            "ADMIN_TOKEN": self.admin_token,
+        }
+        if self.tenants_file.exists():
+            settings["IMPORT_TENANTS_FILE"] = str(self.tenants_file)
+        if self.tiers_file is not None:
+            settings["TIERS_FILE"] = str(self.tiers_file)
+        env = {**os.environ, **{f"LLMGW_ADMIN__{k}": v for k, v in settings.items()}}
+        url = f"http://127.0.0.1:{port}"
+        ready = http_ok(f"{url}/health")
+        self._process("admin", [sys.executable, "-m", "admin"], ready, env).start()
+        self.admin_api_url = url
+        self.metrics["admin"] = f"{url}/metrics"
+
     def _database(self) -> str:
-        """The ledger's database: the one the settings name, else a local server of ours."""
+        """The stack's database (the ledger's and the admin API's): the one the settings name,
+        else a local server of ours, started once."""
+        if self.database_url is not None:
+            return self.database_url
         if self.settings.database_url is not None:
             self.database_url = self.settings.database_url
             return self.database_url
@@ -618,6 +649,8 @@ class Stack:
             "database_url": self.database_url,
             "processes": {proc.name: proc.pid for proc in self.processes},
             "envoy_admin_url": self.admin_url,
+            "admin_url": self.admin_api_url,
+            "admin_token": self.admin_token if self.admin_api_url else None,
             "metrics": self.metrics,
             "logs": str(self.state_dir),
         }

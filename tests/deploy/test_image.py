@@ -13,7 +13,7 @@ from pathlib import Path
 from deploy.image_requirements import LOCAL_STACK_ONLY, name, requirements
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("extauthz", "ratelimit", "router", "ledger")
+SERVICES = ("extauthz", "ratelimit", "router", "ledger", "admin")
 
 
 def stages() -> list[list[str]]:

@@ -63,7 +63,7 @@ def test_up_serves_and_stops_cleanly(
     assert models.status == 200
     children = list(info["processes"].values())
     names = {"redis", "postgres", "pod-0", "pod-1", "envoy"}
-    names |= {"extauthz", "ledger"}  # the router and the rate limiter run inside extauthz
+    names |= {"extauthz", "ledger", "admin"}  # the router and the rate limiter: in extauthz
     assert set(info["processes"]) == names
     assert {t["tier"] for t in info["tenants"]} == {"free", "standard", "platinum"}
     assert "base_url" in log.read_text()

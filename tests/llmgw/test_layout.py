@@ -3,7 +3,7 @@ services down to the library, never up.
 
     tools/, sim/                     the `llmgw` command, the local stack, the simulated pods
        │
-    extauthz/ ratelimit/ router/ ledger/      the services (the image holds only these and llmgw/)
+    extauthz/ ratelimit/ router/ ledger/ admin/   the services (the image: only these, llmgw/)
        │
     llmgw/                           the library: contracts and what every process is built on
 
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = "llmgw"
-SERVICES = ("extauthz", "ratelimit", "router", "ledger")
+SERVICES = ("extauthz", "ratelimit", "router", "ledger", "admin")
 TOOLS = ("tools", "sim")
 # Not part of any package the image or the tools import; nothing in llmgw/ may reach them either.
 OUTSIDE = ("tests", "bench", "deploy")

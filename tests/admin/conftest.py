@@ -1,0 +1,92 @@
+"""Fixtures of the admin API's tests: a real PostgreSQL (a fresh database per test, from the
+ledger's fixtures) and the API served on a loopback port, reached over real HTTP."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+from aiohttp import web
+
+from admin.__main__ import connect
+from admin.api import Admin
+from admin.reports import Reports
+from admin.settings import Settings
+from admin.store import Store
+from llmgw.tiers import TierTable
+from tests.ledger.conftest import db, shared_pg
+
+__all__ = ["db", "shared_pg"]
+
+OVERLAP_S = 3600.0  # the service's default rotation overlap in these tests
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+
+@dataclass
+class Api:
+    """The running admin API: `call()` sends the admin token unless told `token=`."""
+
+    url: str
+    token: str
+    database_url: str
+    session: aiohttp.ClientSession
+
+    async def call(
+        self, method: str, path: str, body: Any = None, token: str | None = None, **query: Any
+    ) -> Reply:
+        headers = {"Authorization": f"Bearer {self.token if token is None else token}"}
+        if token == "":
+            headers = {}
+        params = {k: str(v) for k, v in query.items() if v is not None}
+        async with self.session.request(
+            method, self.url + path, json=body, headers=headers, params=params
+        ) as r:
+            text = await r.text()
+            parsed = await r.json(content_type=None) if text.startswith(("{", "[")) else text
+            return Reply(r.status, parsed, dict(r.headers))
+
+    async def ok(self, method: str, path: str, body: Any = None, **query: Any) -> Any:
+        reply = await self.call(method, path, body, **query)
+        assert reply.status == 200, reply.body
+        return reply.body
+
+    async def tenant(self, tenant_id: str, tier: str = "standard", **spec: Any) -> Any:
+        body = {"id": tenant_id, "name": tenant_id, "tier": tier, "priority": 5, "models": "*"}
+        return await self.ok("POST", "/admin/v1/tenants", {**body, **spec})
+
+    async def rows(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.database_url)
+        try:
+            return list(await conn.fetch(sql, *args))
+        finally:
+            await conn.close()
+
+
+@pytest.fixture
+async def api(db: str) -> AsyncIterator[Api]:
+    token = secrets.token_hex(32)
+    settings = Settings.model_validate({"database_url": db, "admin_token": token})
+    pool = await connect(settings)
+    admin = Admin(Store(pool, lambda: TierTable()), Reports(pool), token, OVERLAP_S)
+    runner = web.AppRunner(admin.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield Api(f"http://127.0.0.1:{port}", token, db, session)
+    finally:
+        await runner.cleanup()
+        await pool.close()

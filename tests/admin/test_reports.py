@@ -1,0 +1,139 @@
+"""Usage, sessions, breakers and alerts: what the ledger wrote (its own INSERTs, ledger/db.py),
+read back through the admin API."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from ledger.db import INSERT_EVENTS, INSERT_OUTCOMES, columns
+from llmgw.outcome import Outcome
+from tests.admin.conftest import Api
+from tests.admin.test_api import assert_error
+
+T0 = datetime(2026, 12, 1, 23, 59, 58, tzinfo=UTC)
+
+
+def outcome(i: int, **fields: Any) -> Outcome:
+    values: dict[str, Any] = {
+        "request_id": f"req-{i:04d}",
+        "ts": T0 + timedelta(seconds=i),
+        "tenant": "acme",
+        "model": "m1",
+        "outcome": "ok",
+        "status": 200,
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "charged_tokens": 15,
+        "cost_micros": 1_000,
+        "currency": "USD",
+    }
+    return Outcome(**{**values, **fields})
+
+
+async def write(api: Api, outcomes: list[Outcome], events: Sequence[tuple[str, str]] = ()) -> None:
+    conn = await asyncpg.connect(api.database_url)
+    try:
+        if outcomes:
+            await conn.execute(INSERT_OUTCOMES, *columns(outcomes))
+        for i, (kind, tenant) in enumerate(events):
+            at = [T0 + timedelta(seconds=i)]
+            await conn.execute(INSERT_EVENTS, at, [kind], [tenant], [f'{{"n": {i}}}'])
+    finally:
+        await conn.close()
+
+
+async def test_usage_by_tenant_model_and_day_within_a_window(api: Api) -> None:
+    await write(
+        api,
+        [
+            outcome(0),
+            outcome(1, model="m2", gpu_seconds=0.5),
+            outcome(2, outcome="upstream_error", status=503, charged_tokens=0, cost_micros=0),
+            outcome(3, tenant="beta", cached_tokens=4),
+        ],
+    )
+    by_tenant = await api.ok("GET", "/admin/v1/usage")
+    acme, beta = by_tenant["data"]
+    assert (acme["tenant"], beta["tenant"]) == ("acme", "beta")
+    assert (acme["requests"], acme["errors"], acme["prompt_tokens"]) == (3, 1, 30)
+    assert (acme["completion_tokens"], acme["charged_tokens"]) == (15, 30)
+    assert acme["cost_micros"] == 2000
+    assert acme["currency"] == "USD" and acme["gpu_seconds"] == 0.5
+    assert beta["cached_tokens"] == 4
+    models = await api.ok("GET", "/admin/v1/usage", group_by="model", tenant="acme")
+    assert [(m["model"], m["requests"]) for m in models["data"]] == [("m1", 2), ("m2", 1)]
+    days = await api.ok("GET", "/admin/v1/usage", group_by="day")  # 23:59:58 + 0..3 s
+    assert [(d["day"], d["requests"]) for d in days["data"]] == [
+        ("2026-12-01", 2),
+        ("2026-12-02", 2),
+    ]
+    since, until = (T0 + timedelta(seconds=1)).isoformat(), (T0 + timedelta(seconds=3)).isoformat()
+    window = await api.ok("GET", "/admin/v1/usage", since=since, until=until)
+    assert [(w["tenant"], w["requests"]) for w in window["data"]] == [("acme", 2)]
+    naive = await api.ok("GET", "/admin/v1/usage", since="2026-12-02T00:00:00")  # UTC
+    assert sum(w["requests"] for w in naive["data"]) == 2
+    first = await api.ok("GET", "/admin/v1/usage", limit=1)
+    assert first["has_more"] and first["last_id"] == "acme"
+    rest = await api.ok("GET", "/admin/v1/usage", after="acme")
+    assert [r["tenant"] for r in rest["data"]] == ["beta"] and not rest["has_more"]
+    for query, param in (({"group_by": "pod"}, "group_by"), ({"since": "yesterday"}, "since")):
+        reply = await api.call("GET", "/admin/v1/usage", **query)
+        assert reply.status == 400
+        assert_error(reply.body, "invalid_value", param)
+
+
+async def test_a_sessions_requests_in_time_order_with_their_stages(api: Api) -> None:
+    await write(
+        api,
+        [
+            outcome(5, session="s1", pod="10.0.0.2:8000", queue_ms=3, ttft_ms=40, duration_ms=240),
+            outcome(1, session="s1", pod="10.0.0.1:8000", ttft_ms=20.0, duration_ms=100.0),
+            outcome(3, session="s1", outcome="refused", status=429),
+            outcome(2, session="s2"),
+        ],
+    )
+    session = await api.ok("GET", "/admin/v1/sessions/s1")
+    assert [r["request_id"] for r in session["data"]] == ["req-0001", "req-0003", "req-0005"]
+    last = session["data"][-1]
+    assert (last["pod"], last["queue_ms"], last["ttft_ms"]) == ("10.0.0.2:8000", 3.0, 40.0)
+    assert (last["duration_ms"], last["decode_ms"]) == (240.0, 200.0)
+    assert (last["prompt_tokens"], last["completion_tokens"], last["cost_micros"]) == (10, 5, 1000)
+    assert session["data"][1]["outcome"] == "refused" and session["data"][1]["status"] == 429
+    assert session["data"][1]["decode_ms"] is None  # no first byte: no decode time
+    page = await api.ok("GET", "/admin/v1/sessions/s1", limit=2)
+    assert page["has_more"] and page["last_id"] == "req-0003"
+    rest = await api.ok("GET", "/admin/v1/sessions/s1", after="req-0003")
+    assert [r["request_id"] for r in rest["data"]] == ["req-0005"]
+
+
+async def test_breaker_and_alert_history_by_tenant(api: Api) -> None:
+    await write(
+        api,
+        [],
+        [
+            ("breaker.trip", "acme"),
+            ("alert.platinum_breaker_open", "acme"),
+            ("breaker.recover", "acme"),
+            ("breaker.trip", "beta"),
+            ("alert.backlog", ""),
+        ],
+    )
+    breakers = await api.ok("GET", "/admin/v1/breakers")
+    assert [(e["kind"], e["tenant"]) for e in breakers["data"]] == [
+        ("breaker.trip", "acme"),
+        ("breaker.recover", "acme"),
+        ("breaker.trip", "beta"),
+    ]
+    assert breakers["data"][0]["detail"] == {"n": 0}
+    acme = await api.ok("GET", "/admin/v1/breakers", tenant="acme", limit=1)
+    assert acme["has_more"] and acme["data"][0]["kind"] == "breaker.trip"
+    rest = await api.ok("GET", "/admin/v1/breakers", tenant="acme", after=acme["last_id"])
+    assert [e["kind"] for e in rest["data"]] == ["breaker.recover"] and not rest["has_more"]
+    alerts = await api.ok("GET", "/admin/v1/alerts")
+    assert [e["kind"] for e in alerts["data"]] == ["alert.platinum_breaker_open", "alert.backlog"]
+    only = await api.ok("GET", "/admin/v1/alerts", tenant="acme")
+    assert [e["kind"] for e in only["data"]] == ["alert.platinum_breaker_open"]
