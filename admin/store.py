@@ -229,8 +229,10 @@ class Store:
 
     async def import_tenants(self, tenants: Sequence[Tenant]) -> list[str]:
         """The tenants of a tenants file into the database: each spec replaces the database's,
-        each key the database lacks is added (by its hash: the file holds no secret). Returns
-        the tenants that changed."""
+        each key the database lacks is added (by its hash: the file holds no secret), and the
+        keys an earlier import added that the file no longer has are revoked (an old run's demo
+        keys, printed in an old banner, stop; keys made through the API stay). Returns the
+        tenants that changed."""
         changed: list[str] = []
         for t in tenants:
             done = None
@@ -244,8 +246,17 @@ class Store:
                     spec_of(t),
                 )
                 added = [k.id for k in t.keys if await self._insert_key(conn, t.id, k, quiet=True)]
-                if spec is not None or added:
-                    detail = {"keys_added": added}
+                gone = await conn.fetch(
+                    "UPDATE api_keys SET revoked = true WHERE tenant = $1 AND NOT revoked"
+                    " AND NOT (id = ANY($2::text[])) AND id IN (SELECT"
+                    " jsonb_array_elements_text(detail->'keys_added') FROM audit"
+                    " WHERE action = 'tenant.import' AND target = $1) RETURNING id",
+                    t.id,
+                    [k.id for k in t.keys],
+                )
+                revoked = [r["id"] for r in gone]
+                if spec is not None or added or revoked:
+                    detail = {"keys_added": added, "keys_revoked": revoked}
                     done = await self._changed(conn, t.id, "tenant.import", t.id, detail)
             if done is not None:
                 done.report()

@@ -47,6 +47,7 @@ def _stack_settings(args: argparse.Namespace) -> StackSettings:
         update["tokenizer"] = args.tokenizer
     if args.responses_store:
         update["responses_store"] = True
+    update["admin"] = not args.no_admin_api
     if args.database_url:
         update["database_url"] = args.database_url
     if settings.postgres_dir is None:  # the local ledger outlives one run of the stack
@@ -179,6 +180,12 @@ def parser() -> argparse.ArgumentParser:
         "--tokenizer",
         type=Path,
         help="the served model's tokenizer.json: the pods and the gateway count prompts with it",
+    )
+    up.add_argument(
+        "--no-admin-api",
+        action="store_true",
+        help="no admin API: extauthz follows the tenants file (`llmgw keys`) instead of the "
+        "database the admin API writes",
     )
     up.add_argument(
         "--responses-store",

@@ -89,8 +89,10 @@ class StackSettings(Strict):
     # The ledger settles tokens and keeps the usage ledger, in PostgreSQL.
     services: tuple[ServiceName, ...] = ("extauthz", "ratelimit", "router", "ledger")
     # The admin API (admin/: tenants, keys, usage) on a free loopback port, on the stack's
-    # PostgreSQL (the ledger's), with a token made for the run; the demo tenants imported.
-    admin: bool = True
+    # PostgreSQL (the ledger's), with a token made for the run; the demo tenants imported, and
+    # extauthz following the database (the source of truth then: the tenants file is only
+    # imported at start). `llmgw up` runs it; off, extauthz follows the tenants file.
+    admin: bool = False
     # How Envoy checks and where the rate limiter and the router run (llmgw/topology.py); the
     # gateway is what compose and k8s run.
     topology: Topology = Topology.GATEWAY
@@ -193,8 +195,6 @@ class Stack:
             self._start_redis()
             self._start_pods()
             self._start_services()
-            if self.settings.admin:
-                self._start_admin()
             self._start_envoy()
         except BaseException:
             self.stop()
@@ -368,6 +368,13 @@ class Stack:
             settings["ledger"]["RECONCILE__ACCESS_LOG"] = str(self.access_log)
         if "extauthz" in self.settings.services:
             self.tenants = seed_demo(self.tenants_file)
+        if self.settings.admin:
+            self._start_admin()  # the tenants file imported into the database first
+            settings["extauthz"] |= {
+                "TENANTS_SOURCE": "database",
+                "TENANTS_DATABASE_URL": self._database(),
+                "TENANTS_CACHE": str(self.state_dir / "tenants.cache.yaml"),
+            }
         if self.tiers_file is not None:
             # The tier table: ratelimit's limits, and the tiers extauthz lets a tenant name.
             for name in ("ratelimit", "extauthz", "ledger"):  # the ledger: each tier's breaker

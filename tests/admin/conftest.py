@@ -1,5 +1,5 @@
-"""Fixtures of the admin API's tests: a real PostgreSQL (a fresh database per test, from the
-ledger's fixtures) and the API served on a loopback port, reached over real HTTP."""
+"""Fixtures of the admin API's tests: a real PostgreSQL (a fresh database per test: the shared
+fixtures of tests/conftest.py) and the API served on a loopback port, reached over real HTTP."""
 
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ from admin.reports import Reports
 from admin.settings import Settings
 from admin.store import Store
 from llmgw.tiers import TierTable
-from tests.ledger.conftest import db, shared_pg
-
-__all__ = ["db", "shared_pg"]
 
 OVERLAP_S = 3600.0  # the service's default rotation overlap in these tests
 

@@ -77,6 +77,20 @@ async def test_the_service_imports_serves_and_stops_on_sigterm(db: str, tmp_path
         proc.stop()
     actions = [a["action"] for a in audit["data"]]
     assert actions == ["tenant.import"] * len(demo) + ["key.create"]
+    # Started with a file of new demo keys (the next `llmgw up`): the old ones stop, the key
+    # made through the API stays.
+    old_keys = {k for ids in file_keys.values() for k in ids}
+    seed_demo(tenants_file)
+    proc = admin(tmp_path, env).start(60)
+    try:
+        states = {}
+        for tenant_id in file_keys:
+            _, keys = request(f"{url}/tenants/{tenant_id}/keys", token)
+            states |= {k["id"]: k["revoked"] for k in keys["data"]}
+    finally:
+        proc.stop()
+    assert all(states[k] for k in old_keys) and states[made["id"]] is False
+    assert sum(not revoked for revoked in states.values()) == len(demo) + 1
 
 
 def test_a_weak_or_missing_admin_token_is_refused_at_start() -> None:

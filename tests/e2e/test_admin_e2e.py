@@ -1,5 +1,6 @@
 """`llmgw up`'s admin API: started by the stack on its PostgreSQL, reached with the ready file's
-URL and token, showing the demo tenants (imported from the stack's tenants file)."""
+URL and token, showing the demo tenants (imported from the stack's tenants file); extauthz
+follows the database, so a key made or revoked through the API works or stops through Envoy."""
 
 from __future__ import annotations
 
@@ -13,18 +14,23 @@ import pytest
 
 from extauthz import tenants
 from tests.e2e.conftest import stack_settings
+from tests.e2e.test_ratelimit_e2e import chat
+from tests.eventually import eventually
 from tools.launcher import banner
 from tools.stack import Stack
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with Stack(stack_settings(), tmp_path_factory.mktemp("admin-stack")) as running:
+    settings = stack_settings().model_copy(update={"admin": True})
+    with Stack(settings, tmp_path_factory.mktemp("admin-stack")) as running:
         yield running
 
 
-def get(url: str, token: str | None) -> tuple[int, Any]:
-    req = urllib.request.Request(url)
+def get(url: str, token: str | None, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("content-type", "application/json")
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -49,3 +55,25 @@ def test_the_stack_serves_the_admin_api_with_the_demo_tenants(stack: Stack) -> N
     assert get(f"{url}/openapi.json", None)[1]["openapi"].startswith("3.1")
     shown = banner(info)
     assert f"{url}/admin/v1/" in shown and token in shown
+
+
+def test_a_key_made_through_the_api_works_through_envoy_and_stops_when_revoked(
+    stack: Stack,
+) -> None:
+    """The database is the source of truth: extauthz follows it (a notification, else a poll
+    every second), so the key works through Envoy as soon as it is made and stops once revoked,
+    without anyone touching a file. The bound (2 s) is the follower's; here a busy machine gets
+    more before the test gives up."""
+    info = stack.ready_info()
+    url, token = info["admin_url"], info["admin_token"]
+    spec = {"id": "made-by-api", "name": "Made", "tier": "standard", "priority": 5, "models": "*"}
+    assert get(f"{url}/admin/v1/tenants", token, "POST", spec)[0] in (200, 201)
+    status, made = get(f"{url}/admin/v1/tenants/made-by-api/keys", token, "POST", {})
+    assert status in (200, 201)
+    key = made["key"]
+    eventually(lambda: chat(stack, key).status == 200, 10.0, "the new key works through Envoy")
+    assert get(f"{url}/admin/v1/keys/{made['id']}", token, "DELETE")[0] == 200
+    eventually(lambda: chat(stack, key).status == 401, 10.0, "the revoked key stops")
+    # The demo tenants' keys, imported from the file, work as the banner says.
+    demo = next(t for t in info["tenants"] if t["tier"] == "standard")
+    assert chat(stack, demo["api_key"]).status == 200

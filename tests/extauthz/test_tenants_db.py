@@ -27,7 +27,10 @@ from tests.extauthz.conftest import NOW, make_decider
 from tools.postgres import Postgres
 
 SCHEMA = Path(__file__).parents[2] / "admin" / "migrations" / "0001_admin.sql"
-WITHIN_S = 2.0  # the bound: every replica sees a change within 2 s
+# The follower's bound is the notification's delivery, else its 1 s poll (the 2 s):
+# a busy machine gets more before a test gives up (polls here are every 60 s where only the
+# notification may bring a change, so the bound still tells the two apart).
+WITHIN_S = 10.0
 Open = Callable[..., Awaitable[TenantsFollower]]
 
 
