@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -44,6 +45,8 @@ ROUTER_ERRORS = {
 def _default(value: object) -> object:
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, Decimal):  # an amount of money (ledger/usage.py: exact in SQL)
+        return float(value)
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 

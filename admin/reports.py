@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from admin.types import ApiError, Page, PageRequest
+from ledger import usage
 
 GroupBy = Literal["tenant", "model", "day"]
 GROUP_KEYS: dict[GroupBy, str] = {
@@ -16,20 +17,6 @@ GROUP_KEYS: dict[GroupBy, str] = {
     "model": "model",
     "day": "to_char(ts AT TIME ZONE 'UTC', 'YYYY-MM-DD')",  # UTC days
 }
-USAGE_TOTALS = (
-    "count(*) AS requests,"
-    " count(*) FILTER (WHERE outcome = 'upstream_error') AS errors,"
-    " count(*) FILTER (WHERE outcome = 'refused') AS refused,"
-    " count(*) FILTER (WHERE outcome = 'aborted') AS aborted,"
-    " sum(prompt_tokens)::bigint AS prompt_tokens,"
-    " sum(completion_tokens)::bigint AS completion_tokens,"
-    " sum(cached_tokens)::bigint AS cached_tokens,"
-    " sum(charged_tokens)::bigint AS charged_tokens,"
-    " sum(cost_micros)::bigint AS cost_micros,"
-    # Amounts in several currencies do not add up: the currencies are listed, as `llmgw usage`.
-    " coalesce(string_agg(DISTINCT nullif(currency, ''), ','), '') AS currency,"
-    " sum(gpu_seconds) AS gpu_seconds"
-)
 SESSION_COLUMNS = (
     "request_id, ts, tenant, model, endpoint, pod, status, outcome, flags, attempts, stream,"
     " queue_ms, ttft_ms, duration_ms, duration_ms - ttft_ms AS decode_ms,"  # decode: after TTFT
@@ -56,7 +43,7 @@ class Reports:
 
     async def usage(self, window: Window, by: GroupBy, page: PageRequest) -> Page[dict[str, Any]]:
         rows = await self.pool.fetch(
-            f"SELECT * FROM (SELECT {GROUP_KEYS[by]} AS {by}, {USAGE_TOTALS} FROM outcomes"
+            f"SELECT * FROM (SELECT {GROUP_KEYS[by]} AS {by}, {usage.TOTALS} FROM outcomes"
             " WHERE ($1::text IS NULL OR tenant = $1) AND ($2::timestamptz IS NULL OR ts >= $2)"
             f" AND ($3::timestamptz IS NULL OR ts < $3) GROUP BY 1) g"
             f" WHERE $4::text IS NULL OR {by} > $4 ORDER BY {by} LIMIT $5",

@@ -26,6 +26,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
+from ledger import usage
 from llmgw.outcome import JSON_FIELDS
 from tools import postgres
 
@@ -116,59 +117,17 @@ class Filters:
         return f"WHERE {' AND '.join(self.clauses)}" if self.clauses else ""
 
 
-def _amount(micros: str) -> str:
-    """SQL: micro-units as the currency's decimal amount."""
-    return f"round(({micros})::numeric / 1000000, 6)"
-
-
-def _one_currency(total: str) -> str:
-    """SQL: an amount summed over records priced in one currency; none over several (a price
-    table changed its currency: `--since` narrows to one)."""
-    return f"CASE WHEN count(DISTINCT nullif(currency, '')) > 1 THEN NULL ELSE {total} END"
-
-
 # Columns computed from the stored ones.
 COMPUTED = {
-    "cost": f"{_amount('cost_micros')} AS cost",
+    "cost": f"{usage.amount('cost_micros')} AS cost",
     "gpu_seconds": "round(gpu_seconds::numeric, 3) AS gpu_seconds",  # milliseconds: estimated
 }
-
-
-# A record's cost times its borrowed share of the charged tokens (integer micro-units).
-_BORROWED_MICROS = (
-    "floor(cost_micros::numeric * least(borrowed_tokens, charged_tokens)"
-    " / greatest(charged_tokens, 1))"
-)
 
 
 def totals_sql(by: By, filters: Filters) -> str:
     key = {"tenant": "tenant", "session": "session", "model": "model", "pod": "pod"}[by]
     return (
-        f"SELECT {key} AS key, count(*) AS requests,"
-        " count(*) FILTER (WHERE outcome = 'upstream_error') AS errors,"
-        " count(*) FILTER (WHERE outcome = 'refused') AS refused,"
-        " count(*) FILTER (WHERE outcome = 'aborted') AS aborted,"
-        " sum(prompt_tokens)::bigint AS prompt_tokens,"
-        " sum(completion_tokens)::bigint AS completion_tokens,"
-        " sum(charged_tokens)::bigint AS charged_tokens,"
-        # The bill's split of the charged tokens. A record's borrowed_tokens is the draw at
-        # admission, an upper bound of its borrowed use: settlement refunds the tenant's windows,
-        # never the pool. So borrowed use is the draw capped at the charge, base use the rest.
-        " sum(greatest(charged_tokens - borrowed_tokens, 0))::bigint AS base_tokens,"
-        " sum(least(borrowed_tokens, charged_tokens))::bigint AS borrowed_tokens,"
-        " sum(borrowed_requests)::bigint AS borrowed_requests,"
-        # The cost split as the charged tokens are: a record's borrowed share of its charge.
-        f" {_one_currency('sum(cost_micros)::bigint')} AS cost_micros,"
-        f" {_one_currency(_amount('sum(cost_micros)'))} AS cost,"
-        f" {_one_currency(_amount(f'sum(cost_micros - {_BORROWED_MICROS})'))} AS base_cost,"
-        f" {_one_currency(_amount(f'sum({_BORROWED_MICROS})'))} AS borrowed_cost,"
-        " string_agg(DISTINCT nullif(currency, ''), ',') AS currency,"
-        " round(sum(gpu_seconds)::numeric, 3) AS gpu_seconds,"
-        # The wait in flow control's queue (none: not held; 0: went at once), then the pod's.
-        " percentile_cont(0.5) WITHIN GROUP (ORDER BY queue_ms) AS queue_p50_ms,"
-        " percentile_cont(0.9) WITHIN GROUP (ORDER BY queue_ms) AS queue_p90_ms,"
-        " percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_ms) AS ttft_p50_ms,"
-        " percentile_cont(0.9) WITHIN GROUP (ORDER BY ttft_ms) AS ttft_p90_ms"
+        f"SELECT {key} AS key, {usage.TOTALS}"
         f" FROM outcomes {filters.where} GROUP BY {key} ORDER BY requests DESC, {key}"
     )
 

@@ -137,3 +137,13 @@ async def test_breaker_and_alert_history_by_tenant(api: Api) -> None:
     assert [e["kind"] for e in alerts["data"]] == ["alert.platinum_breaker_open", "alert.backlog"]
     only = await api.ok("GET", "/admin/v1/alerts", tenant="acme")
     assert [e["kind"] for e in only["data"]] == ["alert.platinum_breaker_open"]
+
+
+async def test_usage_in_two_currencies_gives_no_sum_of_money(api: Api) -> None:
+    """Amounts in two currencies do not add up (a price table changed its currency): the
+    tokens add up, the money is none, as `llmgw usage` shows it (one definition: ledger/usage.py)."""
+    await write(api, [outcome(0), outcome(1, currency="EUR"), outcome(2, tenant="beta")])
+    acme, beta = (await api.ok("GET", "/admin/v1/usage"))["data"]
+    assert acme["charged_tokens"] == 30 and acme["cost_micros"] is None and acme["cost"] is None
+    assert set(acme["currency"].split(",")) == {"EUR", "USD"}
+    assert (beta["cost_micros"], beta["cost"], beta["currency"]) == (1000, 0.001, "USD")
