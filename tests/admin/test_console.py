@@ -156,9 +156,13 @@ async def test_tenant_supplied_text_is_escaped(logged_in: Browser) -> None:
     now = datetime.now(UTC)
     await write(logged_in.api, [outcome(0, ts=now, model=script, session="s1", pod=script)])
     for path in ("/tenants", "/tenants/acme", "/tenants/acme/usage", "/sessions/s1"):
-        page = (await logged_in.get(PREFIX + path)).text
-        assert "<script" not in page, path
-        assert "&lt;script&gt;" in page, path
+        reply = await logged_in.get(PREFIX + path)
+        assert "<script" not in reply.text, path
+        assert "&lt;script&gt;" in reply.text, path
+        # Were a page to slip, no script would run: the policy names no script source.
+        policy = reply.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in policy and "script-src" not in policy
+        assert reply.headers["Cache-Control"] == "no-store"  # a key's secret is never cached
 
 
 async def test_a_tenant_and_a_key_made_in_the_forms_show_the_key_once(logged_in: Browser) -> None:
