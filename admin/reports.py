@@ -85,3 +85,30 @@ class Reports:
         )
         items = [{"object": "event", **r} for r in map(dict, rows)]
         return Page.of(items, page.limit, lambda r: r["id"])
+
+    async def sessions(self, tenant: str, limit: int) -> list[dict[str, Any]]:
+        """The tenant's latest sessions, the most recently active first."""
+        rows = await self.pool.fetch(
+            "SELECT session, min(ts) AS started, max(ts) AS last, count(*) AS requests,"
+            " sum(cost_micros)::bigint AS cost_micros,"
+            " coalesce(string_agg(DISTINCT nullif(currency, ''), ','), '') AS currency"
+            " FROM outcomes WHERE tenant = $1 AND session <> '' GROUP BY session"
+            " ORDER BY last DESC, session LIMIT $2",
+            tenant,
+            limit,
+        )
+        return [dict(r) for r in rows]
+
+    async def tiers(self, since: datetime) -> list[dict[str, Any]]:
+        """Each tier's admissions since `since`: its tenants, requests, what they were refused,
+        charged and drew from the fleet's borrowing pool (the ledger's `borrowed_*`)."""
+        rows = await self.pool.fetch(
+            "SELECT tier, count(DISTINCT tenant) AS tenants, count(*) AS requests,"
+            " count(*) FILTER (WHERE outcome = 'refused') AS refused,"
+            " sum(charged_tokens)::bigint AS charged_tokens,"
+            " count(*) FILTER (WHERE borrowed_requests > 0 OR borrowed_tokens > 0) AS borrowing,"
+            " sum(borrowed_tokens)::bigint AS borrowed_tokens"
+            " FROM outcomes WHERE ts >= $1 GROUP BY tier ORDER BY tier",
+            since,
+        )
+        return [dict(r) for r in rows]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 # What is awaited, for the failure: a text, or a callable giving one at the deadline (the
 # metrics page as it was then).
@@ -41,6 +41,21 @@ async def eventually_async(
     """`eventually` inside an event loop: it sleeps with asyncio, so the loop runs meanwhile."""
     started = time.monotonic()
     while not condition():
+        if time.monotonic() - started >= within_s:
+            raise _failure(within_s, what)
+        await asyncio.sleep(every_s)
+    return time.monotonic() - started
+
+
+async def eventually_awaited(
+    condition: Callable[[], Awaitable[object]],
+    within_s: float,
+    what: What = "",
+    every_s: float = 0.05,
+) -> float:
+    """`eventually_async` for a condition that is itself awaited (a request, a page reloaded)."""
+    started = time.monotonic()
+    while not await condition():
         if time.monotonic() - started >= within_s:
             raise _failure(within_s, what)
         await asyncio.sleep(every_s)

@@ -42,6 +42,7 @@ def banner(info: dict[str, Any]) -> str:
             f"  admin API: {info['admin_url']}/admin/v1/ (localhost only; its OpenAPI document:"
             f" {info['admin_url']}/openapi.json)",
             f"  admin token: {info['admin_token']}   (Authorization: Bearer <admin token>)",
+            f"  console:   {info['console_url']} (log in with the admin token)",
         ]
     if info.get("database_url"):  # never the URL itself: it carries the password
         lines.append(

@@ -658,6 +658,7 @@ class Stack:
             "envoy_admin_url": self.admin_url,
             "admin_url": self.admin_api_url,
             "admin_token": self.admin_token if self.admin_api_url else None,
+            "console_url": f"{self.admin_api_url}/console/" if self.admin_api_url else None,
             "metrics": self.metrics,
             "logs": str(self.state_dir),
         }

@@ -1,0 +1,322 @@
+"""The web console: server-rendered pages of the admin API's store and reports, under /console/.
+
+One middleware guards every page but the login's: a live login (admin/logins.py) or a redirect
+to the login page, and on every POST the login's CSRF token, else a 403. Pages are jinja2
+templates (admin/templates/) with autoescape on, sent with a policy that allows no script at
+all and no framing; none is cached (a key's secret is shown once, in the answer to its POST).
+Handlers only parse a form, call the store or the reports the JSON API calls, and render."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+from aiohttp import web
+
+from admin import charts
+from admin.logins import COOKIE, LIFETIME_S, Logins
+from admin.reports import Reports, Window
+from admin.specs import new_tenant
+from admin.store import Store
+from admin.types import MAX_LIMIT, ApiError, KeyRow, PageRequest
+
+PREFIX = "/console"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SID = web.RequestKey("console.session", str)  # the request's login, set by the middleware
+DAYS = 30  # the usage page's window
+SESSIONS = 20  # the usage page's recent sessions
+LIST = 100  # rows of a listing page
+HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self';"
+    " form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@dataclass(frozen=True)
+class Page:
+    method: str
+    path: str  # under PREFIX
+    handler: str
+    login: bool = True  # needs a login (and, a POST, its CSRF token)
+
+
+PAGES: tuple[Page, ...] = (
+    Page("GET", "/", "home", login=False),
+    Page("POST", "/login", "login", login=False),
+    Page("POST", "/logout", "logout"),
+    Page("GET", "/tenants", "tenants"),
+    Page("POST", "/tenants", "create_tenant"),
+    Page("GET", "/tenants/{id}", "tenant"),
+    Page("POST", "/tenants/{id}/keys", "create_key"),
+    Page("POST", "/keys/{key_id}/rotate", "rotate_key"),
+    Page("POST", "/keys/{key_id}/revoke", "revoke_key"),
+    Page("GET", "/tenants/{id}/usage", "usage"),
+    Page("GET", "/sessions/{id}", "session"),
+    Page("GET", "/events", "events"),
+    Page("GET", "/tiers", "tiers"),
+)
+OPEN = frozenset(PREFIX + p.path for p in PAGES if not p.login)
+
+
+def see(path: str) -> web.Response:
+    """A redirect after a POST (or to the login page): 303, so the browser GETs it."""
+    return web.Response(status=303, headers={"Location": PREFIX + path})
+
+
+def money(micros: int | None) -> str:
+    return f"{(micros or 0) / 1e6:,.4f}"
+
+
+class Console:
+    def __init__(
+        self,
+        store: Store,
+        reports: Reports,
+        logins: Logins,
+        overlap_s: float,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.store = store
+        self.reports = reports
+        self.logins = logins
+        self.overlap_s = overlap_s
+        self.clock = clock
+        self.templates = jinja2.Environment(
+            loader=jinja2.PackageLoader("admin", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.templates.filters["money"] = money
+        self.templates.globals["prefix"] = PREFIX
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware])
+        for page in PAGES:
+            app.router.add_route(page.method, page.path, getattr(self, page.handler))
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        response: web.StreamResponse
+        try:
+            response = await self._guarded(request, handler)
+        except ApiError as exc:
+            response = self._render(request, "error.j2", exc.status, message=exc.message)
+        except web.HTTPException as exc:  # the router's 404 and 405
+            response = self._render(request, "error.j2", exc.status, message=exc.reason)
+        response.headers.update(HEADERS)
+        return response
+
+    async def _guarded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN:
+            sid = self.logins.session(request.cookies.get(COOKIE))
+            if sid is None:
+                return see("/")
+            request[SID] = sid
+            if request.method == "POST":
+                given = (await self._form(request)).get("csrf", "")
+                if not self.logins.csrf_ok(sid, given):
+                    message = "this form's CSRF token is missing or wrong: reload the page"
+                    return self._render(request, "error.j2", 403, message=message)
+        return await handler(request)
+
+    def _render(
+        self, request: web.Request, name: str, status: int = 200, **ctx: Any
+    ) -> web.Response:
+        sid = request.get(SID)
+        csrf = self.logins.csrf(sid) if sid is not None else ""
+        text = self.templates.get_template(name).render(csrf=csrf, logged_in=sid is not None, **ctx)
+        return web.Response(text=text, status=status, content_type="text/html")
+
+    @staticmethod
+    async def _form(request: web.Request) -> dict[str, str]:
+        return {k: v for k, v in (await request.post()).items() if isinstance(v, str)}
+
+    # Logging in and out.
+
+    async def home(self, request: web.Request) -> web.Response:
+        if self.logins.session(request.cookies.get(COOKIE)) is not None:
+            return see("/tenants")
+        return self._render(request, "login.j2")
+
+    async def login(self, request: web.Request) -> web.Response:
+        cookie = self.logins.start((await self._form(request)).get("token", ""))
+        if cookie is None:
+            return self._render(request, "login.j2", 401, error="wrong admin token")
+        response = see("/tenants")
+        response.set_cookie(
+            COOKIE,
+            cookie,
+            path=PREFIX,
+            max_age=int(LIFETIME_S),
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+        )
+        return response
+
+    async def logout(self, request: web.Request) -> web.Response:
+        self.logins.end(request[SID])
+        response = see("/")
+        response.del_cookie(COOKIE, path=PREFIX)
+        return response
+
+    # Tenants and keys.
+
+    async def tenants(self, request: web.Request) -> web.Response:
+        page = await self.store.tenants(PageRequest(LIST, request.query.get("after")))
+        tiers = sorted(self.store.tiers().all_tiers)
+        return self._render(request, "tenants.j2", page=page, tiers=tiers)
+
+    async def create_tenant(self, request: web.Request) -> web.Response:
+        form = await self._form(request)
+        models = form.get("models", "").strip()
+        body: dict[str, Any] = {
+            "id": form.get("id", "").strip(),
+            "name": form.get("name", ""),
+            "tier": form.get("tier", ""),
+            # Left a string when it is not a number: the spec's check names the field.
+            "priority": int(p) if (p := form.get("priority", "")).isdigit() else p,
+            "models": "*" if models == "*" else [m.strip() for m in models.split(",") if m.strip()],
+        }
+        if form.get("cache_group", "").strip():
+            body["cache_group"] = form["cache_group"].strip()
+        row = await self.store.create_tenant(new_tenant(body, self.store.tiers()))
+        return see(f"/tenants/{quote(row.spec.id)}")
+
+    async def tenant(self, request: web.Request) -> web.Response:
+        return await self._tenant_page(request, request.match_info["id"])
+
+    async def _tenant_page(
+        self, request: web.Request, tenant_id: str, secret: str = "", made: KeyRow | None = None
+    ) -> web.Response:
+        row = await self.store.tenant(tenant_id)
+        keys = await self.store.keys(tenant_id, PageRequest(MAX_LIMIT))
+        spec = json.dumps(row.view(), indent=2)
+        return self._render(
+            request, "tenant.j2", tenant=row, spec=spec, keys=keys, secret=secret, made=made
+        )
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        secret, key = await self.store.create_key(request.match_info["id"], None)
+        return await self._tenant_page(request, key.tenant, secret, key)
+
+    async def rotate_key(self, request: web.Request) -> web.Response:
+        secret, key, _ = await self.store.rotate_key(request.match_info["key_id"], self.overlap_s)
+        return await self._tenant_page(request, key.tenant, secret, key)
+
+    async def revoke_key(self, request: web.Request) -> web.Response:
+        key = await self.store.revoke_key(request.match_info["key_id"])
+        return see(f"/tenants/{quote(key.tenant)}")
+
+    # What the ledger recorded.
+
+    async def usage(self, request: web.Request) -> web.Response:
+        tenant = await self.store.tenant(request.match_info["id"])
+        today = self.clock().astimezone(UTC).date()
+        first = datetime.combine(today - timedelta(days=DAYS - 1), datetime.min.time(), UTC)
+        window = Window(tenant.spec.id, first)
+        every = PageRequest(MAX_LIMIT)
+        days = (await self.reports.usage(window, "day", every)).data
+        models = (await self.reports.usage(window, "model", every)).data
+        sessions = await self.reports.sessions(tenant.spec.id, SESSIONS)
+        by_day = {d["day"]: d for d in days}
+        dates = [(first.date() + timedelta(days=i)).isoformat() for i in range(DAYS)]
+        currency = ",".join(sorted({c for d in days for c in d["currency"].split(",") if c}))
+        cost = [(d, (by_day[d]["cost_micros"] or 0) / 1e6 if d in by_day else 0.0) for d in dates]
+        requests = [(d, float(by_day[d]["requests"]) if d in by_day else 0.0) for d in dates]
+        return self._render(
+            request,
+            "usage.j2",
+            tenant=tenant,
+            days=days,
+            models=models,
+            sessions=sessions,
+            currency=currency,
+            cost_chart=charts.columns(cost, currency or "(unpriced)", "cost"),
+            requests_chart=charts.columns(requests, "requests", "requests"),
+        )
+
+    async def session(self, request: web.Request) -> web.Response:
+        session_id = request.match_info["id"]
+        found = (await self.reports.session(session_id, PageRequest(MAX_LIMIT))).data
+        start = found[0]["ts"]
+        rows = [
+            self._stages(i, r, (r["ts"] - start).total_seconds() * 1000)
+            for i, r in enumerate(found, 1)
+        ]
+        timeline = charts.bars(rows, "ms")
+        return self._render(
+            request, "session.j2", session=session_id, requests=found, timeline=timeline
+        )
+
+    @staticmethod
+    def _stages(n: int, r: dict[str, Any], at_ms: float) -> charts.Row:
+        """A request's stages from its start (when Envoy got its first byte): the queue in flow
+        control, prefill until its first byte went out (TTFT counts from the start, so the queue
+        is in it), decode until its end. No first byte: its whole time is one `unanswered`."""
+        queue = r["queue_ms"] or 0.0
+        ttft = r["ttft_ms"]
+        duration = r["duration_ms"]
+        spans: tuple[charts.Span, ...]
+        if ttft is None:
+            spans = (
+                charts.Span(at_ms, queue, "queue"),
+                charts.Span(at_ms + queue, max(duration - queue, 0.0), "unanswered"),
+            )
+        else:
+            spans = (
+                charts.Span(at_ms, queue, "queue"),
+                charts.Span(at_ms + queue, max(ttft - queue, 0.0), "prefill"),
+                charts.Span(at_ms + max(ttft, queue), max(duration - ttft, 0.0), "decode"),
+            )
+        label = f"#{n} {r['pod'] or 'no pod'}"
+        return charts.Row(label, spans, f"#{n} {r['request_id']}")
+
+    async def events(self, request: web.Request) -> web.Response:
+        after: dict[str, str | None] = {}
+        for kind in ("breaker", "alert"):
+            raw = request.query.get(f"{kind}_after")
+            if raw is not None and not (raw.isdigit() and len(raw) <= 18):
+                raise ApiError.invalid(f"{kind}_after", "the last ID of a page of this list")
+            after[kind] = raw
+        tenant = request.query.get("tenant") or None
+        breakers = await self.reports.events(
+            "breaker.", tenant, PageRequest(LIST, after["breaker"])
+        )
+        alerts = await self.reports.events("alert.", tenant, PageRequest(LIST, after["alert"]))
+        return self._render(request, "events.j2", breakers=breakers, alerts=alerts, tenant=tenant)
+
+    async def tiers(self, request: web.Request) -> web.Response:
+        now = self.clock()
+        table = self.store.tiers()
+        hour = {t["tier"]: t for t in await self.reports.tiers(now - timedelta(hours=1))}
+        day = {t["tier"]: t for t in await self.reports.tiers(now - timedelta(days=1))}
+        names = sorted(set(table.all_tiers) | set(day))
+        rows = [self._tokens(name, day[name]) for name in names if name in day]
+        return self._render(
+            request,
+            "tiers.j2",
+            names=names,
+            specs=table.all_tiers,
+            hour=hour,
+            day=day,
+            chart=charts.bars(rows, "tokens"),
+        )
+
+    @staticmethod
+    def _tokens(tier: str, totals: dict[str, Any]) -> charts.Row:
+        """A tier's charged tokens, with what it drew from the borrowing pool apart (the draw is
+        never refunded, so it can exceed what settlement left charged)."""
+        borrowed = totals["borrowed_tokens"] or 0
+        own = max((totals["charged_tokens"] or 0) - borrowed, 0)
+        spans = (charts.Span(0, own, "own"), charts.Span(own, borrowed, "borrowed"))
+        return charts.Row(tier or "(none)", spans, tier)
