@@ -141,7 +141,8 @@ async def test_breaker_and_alert_history_by_tenant(api: Api) -> None:
 
 async def test_usage_in_two_currencies_gives_no_sum_of_money(api: Api) -> None:
     """Amounts in two currencies do not add up (a price table changed its currency): the
-    tokens add up, the money is none, as `llmgw usage` shows it (one definition: ledger/usage.py)."""
+    tokens add up, the money is none, as `llmgw usage` shows it (one definition of a total:
+    ledger/usage.py)."""
     await write(api, [outcome(0), outcome(1, currency="EUR"), outcome(2, tenant="beta")])
     acme, beta = (await api.ok("GET", "/admin/v1/usage"))["data"]
     assert acme["charged_tokens"] == 30 and acme["cost_micros"] is None and acme["cost"] is None
