@@ -72,7 +72,8 @@ def see(path: str) -> web.Response:
 
 
 def money(micros: int | None) -> str:
-    return f"{(micros or 0) / 1e6:,.4f}"
+    """An amount; none where records in several currencies do not add up (ledger/usage.py)."""
+    return "–" if micros is None else f"{micros / 1e6:,.4f}"
 
 
 class Console:
@@ -230,7 +231,9 @@ class Console:
         sessions = await self.reports.sessions(tenant.spec.id, SESSIONS)
         by_day = {d["day"]: d for d in days}
         dates = [(first.date() + timedelta(days=i)).isoformat() for i in range(DAYS)]
-        currency = ",".join(sorted({c for d in days for c in d["currency"].split(",") if c}))
+        # None: no priced record that day (ledger/usage.py); several: listed, never summed.
+        named = (d["currency"] or "" for d in days)
+        currency = ",".join(sorted({c for text in named for c in text.split(",") if c}))
         cost = [(d, (by_day[d]["cost_micros"] or 0) / 1e6 if d in by_day else 0.0) for d in dates]
         requests = [(d, float(by_day[d]["requests"]) if d in by_day else 0.0) for d in dates]
         return self._render(

@@ -233,6 +233,21 @@ async def test_the_usage_page_shows_the_ledgers_rows(logged_in: Browser) -> None
     assert sessions == [f"{PREFIX}/sessions/s-new", f"{PREFIX}/sessions/s-old"]
 
 
+async def test_the_usage_page_of_unpriced_or_mixed_currency_records(logged_in: Browser) -> None:
+    """Records no price table priced (no currency), or priced in two currencies: the page
+    shows their requests, and no sum of money that does not add up."""
+    await logged_in.api.tenant("acme")
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=1, microsecond=0)
+    await write(logged_in.api, [outcome(0, ts=today, currency="", cost_micros=0)])
+    unpriced = await logged_in.get(f"{PREFIX}/tenants/acme/usage")
+    assert unpriced.status == 200 and "None" not in unpriced.text
+    await write(logged_in.api, [outcome(1, ts=today, currency="EUR"), outcome(2, ts=today)])
+    mixed = (await logged_in.get(f"{PREFIX}/tenants/acme/usage")).text
+    days = mixed.split('id="days"')[1].split("</table>")[0]
+    assert f'<td>{today.date().isoformat()}</td><td class="n">3</td>' in days
+    assert "– EUR,USD" in days
+
+
 async def test_the_session_timeline_lists_its_requests_in_order_with_their_stages(
     logged_in: Browser,
 ) -> None:

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(
 )
 TENANT = "browser-co"
 REQUESTS = 3
+# The screenshots, kept after the run (make test removes its temporary directory).
+ARTIFACTS = Path(__file__).resolve().parents[2] / ".artifacts" / "console"
 WITHIN_S = 30.0  # the ledger's batch and extauthz's follower on a busy machine: a bound, not a pace
 
 
@@ -37,11 +39,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 class Shots:
-    """Screenshots, numbered in the order taken, in the test's directory."""
+    """Screenshots, numbered in the order taken, in `directory`."""
 
     def __init__(self, tab: Tab, directory: Path) -> None:
         self.tab = tab
         self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
         self.paths: list[Path] = []
 
     async def take(self, name: str) -> None:
@@ -55,7 +58,7 @@ async def test_an_operator_uses_the_console_in_a_browser(stack: Stack, tmp_path:
     console, token = info["console_url"], info["admin_token"]
     assert console == f"{info['admin_url']}/console/" and console in banner(info)
     async with chromium(tmp_path / "chromium") as tab:
-        shots = Shots(tab, tmp_path)
+        shots = Shots(tab, ARTIFACTS)
         await tab.goto(console)
         await tab.fill("input[name=token]", token)
         await shots.take("login")
