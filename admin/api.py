@@ -26,8 +26,17 @@ from admin.openapi import document
 from admin.reports import GROUP_KEYS, EventKind, GroupBy, Reports, Window
 from admin.routes import ROUTES
 from admin.specs import new_tenant, validated
-from admin.store import Store, is_database_error
-from admin.types import DEFAULT_LIMIT, MAX_LIMIT, ApiError, KeyCreate, KeyRotate, Page, PageRequest
+from admin.store import Store, database_error
+from admin.types import (
+    DEFAULT_LIMIT,
+    MAX_LIMIT,
+    ApiError,
+    KeyCreate,
+    KeyRotate,
+    Page,
+    PageRequest,
+    whole,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +111,12 @@ class Admin:
             if "Allow" in exc.headers:
                 response.headers["Allow"] = exc.headers["Allow"]
         except Exception as exc:
-            if not is_database_error(exc):
+            error = database_error(exc)
+            if error is None:
                 log.exception("admin request failed", extra={"route": route})
                 error = ApiError(500, "internal error", "internal_error", type="server_error")
             else:
-                log.warning("database unavailable", extra={"route": route, "error": repr(exc)})
-                error = ApiError(503, "database unavailable", "unavailable", type="server_error")
+                log.warning("database refused", extra={"route": route, "error": type(exc).__name__})
             response = answer(error.body(), error.status)
         seconds = time.perf_counter() - start
         metrics.REQUESTS.labels(route, f"{response.status // 100}xx").inc()
@@ -133,13 +142,13 @@ class Admin:
     @staticmethod
     def _page(request: web.Request, numeric: bool = False) -> PageRequest:
         """`limit` and `after`; `numeric`: the list's IDs are integers."""
-        raw = request.query.get("limit", str(DEFAULT_LIMIT))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        limit = whole(request.query.get("limit", str(DEFAULT_LIMIT)))
+        if limit is None or not 1 <= limit <= MAX_LIMIT:
             raise ApiError.invalid("limit", f"an integer from 1 to {MAX_LIMIT}")
         after = request.query.get("after")
-        if numeric and after is not None and not (after.isdigit() and len(after) <= 18):
+        if numeric and after is not None and whole(after) is None:
             raise ApiError.invalid("after", "the last_id of a page of this list (an integer)")
-        return PageRequest(int(raw), after)
+        return PageRequest(limit, after)
 
     @staticmethod
     async def _body(request: web.Request, model: type[M] | None = None) -> Any:

@@ -23,7 +23,7 @@ from admin.logins import COOKIE, LIFETIME_S, Logins
 from admin.reports import Reports, Window
 from admin.specs import new_tenant
 from admin.store import Store
-from admin.types import MAX_LIMIT, ApiError, KeyRow, PageRequest
+from admin.types import MAX_LIMIT, ApiError, KeyRow, PageRequest, whole
 
 PREFIX = "/console"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -185,7 +185,7 @@ class Console:
             "name": form.get("name", ""),
             "tier": form.get("tier", ""),
             # Left a string when it is not a number: the spec's check names the field.
-            "priority": int(p) if (p := form.get("priority", "")).isdigit() else p,
+            "priority": p if (n := whole(p := form.get("priority", ""))) is None else n,
             "models": "*" if models == "*" else [m.strip() for m in models.split(",") if m.strip()],
         }
         if form.get("cache_group", "").strip():
@@ -288,7 +288,7 @@ class Console:
         after: dict[str, str | None] = {}
         for kind in ("breaker", "alert"):
             raw = request.query.get(f"{kind}_after")
-            if raw is not None and not (raw.isdigit() and len(raw) <= 18):
+            if raw is not None and whole(raw) is None:
                 raise ApiError.invalid(f"{kind}_after", "the last ID of a page of this list")
             after[kind] = raw
         tenant = request.query.get("tenant") or None

@@ -23,11 +23,11 @@ from admin.specs import changed_tenant, spec_of
 from admin.types import ApiError, KeyRow, Page, PageRequest, TenantRow
 from extauthz.tenants import new_key
 from extauthz.types import ApiKey, Tenant
+from llmgw import wire
 from llmgw.tiers import TierTable
 
 log = logging.getLogger(__name__)
 
-CHANNEL = "llmgw_tenants"
 ACTOR = "admin-token"  # who changed it: the one admin token (OIDC subjects later)
 KEY_COLUMNS = "id, tenant, sha256, prefix, created, expires, revoked"
 TENANT_COLUMNS = "id, spec, rev, deleted, updated"
@@ -202,10 +202,13 @@ class Store:
             old = await self._locked_key(conn, key_id)
             if old.key.revoked:
                 raise ApiError.conflict(f"key {key_id!r} is revoked: create a new key instead")
+            if old.key.expires is not None and old.key.expires <= now:
+                raise ApiError.conflict(f"key {key_id!r} has expired: create a new key instead")
             until = now + timedelta(seconds=overlap_s)
             if old.key.expires is not None:
                 until = min(until, old.key.expires)
-            secret, key = new_key(now)
+            # The new key lives as long as the old one was to (a rotation is no extension).
+            secret, key = new_key(now, old.key.expires)
             await self._insert_key(conn, old.tenant, key)
             await conn.execute("UPDATE api_keys SET expires = $2 WHERE id = $1", key_id, until)
             detail = {"tenant": old.tenant, "new_key": key.id, "old_expires": until}
@@ -229,23 +232,40 @@ class Store:
 
     async def import_tenants(self, tenants: Sequence[Tenant]) -> list[str]:
         """The tenants of a tenants file into the database: each spec replaces the database's,
-        each key the database lacks is added (by its hash: the file holds no secret), and the
-        keys an earlier import added that the file no longer has are revoked (an old run's demo
-        keys, printed in an old banner, stop; keys made through the API stay). Returns the
-        tenants that changed."""
+        each key the database lacks is added (by its hash: the file holds no secret), a key the
+        file revoked or expires sooner is revoked or expires in the database too (never the
+        other way), and the keys an earlier import added that the file no longer has are
+        revoked (an old run's demo keys, printed in an old banner, stop; keys made through the
+        API stay). A tenant deleted through the API stays deleted. Returns the tenants that
+        changed."""
         changed: list[str] = []
         for t in tenants:
             done = None
             async with self.pool.acquire() as conn, conn.transaction():
+                if await conn.fetchval("SELECT deleted FROM tenants WHERE id = $1", t.id):
+                    continue  # deleted through the API: the operator's word is the last
                 spec = await conn.fetchval(
                     "INSERT INTO tenants (id, spec) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE"
-                    " SET spec = EXCLUDED.spec, deleted = false"
-                    " WHERE tenants.deleted OR tenants.spec IS DISTINCT FROM EXCLUDED.spec"
+                    " SET spec = EXCLUDED.spec WHERE tenants.spec IS DISTINCT FROM EXCLUDED.spec"
                     " RETURNING id",
                     t.id,
                     spec_of(t),
                 )
                 added = [k.id for k in t.keys if await self._insert_key(conn, t.id, k, quiet=True)]
+                tightened = await conn.fetch(
+                    "UPDATE api_keys AS k SET revoked = k.revoked OR f.revoked,"
+                    " expires = CASE WHEN f.expires IS NOT NULL AND (k.expires IS NULL"
+                    " OR f.expires < k.expires) THEN f.expires ELSE k.expires END"
+                    " FROM unnest($2::text[], $3::bool[], $4::timestamptz[])"
+                    " AS f(id, revoked, expires)"
+                    " WHERE k.id = f.id AND k.tenant = $1 AND ((f.revoked AND NOT k.revoked)"
+                    " OR (f.expires IS NOT NULL AND (k.expires IS NULL OR f.expires < k.expires)))"
+                    " RETURNING k.id",
+                    t.id,
+                    [k.id for k in t.keys],
+                    [k.revoked for k in t.keys],
+                    [k.expires for k in t.keys],
+                )
                 gone = await conn.fetch(
                     "UPDATE api_keys SET revoked = true WHERE tenant = $1 AND NOT revoked"
                     " AND NOT (id = ANY($2::text[])) AND id IN (SELECT"
@@ -255,8 +275,13 @@ class Store:
                     [k.id for k in t.keys],
                 )
                 revoked = [r["id"] for r in gone]
-                if spec is not None or added or revoked:
-                    detail = {"keys_added": added, "keys_revoked": revoked}
+                narrowed = [r["id"] for r in tightened]
+                if spec is not None or added or revoked or narrowed:
+                    detail = {
+                        "keys_added": added,
+                        "keys_revoked": revoked,
+                        "keys_narrowed": narrowed,
+                    }
                     done = await self._changed(conn, t.id, "tenant.import", t.id, detail)
             if done is not None:
                 done.report()
@@ -305,7 +330,7 @@ class Store:
             " WHERE id = $1 RETURNING rev",
             tenant,
         )
-        await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, str(rev))
+        await conn.execute("SELECT pg_notify($1, $2)", wire.TENANTS_CHANNEL, str(rev))
         await conn.execute(
             "INSERT INTO audit (actor, action, target, detail) VALUES ($1, $2, $3, $4)",
             ACTOR,
@@ -317,5 +342,19 @@ class Store:
 
 
 def is_database_error(exc: BaseException) -> bool:
-    """The database down or failing, not the request: a 503."""
+    """The database down or failing, not the request (a 503: `database_error`)."""
     return isinstance(exc, OSError | asyncpg.PostgresError | asyncpg.InterfaceError | TimeoutError)
+
+
+def database_error(exc: BaseException) -> ApiError | None:
+    """The answer to a request the database refused: a value it cannot hold or compare (a NUL, a
+    lone surrogate, a date out of its range) is the request's fault; a deadlock or serialization
+    failure a conflict to retry; anything else of the database's, its being down. None: not the
+    database's."""
+    if isinstance(exc, asyncpg.DataError | UnicodeEncodeError):
+        return ApiError(400, "a value the database cannot store or compare", "invalid_value")
+    if isinstance(exc, asyncpg.DeadlockDetectedError | asyncpg.SerializationError):
+        return ApiError.conflict("a concurrent change: retry")
+    if is_database_error(exc):
+        return ApiError(503, "database unavailable", "unavailable", type="server_error")
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -122,3 +123,11 @@ class KeyCreate(Strict):
 class KeyRotate(Strict):
     # How long the old key keeps working beside the new one; None: the service's default.
     overlap_seconds: float | None = Field(default=None, ge=0, le=366 * 86_400)
+
+
+_WHOLE = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes "²"), within int8
+
+
+def whole(raw: str | None) -> int | None:
+    """A query or form value as a non-negative integer; None: not one."""
+    return int(raw) if raw is not None and _WHOLE.fullmatch(raw) else None

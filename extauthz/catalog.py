@@ -2,9 +2,11 @@
 tenant at a time.
 
 Rows are validated by the tenants file's models. A row that does not validate, or names a tier
-the tier table lacks, is logged and skipped: the tenant stays as it was (absent if it never was
-valid), and the rest loads. A change replaces only its tenants' entries in the snapshot's maps
-(extauthz/sharded.py), never copying every key.
+the tier table lacks, is logged and fails closed: the tenant's keys leave the snapshot (a change
+this replica cannot read, such as a move to a tier it does not know yet together with a
+revocation, must never leave an old key working), and the rest loads. A tenant on an unknown
+tier is kept aside, and comes back when the tier table gains its tier. A change replaces only its
+tenants' entries in the snapshot's maps (extauthz/sharded.py), never copying every key.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _why(row: Row, exc: Exception, **more: object) -> dict[str, object]:
 class Held:
     digests: tuple[bytes, ...]  # its keys in the snapshot, removed when it changes
     line: str  # the tenant as a line of the cache file: a YAML flow mapping (its JSON)
+    parked: bool = False  # its tier unknown: nothing in the snapshot until the table has it
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,28 +91,31 @@ class Catalog:
         put_views: dict[str, TenantView] = {}
         put_held: dict[str, Held] = {}
         gone: list[str] = []
+        dropped_views: list[str] = []  # parked: held, but no view
         known = table.all_tiers
         for tenant_id, tenant in changes.items():
-            if tenant is not None and tenant.tier not in known:
-                log.error(
-                    "tenants database: tenant skipped: unknown tier",
-                    extra={"tenant": tenant_id, "tier": tenant.tier, "tiers": sorted(known)},
-                )
-                continue
             old = self.held.get(tenant_id)
             if old is not None:
                 drop_keys.extend(old.digests)
             if tenant is None:
                 gone.append(tenant_id)
                 continue
+            line = f"- {tenant.model_dump_json(exclude_defaults=True)}\n"
+            if tenant.tier not in known:
+                log.error(
+                    "tenants database: tenant's keys refused: unknown tier",
+                    extra={"tenant": tenant_id, "tier": tenant.tier, "tiers": sorted(known)},
+                )
+                put_held[tenant_id] = Held((), line, parked=True)
+                dropped_views.append(tenant_id)
+                continue
             view = tenant_view(tenant, table)
             entries = key_entries(tenant, view)
             put_keys.update(entries)
             put_views[tenant_id] = view
-            line = f"- {tenant.model_dump_json(exclude_defaults=True)}\n"
             put_held[tenant_id] = Held(tuple(entries), line)
         keys = self.keys.evolve(put_keys, drop_keys)
-        views = self.views.evolve(put_views, gone)
+        views = self.views.evolve(put_views, [*gone, *dropped_views])
         snapshot = Snapshot(keys=keys, tenants=views, tiers=table)
         return Catalog(self.held.evolve(put_held, gone), keys, views, snapshot)
 

@@ -37,14 +37,14 @@ import asyncpg
 
 from extauthz import metrics, tenants
 from extauthz.catalog import Catalog, Row, parse
-from extauthz.types import Snapshot, Tenant
+from extauthz.types import Snapshot
+from llmgw import wire
 from llmgw.config import ConfigError
 from llmgw.reload import Reloading
 from llmgw.tiers import TierTable, load_tiers
 
 log = logging.getLogger(__name__)
 
-CHANNEL = "llmgw_tenants"
 SETTLE_S = 10.0  # a writer commits within this of taking its rev (the admin API's take ms)
 RESYNC_S = 300.0
 MAX_BACKOFF_S = 5.0
@@ -164,16 +164,14 @@ class TenantsFollower:
         if not changed:
             return 0
         rows = _rows([*specs, *(r for r in changed if r["deleted"])], keys)
-        changes: dict[str, Tenant | None] = {}
         for row in rows:
             self._seen[row.id] = row.rev
-            tenant = None if row.deleted else parse(row)
-            if tenant is not None or row.deleted:
-                changes[row.id] = tenant
         async with self._lock:
-            self._install(self.catalog.apply(changes, self.tiers.current))
-        log.info("tenants: changes applied", extra={"tenants": len(changes)})
-        return len(changes)
+            # Off the loop: a tenant with many keys takes a while, and the checks go on.
+            catalog = await asyncio.to_thread(_applied, self.catalog, rows, self.tiers.current)
+            self._install(catalog)
+        log.info("tenants: changes applied", extra={"tenants": len(rows)})
+        return len(rows)
 
     # The loops.
 
@@ -225,7 +223,7 @@ class TenantsFollower:
         )
         try:
             if self.listen:
-                await conn.add_listener(CHANNEL, lambda *_: self._wake.set())
+                await conn.add_listener(wire.TENANTS_CHANNEL, lambda *_: self._wake.set())
             if self._from_cache or not self._seen:
                 await self._load_all(conn)
         except BaseException:
@@ -291,6 +289,12 @@ class TenantsFollower:
             )
         self.up = False
         metrics.TENANTS_SOURCE_UP.set(0)
+
+
+def _applied(catalog: Catalog, rows: list[Row], table: TierTable) -> Catalog:
+    """The rows applied: a deleted tenant, or one whose row does not validate, leaves the
+    snapshot (fail closed: a change this replica cannot read must not leave an old key working)."""
+    return catalog.apply({row.id: None if row.deleted else parse(row) for row in rows}, table)
 
 
 def _rows(tenant_rows: Sequence[Mapping[str, Any]], key_rows: Sequence[Any]) -> list[Row]:

@@ -211,3 +211,7 @@ FLEET_LOAD_KEY = "llmgw:fleet:load"
 POD_BATCHES_KEY = "llmgw:fleet:batches"
 # The fleet's borrowing pool (ratelimit/pool.py): its own hash tag, one Redis Cluster slot.
 POOL_PREFIX = "llmgw:pool:{fleet}"
+
+# The admin API's changes to tenants and keys (admin/migrations/0001_admin.sql), notified on this
+# PostgreSQL channel with the tenant's new revision; extauthz's follower listens.
+TENANTS_CHANNEL = "llmgw_tenants"

@@ -12,7 +12,13 @@ from typing import Any
 import asyncpg
 import pytest
 
+from admin.__main__ import connect
 from admin.routes import ROUTES, Route
+from admin.settings import Settings
+from admin.store import Store
+from extauthz import tenants
+from extauthz.types import Tenant
+from llmgw.tiers import TierTable
 from tests.admin.conftest import OVERLAP_S, Api
 
 PROTECTED = [r for r in ROUTES if r.auth]
@@ -267,6 +273,14 @@ async def test_rotation_makes_a_new_key_and_the_old_one_expires_after_the_overla
     assert timedelta(seconds=OVERLAP_S - 60) < default <= timedelta(seconds=OVERLAP_S)
     third = await api.ok("POST", f"/admin/v1/keys/{old['id']}/rotate", {"overlap_seconds": 9999})
     assert datetime.fromisoformat(third["rotated"]["expires"]) == expires
+    assert datetime.fromisoformat(third["expires"]) == expires  # no extension by rotation
+    # An expired key is no key to rotate.
+    await api.rows(
+        "UPDATE api_keys SET expires = now() - interval '1 second' WHERE id = $1 RETURNING id",
+        again["id"],
+    )
+    gone = await api.call("POST", f"/admin/v1/keys/{again['id']}/rotate")
+    assert gone.status == 409 and "expired" in gone.body["error"]["message"]
     reply = await api.call("POST", f"/admin/v1/keys/{old['id']}/rotate", {"overlap_seconds": -1})
     assert_error(reply.body, "invalid_value", "overlap_seconds")
     await api.ok("DELETE", f"/admin/v1/keys/{old['id']}")
@@ -346,3 +360,80 @@ async def test_admin_migrations_are_tracked_apart_from_the_ledgers(api: Api) -> 
     ledger = await api.rows("SELECT version FROM schema_migrations")
     assert [r["version"] for r in admin] == ["0001_admin"]
     assert ledger and not any(r["version"] == "0001_admin" for r in ledger)
+
+
+async def test_an_import_revokes_and_narrows_but_never_widens_or_revives(api: Api) -> None:
+    """The tenants file imported again (the next `llmgw up`): a key it revoked or that expires
+    sooner in it is revoked or narrowed in the database (`llmgw keys revoke` between two runs
+    sticks); nothing it says widens a key, and a tenant deleted through the API stays deleted."""
+    now = datetime.now(UTC).replace(microsecond=0)
+    settings = Settings.model_validate({"database_url": api.database_url, "admin_token": api.token})
+    pool = await connect(settings)
+    try:
+        store = Store(pool, lambda: TierTable())
+        _, kept = tenants.new_key(now)
+        _, dropped = tenants.new_key(now)
+        _, narrowed = tenants.new_key(now, now + timedelta(days=30))
+        spec = {"name": "F", "tier": "standard", "priority": 5, "models": "*"}
+        first = Tenant(id="filed", keys=(kept, dropped, narrowed), **spec)  # type: ignore[arg-type]
+        gone = Tenant(id="gone", keys=(), **spec)  # type: ignore[arg-type]
+        assert set(await store.import_tenants([first, gone])) == {"filed", "gone"}
+        await api.ok("DELETE", "/admin/v1/tenants/gone")
+        sooner = now + timedelta(days=1)
+        second = first.model_copy(
+            update={
+                "keys": (
+                    kept.model_copy(update={"expires": None}),  # no widening: none to narrow
+                    dropped.model_copy(update={"revoked": True}),
+                    narrowed.model_copy(update={"expires": sooner}),
+                )
+            }
+        )
+        assert await store.import_tenants([second, gone]) == ["filed"]
+        rows = {r["id"]: r for r in await api.rows("SELECT * FROM api_keys")}
+        assert rows[dropped.id]["revoked"] and rows[narrowed.id]["expires"] == sooner
+        assert not rows[kept.id]["revoked"] and rows[kept.id]["expires"] is None
+        third = second.model_copy(
+            update={"keys": (kept, dropped, narrowed.model_copy(update={"expires": None}))}
+        )
+        await store.import_tenants([third])  # an unrevoked or longer key in the file: no change
+        rows = {r["id"]: r for r in await api.rows("SELECT * FROM api_keys")}
+        assert rows[dropped.id]["revoked"] and rows[narrowed.id]["expires"] == sooner
+        deleted = await api.rows("SELECT deleted FROM tenants WHERE id = 'gone'")
+        assert deleted[0]["deleted"] is True
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "param"),
+    [
+        ("/admin/v1/tenants", {"limit": "²"}, "limit"),
+        ("/admin/v1/tenants", {"limit": "9" * 5000}, "limit"),
+        ("/admin/v1/audit", {"after": "²"}, "after"),
+    ],
+)
+async def test_numbers_are_ascii_digits(
+    api: Api, path: str, query: dict[str, str], param: str
+) -> None:
+    """str.isdigit takes "²", which int() refuses (a 500 before): a 400 naming the param."""
+    reply = await api.call("GET", path, **query)
+    assert reply.status == 400 and reply.body["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "query"),
+    [
+        ("GET", "/admin/v1/tenants/a\x00b", {}),
+        ("GET", "/admin/v1/usage", {"tenant": "a\x00b"}),
+        ("GET", "/admin/v1/sessions/s\x00", {}),
+        ("GET", "/admin/v1/usage", {"since": "0001-01-01T00:00:00+14:00"}),
+    ],
+)
+async def test_a_value_the_database_cannot_hold_is_the_requests_fault(
+    api: Api, method: str, path: str, query: dict[str, str]
+) -> None:
+    """A NUL, or a date PostgreSQL cannot represent: a 400, not "database unavailable"."""
+    reply = await api.call(method, path, **query)
+    assert reply.status in (400, 404), reply.body
+    assert reply.body["error"]["code"] != "unavailable"

@@ -97,10 +97,12 @@ async def open_follower(tmp_path: Path) -> AsyncIterator[Open]:
     """open(url, **kwargs) → a started follower, following until the test ends."""
     tasks: list[asyncio.Task[None]] = []
 
-    async def open_(url: str, cache: Path | None = None, **kwargs: Any) -> TenantsFollower:
+    async def open_(
+        url: str, cache: Path | None = None, tiers_file: Path | None = None, **kwargs: Any
+    ) -> TenantsFollower:
         kwargs.setdefault("connect_timeout_s", 2.0)
         follower = await TenantsFollower.open(
-            url, cache or tmp_path / "tenants-cache.yaml", None, **kwargs
+            url, cache or tmp_path / "tenants-cache.yaml", tiers_file, **kwargs
         )
         tasks.append(asyncio.create_task(follower.run()))
         return follower
@@ -215,7 +217,7 @@ async def test_a_bad_row_is_skipped_and_the_rest_load(
     skipped = {(r.getMessage(), getattr(r, "tenant", None)) for r in caplog.records}
     assert ("tenants database: tenant skipped", "broken") in skipped
     assert ("tenants database: key skipped", "acme") in skipped
-    assert ("tenants database: tenant skipped: unknown tier", "unknown-tier") in skipped
+    assert ("tenants database: tenant's keys refused: unknown tier", "unknown-tier") in skipped
 
 
 async def test_the_cache_holds_hashes_only_and_is_0600(
@@ -283,3 +285,40 @@ async def test_neither_database_nor_cache_fails_the_start(tmp_path: Path) -> Non
             None,
             connect_timeout_s=1.0,
         )
+
+
+async def test_a_change_this_replica_cannot_read_fails_closed(
+    admin: Any, db: str, open_follower: Open
+) -> None:
+    """A tenant moved to a tier this replica does not know yet, with its key revoked in the same
+    change, or a row that does not validate: the old key must not keep working."""
+    follower = await open_follower(db, poll_seconds=0.2)
+    moved_key, moved = new_key()
+    broken_key, broken = new_key()
+    await put(admin, tenant("mover"), moved)
+    await put(admin, tenant("breaker"), broken)
+    await eventually_async(
+        lambda: works(follower, moved_key) and works(follower, broken_key), WITHIN_S
+    )
+    await put(admin, tenant("mover", tier="gold"), moved.model_copy(update={"revoked": True}))
+    async with admin.transaction():
+        await admin.execute("UPDATE tenants SET spec = '{\"id\": 3}' WHERE id = 'breaker'")
+        await bump(admin, "breaker")
+    await eventually_async(lambda: not works(follower, moved_key), WITHIN_S, "unknown tier")
+    await eventually_async(lambda: not works(follower, broken_key), WITHIN_S, "bad row")
+
+
+async def test_a_tier_that_goes_and_comes_back_brings_its_tenants_back(
+    admin: Any, db: str, open_follower: Open, tmp_path: Path
+) -> None:
+    tiers = tmp_path / "tiers.yaml"
+    with_gold = "tiers:\n  gold: {requests: {minute: 600}, tokens: {minute: 900000}}\n"
+    tiers.write_text(with_gold)
+    follower = await open_follower(db, tiers_file=tiers, poll_seconds=0.2)
+    api_key, key = new_key()
+    await put(admin, tenant("golden", tier="gold"), key)
+    await eventually_async(lambda: works(follower, api_key), WITHIN_S, "on gold")
+    tiers.write_text("tiers: {}\n")
+    await eventually_async(lambda: not works(follower, api_key), WITHIN_S, "gold gone")
+    tiers.write_text(with_gold + "# again\n")
+    await eventually_async(lambda: works(follower, api_key), WITHIN_S, "gold back")
