@@ -14,6 +14,7 @@ from extauthz.types import PerMinuteLimits
 from tests.e2e.conftest import stack_settings
 from tests.e2e.test_ledger_e2e import recorded
 from tests.e2e.test_ratelimit_e2e import MODEL, add_tenant, reservations
+from tests.e2e.test_responses_e2e import sdk
 from tests.eventually import eventually
 from tests.http import call
 from tools.stack import Stack
@@ -27,10 +28,6 @@ def store_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     settings = stack_settings().model_copy(update={"responses_store": True, "pods": 2})
     with Stack(settings, state / "stack") as running:
         yield running
-
-
-def sdk(stack: Stack, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0)
 
 
 def test_a_conversation_continues_on_the_pod_that_holds_it_and_is_read_again(
