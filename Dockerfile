@@ -34,12 +34,15 @@ RUN pip install --no-deps . \
 
 FROM ${PYTHON}
 # No compilers or pip in the venv: only the interpreter, the venv and the services.
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin llmgw
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin llmgw \
+ # State a service keeps (extauthz's tenants snapshot): a new volume mounted here is its user's.
+ && install -d -o 10001 -g 10001 -m 0700 /var/lib/llmgw
 COPY --from=build /opt/llmgw /opt/llmgw
 ENV PATH=/opt/llmgw/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
 ENTRYPOINT ["python", "-m"]
 CMD ["extauthz"]
-# gRPC health on the port of the service this container runs (LLMGW_<SERVICE>__SERVE__PORT).
+# gRPC health on the port of the service this container runs (LLMGW_<SERVICE>__SERVE__PORT);
+# the admin API's HTTP /health on LLMGW_ADMIN__PORT.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD ["python", "-m", "llmgw.health"]

@@ -4,16 +4,22 @@ The image's health check. Without an argument it checks 127.0.0.1 on the plainte
 of the one service configured in the environment (`LLMGW_<SERVICE>__SERVE__HEALTH_PORT`, else
 its port, `…__SERVE__PORT`, when that is plaintext), so one HEALTHCHECK line serves every
 service the image runs. It speaks no TLS: a port with mutual TLS needs a health port beside it.
+The admin API serves HTTP, not gRPC (`LLMGW_ADMIN__PORT`, a port at the settings' top level):
+there, or with `--http`, it asks `GET /health` for a 200.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 
 SUFFIXES = ("__SERVE__HEALTH_PORT", "__SERVE__PORT")  # first found wins
+HTTP_PORT = re.compile(r"LLMGW_[A-Z]+__PORT")  # a service whose own port is HTTP (the admin API)
 
 
 def grpc_serving(target: str, service: str = "") -> Callable[[], bool]:
@@ -32,7 +38,19 @@ def grpc_serving(target: str, service: str = "") -> Callable[[], bool]:
     return probe
 
 
+def http_ok(url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                return bool(reply.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return probe
+
+
 def default_target(environ: Mapping[str, str]) -> str:
+    """The gRPC health target of the service configured in `environ`."""
     for suffix in SUFFIXES:
         ports = [v for k, v in environ.items() if k.startswith("LLMGW_") and k.endswith(suffix)]
         if len(ports) > 1:
@@ -42,17 +60,38 @@ def default_target(environ: Mapping[str, str]) -> str:
     raise ValueError(f"no LLMGW_*{SUFFIXES[-1]} variable")
 
 
+def default_probe(environ: Mapping[str, str]) -> tuple[str, Callable[[], bool]]:
+    """The target and probe for the service configured in `environ`: gRPC health, or the HTTP
+    `/health` of a service whose own port is HTTP."""
+    try:
+        target = default_target(environ)
+    except ValueError:
+        ports = [v for k, v in environ.items() if HTTP_PORT.fullmatch(k)]
+        if len(ports) != 1:
+            raise
+        target = f"127.0.0.1:{ports[0]}"
+        return target, http_ok(f"http://{target}/health")
+    return target, grpc_serving(target)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmgw.health", description=__doc__)
     parser.add_argument("target", nargs="?", help="HOST:PORT (default: see above)")
     parser.add_argument("--service", default="", help="gRPC health service name ('' = server)")
+    parser.add_argument("--http", action="store_true", help="with TARGET: GET /health for a 200")
     args = parser.parse_args(argv)
-    try:
-        target = args.target or default_target(os.environ)
-    except ValueError as exc:
-        print(f"llmgw.health: {exc}", file=sys.stderr)
-        return 2
-    if grpc_serving(target, args.service)():
+    if args.target:
+        target = args.target
+        probe = (
+            http_ok(f"http://{target}/health") if args.http else grpc_serving(target, args.service)
+        )
+    else:
+        try:
+            target, probe = default_probe(os.environ)
+        except ValueError as exc:
+            print(f"llmgw.health: {exc}", file=sys.stderr)
+            return 2
+    if probe():
         return 0
     print(f"llmgw.health: {target} is not SERVING", file=sys.stderr)
     return 1

@@ -22,15 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-# The gRPC-health probe lives beside the image's health check, which runs without the tools.
+# The probes live beside the image's health check, which runs without the tools.
 from llmgw.health import grpc_serving as grpc_serving
+from llmgw.health import http_ok as http_ok
 from llmgw.resp import encode
 
 
@@ -122,17 +121,6 @@ def tcp_open(host: str, port: int) -> Callable[[], bool]:
             with socket.create_connection((host, port), timeout=0.5):
                 return True
         except OSError:
-            return False
-
-    return probe
-
-
-def http_ok(url: str) -> Callable[[], bool]:
-    def probe() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                return bool(resp.status == 200)
-        except (OSError, urllib.error.URLError):
             return False
 
     return probe

@@ -8,8 +8,10 @@
   load to Redis.
 - Every service built from our image starts here from the compose file's own command,
   environment and mounted files, with the compose hostnames mapped to loopback (a port of ours
-  for each `host:port`), and answers the compose health check: a compose file whose services
-  could not start fails here. Redis runs with the compose file's flags (its password too: a
+  for each `host:port`), after the services of ours it depends on, and answers the compose
+  health check: a compose file whose services could not start fails here. The admin API runs
+  too, and extauthz follows its tables: a key made through it is admitted by extauthz, and
+  refused once revoked. Redis runs with the compose file's flags (its password too: a
   service without it would not get ready), the vLLM pods are
   simulated, PostgreSQL runs with the compose file's user, database and password (the ledger
   must reach it and apply its schema); the collector is not run (the exporters drop spans).
@@ -25,6 +27,8 @@ import os
 import re
 import secrets
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -40,8 +44,9 @@ import redis
 import yaml
 
 from llmgw import wire
-from llmgw.health import default_target
+from llmgw.health import default_probe, default_target
 from llmgw.kvblocks import KvHashing
+from llmgw.tls import ENVOY_IDENTITY
 from ratelimit.redis_store import REPLICAS_KEY
 from router.settings import Settings as RouterSettings
 from tests.e2e.conftest import api_key
@@ -79,12 +84,14 @@ RENDER = {
     "--tls": "/etc/envoy/tls",  # Envoy's certificates, mounted from compose/tls
     "--access-log": "/var/log/envoy/access.log",  # the volume envoy-log, ledger-reconcile's
 }
-OURS = ("extauthz", "ledger")  # the services built from our image
+OURS = ("extauthz", "ledger")  # the services built from our image that Envoy calls (TLS)
+ADMIN = "admin"  # the admin API: HTTP, published on the host's loopback only
 # Beside Envoy: the ledger's reconciler of Envoy's file access log (python -m ledger.sidecar),
 # with the ledger's settings; and the one-shot job that readies the volume they share.
 SIDECAR = "ledger-reconcile"
 LOG_INIT = "envoy-log-init"
 LOG_DIR = "/var/log/envoy"
+STATE_DIR = "/var/lib/llmgw"  # the image's state directory (a volume in compose)
 PODS = ("vllm-0:8000", "vllm-1:8000")
 INTERPOLATION = {
     "LLMGW_SESSION_SECRET": secrets.token_hex(32),
@@ -92,6 +99,7 @@ INTERPOLATION = {
     "REDIS_PASSWORD": secrets.token_hex(16),
     "GRAFANA_ADMIN_PASSWORD": "compose-test",
     "VLLM_API_KEY": secrets.token_hex(32),
+    "LLMGW_ADMIN_TOKEN": secrets.token_hex(32),
 }
 
 
@@ -140,9 +148,14 @@ def test_compose_runs_the_whole_product() -> None:
         *OURS,
         SIDECAR,
         LOG_INIT,
+        ADMIN,
     }
-    for name in OURS:
+    for name in (*OURS, ADMIN):
         assert services[name]["command"] == [name]
+    # The admin API and extauthz read the tables the ledger's database holds.
+    url = services["ledger"]["environment"]["LLMGW_LEDGER__DATABASE_URL"]
+    assert services[ADMIN]["environment"]["LLMGW_ADMIN__DATABASE_URL"] == url
+    assert services["extauthz"]["environment"]["LLMGW_EXTAUTHZ__TENANTS_DATABASE_URL"] == url
     # No outcome lost: Envoy's file access log, flushed every 200 ms, on the volume the
     # reconciler reads; both wait for the volume to be Envoy's and our group's.
     assert services[SIDECAR]["command"] == ["ledger.sidecar"]
@@ -217,10 +230,14 @@ def test_compose_runs_the_whole_product() -> None:
         assert {str(events.port), str(events.replay_port)} <= set(services[name]["expose"])
         assert f"--prefix-caching-hash-algo={hashing.algo}" in flags
         assert services[name]["environment"]["PYTHONHASHSEED"] == hashing.seed
-    # Only the gateway and Grafana (localhost) are published: nothing reaches a service or a GPU
-    # pod around Envoy.
+    # Only the gateway, and Grafana and the admin API on the host's loopback, are published:
+    # nothing reaches a service or a GPU pod around Envoy.
     published = {name: s["ports"] for name, s in services.items() if "ports" in s}
-    assert published == {"envoy": ["8080:8080"], "grafana": ["127.0.0.1:3000:3000"]}
+    assert published == {
+        "envoy": ["8080:8080"],
+        "grafana": ["127.0.0.1:3000:3000"],
+        ADMIN: ["127.0.0.1:8086:8086"],
+    }
     assert "./envoy.yaml:/etc/envoy/envoy.yaml:ro" in services["envoy"]["volumes"]
 
 
@@ -339,6 +356,7 @@ def localise(
             value = value.replace(TLS_DIR, str(files.parent / "tls"))  # certs.generate's
             value = value.replace("/etc/llmgw", str(files))
             value = value.replace(LOG_DIR, str(files.parent / "envoy-log"))
+            value = value.replace(STATE_DIR, str(files.parent / f"{name}-state"))
         out[key] = value
     return out
 
@@ -376,19 +394,26 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
             key = {"VLLM_API_KEY": interpolate(pod_env["VLLM_API_KEY"], INTERPOLATION)}
             env = {**os.environ, **key}
             run.processes.append(Process(host, argv, ready, tmp / f"{host}.log", env))
+        later: list[Process] = []  # compose starts these after those of ours they depend on
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-        for name, service in spec["services"].items():
-            if service.get("image") != IMAGE or "command" not in service:  # not LOG_INIT
+        ours = {n: s for n, s in spec["services"].items() if s.get("image") == IMAGE}
+        for name, service in ours.items():
+            if "command" not in service:  # LOG_INIT
                 continue
             env = localise(name, service.get("environment", {}), run, files)
             run.envs[name] = env
+            (files.parent / f"{name}-state").mkdir()
             argv = [sys.executable, "-m", *service["command"]]
-            ready = grpc_serving(default_target(env))  # the plaintext health port
-            run.processes.append(Process(name, argv, ready, tmp / f"{name}.log", {**base, **env}))
-        for proc in run.processes:
-            proc.spawn()
-        for proc in run.processes:
-            proc.wait_ready(START_TIMEOUT)
+            ready = default_probe(env)[1]  # its health: the plaintext port, or the admin's HTTP
+            proc = Process(name, argv, ready, tmp / f"{name}.log", {**base, **env})
+            run.processes.append(proc)
+            if set(service.get("depends_on", {})) & set(ours):
+                later.append(proc)
+        for batch in ([p for p in run.processes if p not in later], later):
+            for proc in batch:
+                proc.spawn()
+            for proc in batch:
+                proc.wait_ready(START_TIMEOUT)
         yield run
     finally:
         stop_all(run.processes)
@@ -397,7 +422,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
 def test_every_compose_service_of_ours_starts_here_and_passes_its_health_check(
     started: Started,
 ) -> None:
-    assert set(started.envs) == {*OURS, SIDECAR}
+    assert set(started.envs) == {*OURS, SIDECAR, ADMIN}
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
     for name, env in started.envs.items():
         test = started.spec["services"][name]["healthcheck"]["test"]
@@ -457,6 +482,68 @@ def test_the_limiter_in_extauthz_decides_from_redis_with_the_compose_password(
         )
 
 
+def test_the_admin_api_is_on_the_hosts_loopback_only_and_extauthz_follows_its_tables() -> None:
+    """Published on 127.0.0.1 alone and routed by no Envoy listener; extauthz follows the
+    database and keeps its snapshot in a volume of its own, mounted at the image's state
+    directory, which the image gives to its user (a new volume takes the directory's owner)."""
+    services = compose()["services"]
+    admin = services[ADMIN]
+    assert admin["ports"] == ["127.0.0.1:8086:8086"]
+    assert [f"{ADMIN}:" in p for p in RENDER.values()] == [False] * len(RENDER)
+    envoy = (COMPOSE / "envoy.yaml").read_text()
+    assert "8086" not in envoy and "address: admin" not in envoy
+    env = services["extauthz"]["environment"]
+    assert env["LLMGW_EXTAUTHZ__TENANTS_SOURCE"] == "database"
+    cache = Path(env["LLMGW_EXTAUTHZ__TENANTS_CACHE"])
+    assert cache.parent == Path(STATE_DIR)
+    assert f"extauthz-state:{STATE_DIR}" in services["extauthz"]["volumes"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"install -d -o 10001 -g 10001 -m 0700 {STATE_DIR}" in dockerfile
+    assert "USER 10001:10001" in dockerfile
+    # The token and the database's password come from the operator's environment.
+    assert admin["environment"]["LLMGW_ADMIN__ADMIN_TOKEN"].startswith("${LLMGW_ADMIN_TOKEN:?")
+
+
+def checked(started: Started, key: str) -> int:
+    """The status of extauthz's HTTP check (Envoy's, over mutual TLS) of a request with `key`."""
+    tls = started.envs["extauthz"]["LLMGW_EXTAUTHZ__SERVE__TLS__CA"]
+    context = ssl.create_default_context(cafile=tls)
+    pair = Path(tls).parent / ENVOY_IDENTITY
+    context.load_cert_chain(pair.with_suffix(".crt"), pair.with_suffix(".key"))
+    port = int(started.envs["extauthz"]["LLMGW_EXTAUTHZ__HTTP_PORT"])
+    request = (
+        f"GET /v1/models HTTP/1.1\r\nhost: envoy\r\nauthorization: Bearer {key}\r\n"
+        "content-length: 0\r\nconnection: close\r\n\r\n"
+    ).encode()
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="extauthz") as conn,
+    ):
+        conn.sendall(request)
+        return int(conn.recv(64).split(b" ", 2)[1])
+
+
+def test_a_key_made_through_the_admin_api_is_admitted_by_extauthz_and_refused_once_revoked(
+    started: Started,
+) -> None:
+    """The compose admin API and extauthz share the tenants' tables (the database URL and the
+    token from the operator's environment): a tenant and a key made through the API pass
+    extauthz's check within 2 s (bounded here by the start-up timeout: a busy machine), and a
+    revocation stops the key."""
+    admin = f"http://127.0.0.1:{started.port(ADMIN, 8086)}/admin/v1"
+    auth = {"authorization": f"Bearer {INTERPOLATION['LLMGW_ADMIN_TOKEN']}"}
+    assert call("GET", f"{admin}/tenants").status == 401  # the token is asked for
+    tenant = {"id": "compose", "name": "C", "tier": "standard", "priority": 5, "models": "*"}
+    assert call("POST", f"{admin}/tenants", tenant, auth).status == 200
+    made = call("POST", f"{admin}/tenants/compose/keys", {}, auth)
+    assert made.status == 200, made.body
+    key, key_id = made.json()["key"], made.json()["id"]
+    assert checked(started, "sk-llmgw-" + "0" * 40) == 401  # the control: a made-up key
+    eventually(lambda: checked(started, key) == 200, START_TIMEOUT, "the key never worked")
+    assert call("DELETE", f"{admin}/keys/{key_id}", headers=auth).status == 200
+    eventually(lambda: checked(started, key) == 401, START_TIMEOUT, "the revoked key worked on")
+
+
 def test_the_router_in_extauthz_scrapes_the_pods_and_publishes_to_redis(started: Started) -> None:
     """extauthz, given the compose pods and Redis URL, holds a router that finds both pods
     pickable (their /metrics and /v1/models scraped) and publishes the fleet load to Redis with
@@ -512,7 +599,7 @@ def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -
         host, _, port = target.rpartition(":")
         assert port in services[host]["expose"], f"{target}: not exposed by compose"
     scraped = {t.partition(":")[0] for t in targets["llmgw"]} | {
-        t.partition(":")[0] for t in targets["vllm"]
+        t.partition(":")[0] for t in targets["vllm"] + targets[ADMIN]
     }
     assert scraped == set(started.envs) | {"vllm-0", "vllm-1"}
     for target in targets["llmgw"]:
@@ -527,6 +614,9 @@ def test_prometheus_scrapes_every_service_envoy_and_the_pods(started: Started) -
         names = exported(fetch(started.url(target)))
         assert any(n.startswith(f"llmgw_{service}_") for n in names)
     assert "llmgw_ledger_reconciled_total" in exported(fetch(started.url(f"{SIDECAR}:9105")))
+    # The admin API's metrics are beside its routes, on its one port.
+    assert targets[ADMIN] == [f"{ADMIN}:{services[ADMIN]['environment']['LLMGW_ADMIN__PORT']}"]
+    assert "llmgw_admin_requests_total" in exported(fetch(started.url(targets[ADMIN][0])))
     # The router's metrics are served by extauthz, which holds it.
     extauthz = exported(fetch(started.url("extauthz:9101")))
     assert "llmgw_router_fleet_load" in extauthz
