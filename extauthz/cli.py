@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from extauthz import tenants
 from extauthz.types import Tenant, TenantsFile
+from llmgw import wire
 from llmgw.config import ConfigError, validate
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -42,7 +44,25 @@ def _tenants_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_owned_by_an_admin_api(path: Path) -> None:
+    """Refuse to edit the tenants file of a running `llmgw up` whose admin API owns its tenants
+    (its ready file, beside the file, names the API): extauthz follows PostgreSQL there, and the
+    file is read only at the next start, so a key revoked here would keep working."""
+    try:
+        ready = json.loads((path.parent / wire.READY_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    url = ready.get("admin_url") if isinstance(ready, dict) else None
+    if isinstance(url, str):
+        raise ConfigError(
+            f"{path}: the stack running from here keeps its tenants in PostgreSQL: make and revoke "
+            f"keys through its admin API ({url}/admin/v1/) or console ({url}/console/), or start "
+            "it with --no-admin-api to use this file"
+        )
+
+
 def _keys_create(args: argparse.Namespace) -> int:
+    _not_owned_by_an_admin_api(args.tenants_file)
     with tenants.editing(args.tenants_file):
         data = tenants.read(args.tenants_file)
         now = datetime.now(UTC).replace(microsecond=0)
@@ -62,6 +82,7 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
+    _not_owned_by_an_admin_api(args.tenants_file)
     with tenants.editing(args.tenants_file):
         data = tenants.read(args.tenants_file)
         found = False

@@ -215,3 +215,7 @@ POOL_PREFIX = "llmgw:pool:{fleet}"
 # The admin API's changes to tenants and keys (admin/migrations/0001_admin.sql), notified on this
 # PostgreSQL channel with the tenant's new revision; extauthz's follower listens.
 TENANTS_CHANNEL = "llmgw_tenants"
+
+# The local stack's ready file (`llmgw up`), in its run directory beside its tenants file while it
+# runs: `llmgw usage`/`spend` find its stores there, `llmgw keys` whether its admin API owns them.
+READY_FILE = "ready.json"

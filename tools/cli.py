@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from extauthz import cli as extauthz_cli
-from llmgw import config, logs
+from llmgw import config, logs, wire
 from llmgw.config import deprecated
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology
@@ -66,7 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     state_dir = args.state_dir / time.strftime("run-%Y%m%d-%H%M%S")
     # Without --ready-file, in the run directory (0700): where `llmgw usage` and `llmgw spend`
     # find the stack's database and Redis.
-    return supervise(Stack(settings, state_dir), args.ready_file or state_dir / "ready.json")
+    return supervise(Stack(settings, state_dir), args.ready_file or state_dir / wire.READY_FILE)
 
 
 RENDERED_SERVICES = ("extauthz", "ratelimit", "router", "ledger")

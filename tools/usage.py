@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ledger import usage
+from llmgw import wire
 from llmgw.outcome import JSON_FIELDS
 from tools import postgres
 
@@ -215,7 +216,9 @@ def since(text: str) -> datetime:
 
 def from_ready(key: str, state_dir: Path = STATE_DIR) -> str | None:
     """A URL (`database_url`, `redis_url`) of the newest run's ready.json that has it."""
-    runs = sorted(state_dir.glob("run-*/ready.json"), key=lambda p: p.parent.name, reverse=True)
+    runs = sorted(
+        state_dir.glob(f"run-*/{wire.READY_FILE}"), key=lambda p: p.parent.name, reverse=True
+    )
     for ready in runs:
         try:
             url = json.loads(ready.read_text()).get(key)

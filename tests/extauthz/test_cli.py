@@ -88,3 +88,25 @@ def test_seed_demo_one_tenant_per_tier(tenants_file: Path, keys: Keys, decider: 
 
 def test_seed_demo_creates_the_file(tmp_path: Path) -> None:
     assert len(seed_demo(tmp_path / "new.yaml")) == 3
+
+
+def test_a_running_stacks_file_is_not_edited_while_its_admin_api_owns_the_tenants(
+    tenants_file: Path, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`llmgw up` with its admin API: extauthz follows PostgreSQL, the file is imported only at
+    the next start; a key revoked in the file would keep working, so the CLI refuses and says
+    where to go. Without the API (the ready file says so, or no stack runs), it edits."""
+    f = str(tenants_file)
+    ready = tenants_file.parent / "ready.json"
+    ready.write_text('{"admin_url": "http://127.0.0.1:8086", "admin_token": "t"}')
+    before = tenants_file.read_text()
+    assert run("keys", "create", "--tenant", "acme", "--tenants-file", f) == 1
+    key_id = tenants.load(tenants_file, TIERS).keys[tenants.digest(keys.acme)].key_id
+    assert run("keys", "revoke", key_id, "--tenants-file", f) == 1
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:8086/admin/v1/" in err and "--no-admin-api" in err
+    assert tenants_file.read_text() == before
+    ready.write_text('{"admin_url": null}')  # `llmgw up --no-admin-api`
+    assert run("keys", "revoke", key_id, "--tenants-file", f) == 0
+    ready.unlink()  # no stack runs
+    assert run("keys", "create", "--tenant", "acme", "--tenants-file", f) == 0
