@@ -17,7 +17,7 @@
 - The admin API: one replica behind a ClusterIP Service no Ingress, LoadBalancer or Envoy route
   reaches (operators port-forward), its token and database from Secrets, settings its own
   `--check-config` accepts; no one but Prometheus reaches it, and it reaches only PostgreSQL and
-  DNS.
+  DNS. extauthz follows the admin API's tables, its snapshot cached on a writable emptyDir.
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ ADMIN = "admin"  # HTTP, called by no one in the cluster
 TLS_ENVOY, TLS_SERVICE = "/etc/envoy-tls", "/etc/llmgw-tls"  # the Secret llmgw-tls, mounted
 # extauthz reaches Redis for the rate limiter and the router it holds: quotas, the fleet load.
 # The ledger's reconciler runs in Envoy's pods (envoy.yaml, ledger-reconcile). The admin API
-# keeps the tenants in PostgreSQL.
+# keeps the tenants in PostgreSQL; extauthz follows them there.
 STORES = {
     "redis": {"extauthz", "ledger", "envoy"},
-    "postgres": {"ledger", "envoy", ADMIN},
+    "postgres": {"ledger", "envoy", ADMIN, "extauthz"},
 }
-# The one Secret of the PostgreSQL URL (the ledger's, the admin's).
+# The one Secret of the PostgreSQL URL (the ledger's, the admin's, extauthz's tenants').
 DATABASE_URL = {"secretKeyRef": {"name": "llmgw-postgres", "key": "database-url"}}
 
 
@@ -230,6 +230,8 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     assert ports == expected
     for probe in ("readinessProbe", "livenessProbe"):  # kubelet speaks no TLS: its own port
         assert box[probe]["grpc"] == {"port": health}
+    if "startupProbe" in box:  # extauthz: serving once the tenants snapshot is loaded
+        assert box["startupProbe"]["grpc"] == {"port": health}
     # Mutual TLS (llmgw/tls.py) with its own pair and the CA from llmgw-tls, no other key.
     tls = settings.serve.tls
     assert tls is not None
@@ -675,3 +677,48 @@ def test_the_admin_token_and_database_come_from_secrets() -> None:
     for name, var in env.items():
         if any(word in name for word in ("TOKEN", "URL", "PASSWORD", "SECRET")):
             assert "value" not in var, name  # never a literal
+
+
+def test_extauthz_follows_the_database_with_its_cache_on_a_writable_volume() -> None:
+    """Tenants from the admin API's tables; the last snapshot cached where the read-only root
+    file system lets it be written, on an emptyDir, which outlives a restart of the container:
+    restarted while the database is down, extauthz serves from it."""
+    settings = config.load(ExtauthzSettings, None, "LLMGW_EXTAUTHZ", env_of("extauthz"))
+    assert settings.tenants_source == "database" and settings.tenants_cache is not None
+    env = {v["name"]: v for v in container("extauthz")["env"]}
+    assert env["LLMGW_EXTAUTHZ__TENANTS_DATABASE_URL"]["valueFrom"] == DATABASE_URL
+    box = container("extauthz")
+    assert box["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [
+        m
+        for m in box["volumeMounts"]
+        if settings.tenants_cache.parent.is_relative_to(m["mountPath"])
+    ]
+    assert not mount.get("readOnly")
+    volumes = workload("extauthz")["spec"]["template"]["spec"]["volumes"]
+    assert next(v for v in volumes if v["name"] == mount["name"]) == {
+        "name": mount["name"],
+        "emptyDir": {},
+    }
+    assert "LLMGW_EXTAUTHZ__TENANTS_FILE" not in env  # nothing else claims to be the source
+
+
+def test_the_admins_one_time_import_reads_the_tenants_secret_where_it_is_mounted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Migrating from the file mode (admin.yaml's header): the import the header sets names the
+    file of the Secret llmgw-tenants where the admin mounts it (optional: none needed after),
+    and its `--check-config` accepts the example's tenants file there."""
+    header = (K8S / "admin.yaml").read_text()
+    path = Path(header.split("LLMGW_ADMIN__IMPORT_TENANTS_FILE=", 1)[1].split()[0])
+    (mount,) = [m for m in container(ADMIN)["volumeMounts"] if path.parent == Path(m["mountPath"])]
+    volumes = workload(ADMIN)["spec"]["template"]["spec"]["volumes"]
+    secret = next(v for v in volumes if v["name"] == mount["name"])["secret"]
+    assert secret == {"secretName": "llmgw-tenants", "optional": True} and mount["readOnly"]
+    example = tmp_path / path.name
+    example.write_text(example_secret("llmgw-tenants", path.name))
+    admin_env(monkeypatch)
+    monkeypatch.setenv("LLMGW_ADMIN__IMPORT_TENANTS_FILE", str(example))
+    empty = tmp_path / "admin.yaml"
+    empty.write_text("{}\n")
+    assert admin_cli(["--check-config", str(empty)]) == 0, capsys.readouterr().err
