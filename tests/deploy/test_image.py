@@ -78,5 +78,5 @@ def test_the_installed_package_has_every_service_and_its_data_files(tmp_path: Pa
     assert "llmgw/health.py" in files
     assert "tools/cli.py" in files  # the `llmgw` console script's module
     for data in (ROOT).glob("*/**/*"):
-        if data.suffix in (".lua", ".sql") and data.parts[len(ROOT.parts)] in SERVICES:
+        if data.suffix in (".lua", ".sql", ".j2") and data.parts[len(ROOT.parts)] in SERVICES:
             assert str(data.relative_to(ROOT)) in files, data

@@ -14,6 +14,10 @@
   rate-limit settings are accepted by their own schemas, name the headless Service `vllm` and
   Redis, and the policies let extauthz reach both. The InferencePool example (inference-pool/)
   stays a standalone router, in picker mode.
+- The admin API: one replica behind a ClusterIP Service no Ingress, LoadBalancer or Envoy route
+  reaches (operators port-forward), its token and database from Secrets, settings its own
+  `--check-config` accepts; no one but Prometheus reaches it, and it reaches only PostgreSQL and
+  DNS. extauthz follows the admin API's tables, its snapshot cached on a writable emptyDir.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import importlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from admin import routes as admin_routes
+from admin.__main__ import cli as admin_cli
+from admin.settings import Settings as AdminSettings
 from deploy.render_k8s import RENDER, configmap, rendered
 from extauthz.__main__ import admitting, picking
 from extauthz.settings import Settings as ExtauthzSettings
@@ -45,11 +53,18 @@ from tools import certs
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 VERSION = "1.33.0"
-SERVICES = {"extauthz": 9001, "ledger": 9004}
+SERVICES = {"extauthz": 9001, "ledger": 9004}  # gRPC, called by Envoy
+ADMIN = "admin"  # HTTP, called by no one in the cluster
 TLS_ENVOY, TLS_SERVICE = "/etc/envoy-tls", "/etc/llmgw-tls"  # the Secret llmgw-tls, mounted
 # extauthz reaches Redis for the rate limiter and the router it holds: quotas, the fleet load.
-# The ledger's reconciler runs in Envoy's pods (envoy.yaml, ledger-reconcile).
-STORES = {"redis": {"extauthz", "ledger", "envoy"}, "postgres": {"ledger", "envoy"}}
+# The ledger's reconciler runs in Envoy's pods (envoy.yaml, ledger-reconcile). The admin API
+# keeps the tenants in PostgreSQL; extauthz follows them there.
+STORES = {
+    "redis": {"extauthz", "ledger", "envoy"},
+    "postgres": {"ledger", "envoy", ADMIN, "extauthz"},
+}
+# The one Secret of the PostgreSQL URL (the ledger's, the admin's, extauthz's tenants').
+DATABASE_URL = {"secretKeyRef": {"name": "llmgw-postgres", "key": "database-url"}}
 
 
 def docs() -> list[dict[str, Any]]:
@@ -105,7 +120,7 @@ def test_the_service_monitors_select_services_and_ports_that_exist() -> None:
             ports = {p["name"] for p in service["spec"]["ports"]}
             assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
             scraped.add(service["metadata"]["name"])
-    assert scraped == {*SERVICES, "envoy", "vllm"}
+    assert scraped == {*SERVICES, ADMIN, "envoy", "vllm"}
 
 
 def test_the_mounted_envoy_config_is_the_template_rendering_and_validates(tmp_path: Path) -> None:
@@ -215,6 +230,8 @@ def test_each_service_runs_our_image_with_settings_it_accepts(name: str) -> None
     assert ports == expected
     for probe in ("readinessProbe", "livenessProbe"):  # kubelet speaks no TLS: its own port
         assert box[probe]["grpc"] == {"port": health}
+    if "startupProbe" in box:  # extauthz: serving once the tenants snapshot is loaded
+        assert box["startupProbe"]["grpc"] == {"port": health}
     # Mutual TLS (llmgw/tls.py) with its own pair and the CA from llmgw-tls, no other key.
     tls = settings.serve.tls
     assert tls is not None
@@ -270,10 +287,10 @@ def example_secret(name: str, key: str) -> str:
     return str(doc["stringData"][key])
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
+@pytest.mark.parametrize("name", sorted([*SERVICES, ADMIN]))
 def test_each_service_refuses_the_example_secrets_as_they_are(name: str) -> None:
-    """Applied unedited, examples/secrets.yaml would make its placeholders the session HMAC key
-    and the Redis password: the services refuse to start with them."""
+    """Applied unedited, examples/secrets.yaml would make its placeholders the session HMAC key,
+    the Redis password and the admin token: the services refuse to start with them."""
     env = env_of(name)
     for var in container(name)["env"]:
         ref = var.get("valueFrom", {}).get("secretKeyRef")
@@ -381,6 +398,26 @@ def ingress_from(target: str) -> list[tuple[set[str], set[int]]]:
     return rules
 
 
+def egress_to(source: str) -> list[tuple[set[str], set[int]]] | None:
+    """(pod names or 'anyone', ports) per egress rule of the source's policy; None: egress is
+    not restricted."""
+    (policy,) = [
+        d
+        for d in docs()
+        if d["kind"] == "NetworkPolicy"
+        and d["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == source
+    ]
+    if "Egress" not in policy["spec"]["policyTypes"]:
+        return None
+    rules = []
+    for rule in policy["spec"].get("egress", []):
+        peers = {
+            p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule.get("to", [])
+        }
+        rules.append((peers or {"anyone"}, {p["port"] for p in rule["ports"]}))
+    return rules
+
+
 def test_network_policies_let_only_envoy_reach_the_services_and_services_the_stores() -> None:
     deny = find("NetworkPolicy", "default-deny-ingress")["spec"]
     assert (
@@ -393,6 +430,12 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
     for store, clients in STORES.items():
         rules = ingress_from(store)
         assert len(rules) == 1 and rules[0][0] == clients
+    # The admin API: Prometheus alone (operators port-forward, which no policy sees), and it
+    # reaches PostgreSQL and DNS alone.
+    port = config.load(AdminSettings, None, "LLMGW_ADMIN", env_of(ADMIN)).port
+    assert ingress_from(ADMIN) == [({"monitoring"}, {port})]
+    postgres = container("postgres")["ports"][0]["containerPort"]
+    assert egress_to(ADMIN) == [({"postgres"}, {postgres}), ({"anyone"}, {53})]
     assert ({"anyone"}, {8080}) in ingress_from("envoy")
     # The pods: Envoy's requests and the scrapes of the router in extauthz; Prometheus.
     port = workload("vllm")["spec"]["template"]["spec"]["containers"][0]["ports"][0]
@@ -414,8 +457,8 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
     for policy in (d for d in docs() if d["kind"] == "NetworkPolicy"):
         selected = policy["spec"]["podSelector"].get("matchLabels", {})
         assert not selected or selected["app.kubernetes.io/name"] in names, policy
-        for rule in policy["spec"].get("ingress", []):
-            for peer in rule["from"]:
+        for rule in policy["spec"].get("ingress", []) + policy["spec"].get("egress", []):
+            for peer in rule.get("from", rule.get("to", [])):
                 if "podSelector" in peer:
                     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] in names
 
@@ -534,3 +577,148 @@ def test_extauthz_holds_the_rate_limiter_and_there_is_no_ratelimit_service(
     assert limiter.redis.password is not None
     assert str(limiter.redis.cluster).lower() == env["LLMGW_ROUTER__REDIS__CLUSTER"]
     assert limiter.replicas >= 2  # degraded mode assumes at least the HPA's minimum
+
+
+def admin_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The admin container's environment (Secrets stood in for), set as the process's."""
+    env = env_of(ADMIN)
+    for key in [k for k in os.environ if k.startswith("LLMGW_ADMIN__")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+def test_the_admin_api_runs_our_image_with_settings_its_check_config_accepts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    box = container(ADMIN)
+    assert box["args"] == [ADMIN] and box["image"] == container("ledger")["image"]
+    env = admin_env(monkeypatch)
+    empty = tmp_path / "admin.yaml"
+    empty.write_text("{}\n")
+    assert admin_cli(["--check-config", str(empty)]) == 0, capsys.readouterr().err
+    settings = config.load(AdminSettings, None, "LLMGW_ADMIN", env)
+    assert settings.host == "0.0.0.0"  # the probes and Prometheus reach the pod's address
+    assert {p["name"]: p["containerPort"] for p in box["ports"]} == {"http": settings.port}
+    assert box["resources"]["requests"] and box["resources"]["limits"]
+    assert box["securityContext"]["readOnlyRootFilesystem"] is True
+    assert workload(ADMIN)["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def dicts(node: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping in a parsed YAML tree."""
+    if isinstance(node, dict):
+        yield node
+        node = list(node.values())
+    if isinstance(node, list):
+        for value in node:
+            yield from dicts(value)
+
+
+def test_the_admin_api_is_one_replica_behind_a_cluster_ip_service_only() -> None:
+    """Logins live in the process's memory, and one writer: one replica, replaced (never two
+    at once). Its Service is in-cluster only, and nothing routes to it: no NodePort,
+    LoadBalancer, Ingress or Gateway route, no cluster of Envoy's."""
+    spec = workload(ADMIN)["spec"]
+    assert workload(ADMIN)["kind"] == "Deployment"
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert not [d for d in docs() if d["metadata"]["name"] == ADMIN and "Autoscaler" in d["kind"]]
+    service = find("Service", ADMIN)["spec"]
+    assert service.get("type", "ClusterIP") == "ClusterIP" and service.get("clusterIP") != "None"
+    assert not [p for p in service["ports"] if "nodePort" in p]
+    port = config.load(AdminSettings, None, "LLMGW_ADMIN", env_of(ADMIN)).port
+    assert port in {p["port"] for p in service["ports"]}  # port-forward svc/admin 8086
+    # No other Service selects its pod; no Ingress or Gateway API route names it.
+    labels = workload(ADMIN)["spec"]["template"]["metadata"]["labels"]
+    for doc in docs() + [
+        d for path in MANIFESTS for d in yaml.safe_load_all(path.read_text()) if d
+    ]:
+        if doc["kind"] == "Service" and doc["metadata"]["name"] != ADMIN:
+            selector = doc["spec"].get("selector") or {"none": "none"}
+            assert not selector.items() <= labels.items(), doc["metadata"]["name"]
+        if doc["kind"] in ("Ingress", "HTTPRoute", "GRPCRoute", "Gateway"):
+            assert ADMIN not in {d.get("name") for d in dicts(doc["spec"])}, doc["kind"]
+    # No address of Envoy's config is the admin Service (its own admin is on its loopback).
+    addresses = {d["address"] for d in dicts(yaml.safe_load(rendered())) if "port_value" in d}
+    assert "vllm" in addresses and not [a for a in addresses if a.split(".")[0] == ADMIN]
+    header = (K8S / "admin.yaml").read_text()
+    assert f"kubectl -n llmgw port-forward svc/{ADMIN} {port}" in header
+    assert f"http://127.0.0.1:{port}/console/" in header
+
+
+def resolved(box: dict[str, Any], port: int | str) -> int:
+    """A probe's port: a number, or the name of one of the container's ports."""
+    named = {p["name"]: p["containerPort"] for p in box["ports"]}
+    return port if isinstance(port, int) else named[port]
+
+
+def test_the_admin_apis_probes_ask_its_health_and_liveness_no_database() -> None:
+    """Started and ready: /health (200 while the database answers) on its port. Alive: an open
+    route on its port that does not ask the database, so an outage does not restart it."""
+    box = container(ADMIN)
+    port = config.load(AdminSettings, None, "LLMGW_ADMIN", env_of(ADMIN)).port
+    for probe in ("startupProbe", "readinessProbe"):
+        get = box[probe]["httpGet"]
+        assert (get["path"], resolved(box, get["port"])) == ("/health", port), probe
+    live = box["livenessProbe"]["httpGet"]
+    assert resolved(box, live["port"]) == port
+    (route,) = [r for r in admin_routes.ROUTES if r.method == "GET" and r.path == live["path"]]
+    assert not route.auth and route.operation == "metrics"
+
+
+def test_the_admin_token_and_database_come_from_secrets() -> None:
+    env = {v["name"]: v for v in container(ADMIN)["env"]}
+    assert env["LLMGW_ADMIN__DATABASE_URL"]["valueFrom"] == DATABASE_URL
+    ledger = {v["name"]: v for v in container("ledger")["env"]}
+    assert ledger["LLMGW_LEDGER__DATABASE_URL"]["valueFrom"] == DATABASE_URL  # the same one
+    ref = env["LLMGW_ADMIN__ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert example_secret(ref["name"], ref["key"])  # examples/secrets.yaml has it
+    for name, var in env.items():
+        if any(word in name for word in ("TOKEN", "URL", "PASSWORD", "SECRET")):
+            assert "value" not in var, name  # never a literal
+
+
+def test_extauthz_follows_the_database_with_its_cache_on_a_writable_volume() -> None:
+    """Tenants from the admin API's tables; the last snapshot cached where the read-only root
+    file system lets it be written, on an emptyDir, which outlives a restart of the container:
+    restarted while the database is down, extauthz serves from it."""
+    settings = config.load(ExtauthzSettings, None, "LLMGW_EXTAUTHZ", env_of("extauthz"))
+    assert settings.tenants_source == "database" and settings.tenants_cache is not None
+    env = {v["name"]: v for v in container("extauthz")["env"]}
+    assert env["LLMGW_EXTAUTHZ__TENANTS_DATABASE_URL"]["valueFrom"] == DATABASE_URL
+    box = container("extauthz")
+    assert box["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [
+        m
+        for m in box["volumeMounts"]
+        if settings.tenants_cache.parent.is_relative_to(m["mountPath"])
+    ]
+    assert not mount.get("readOnly")
+    volumes = workload("extauthz")["spec"]["template"]["spec"]["volumes"]
+    assert next(v for v in volumes if v["name"] == mount["name"]) == {
+        "name": mount["name"],
+        "emptyDir": {},
+    }
+    assert "LLMGW_EXTAUTHZ__TENANTS_FILE" not in env  # nothing else claims to be the source
+
+
+def test_the_admins_one_time_import_reads_the_tenants_secret_where_it_is_mounted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Migrating from the file mode (admin.yaml's header): the import the header sets names the
+    file of the Secret llmgw-tenants where the admin mounts it (optional: none needed after),
+    and its `--check-config` accepts the example's tenants file there."""
+    header = (K8S / "admin.yaml").read_text()
+    path = Path(header.split("LLMGW_ADMIN__IMPORT_TENANTS_FILE=", 1)[1].split()[0])
+    (mount,) = [m for m in container(ADMIN)["volumeMounts"] if path.parent == Path(m["mountPath"])]
+    volumes = workload(ADMIN)["spec"]["template"]["spec"]["volumes"]
+    secret = next(v for v in volumes if v["name"] == mount["name"])["secret"]
+    assert secret == {"secretName": "llmgw-tenants", "optional": True} and mount["readOnly"]
+    example = tmp_path / path.name
+    example.write_text(example_secret("llmgw-tenants", path.name))
+    admin_env(monkeypatch)
+    monkeypatch.setenv("LLMGW_ADMIN__IMPORT_TENANTS_FILE", str(example))
+    empty = tmp_path / "admin.yaml"
+    empty.write_text("{}\n")
+    assert admin_cli(["--check-config", str(empty)]) == 0, capsys.readouterr().err
