@@ -19,6 +19,7 @@ import asyncpg
 from aiohttp import web
 
 from admin.api import Admin
+from admin.breakers import BreakerStates
 from admin.reports import Reports
 from admin.settings import ENV_PREFIX, Settings
 from admin.store import Store, init_connection, is_database_error
@@ -37,6 +38,7 @@ async def main(settings: Settings) -> None:
     tiers = watched_tiers(settings.tiers_file)
     watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
     pool = await connect(settings)
+    breakers = BreakerStates(settings.redis, settings.redis_timeout_s)  # connected on first use
     try:
         store = Store(pool, tiers.get)
         if settings.import_tenants_file is not None:
@@ -48,9 +50,11 @@ async def main(settings: Settings) -> None:
             Reports(pool),
             settings.admin_token.get_secret_value(),
             settings.rotation_overlap_s,
+            breakers,
         )
         await serve(admin.app(), settings)
     finally:
+        await breakers.close()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
