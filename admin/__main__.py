@@ -4,7 +4,8 @@ The admin API (HTTP+JSON, admin/routes.py) on `host:port`: tenants and their key
 and what the ledger recorded there. Connects (waiting up to `connect_timeout_s` for the
 database), applies its migrations and the ledger's (it reads the ledger's tables: whichever
 service starts first creates them, under one lock), imports `import_tenants_file` if set, then
-serves until SIGTERM or SIGINT, letting requests in flight finish."""
+serves until SIGTERM or SIGINT, letting requests in flight finish. Redis (`redis`, where the
+breakers' state is read) is connected on first use: the API starts while it is down."""
 
 from __future__ import annotations
 
