@@ -4,7 +4,8 @@ The admin API (HTTP+JSON, admin/routes.py) on `host:port`: tenants and their key
 and what the ledger recorded there. Connects (waiting up to `connect_timeout_s` for the
 database), applies its migrations and the ledger's (it reads the ledger's tables: whichever
 service starts first creates them, under one lock), imports `import_tenants_file` if set, then
-serves until SIGTERM or SIGINT, letting requests in flight finish."""
+serves until SIGTERM or SIGINT, letting requests in flight finish. Redis (`redis`, where the
+breakers' state is read) is connected on first use: the API starts while it is down."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import asyncpg
 from aiohttp import web
 
 from admin.api import Admin
+from admin.breakers import BreakerStates
 from admin.reports import Reports
 from admin.settings import ENV_PREFIX, Settings
 from admin.store import Store, init_connection, is_database_error
@@ -37,6 +39,7 @@ async def main(settings: Settings) -> None:
     tiers = watched_tiers(settings.tiers_file)
     watcher = asyncio.create_task(tiers.watch(settings.reload_interval_s))
     pool = await connect(settings)
+    breakers = BreakerStates(settings.redis, settings.redis_timeout_s)  # connected on first use
     try:
         store = Store(pool, tiers.get)
         if settings.import_tenants_file is not None:
@@ -48,9 +51,11 @@ async def main(settings: Settings) -> None:
             Reports(pool),
             settings.admin_token.get_secret_value(),
             settings.rotation_overlap_s,
+            breakers,
         )
         await serve(admin.app(), settings)
     finally:
+        await breakers.close()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 
 from admin import console, metrics
+from admin.breakers import BreakerStates
 from admin.logins import Logins
 from admin.openapi import document
 from admin.reports import GROUP_KEYS, EventKind, GroupBy, Reports, Window
@@ -71,13 +72,23 @@ def page_body(page: Page[Any], view: Callable[[Any], dict[str, Any]] = dict) -> 
 
 
 class Admin:
-    def __init__(self, store: Store, reports: Reports, token: str, overlap_s: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        reports: Reports,
+        token: str,
+        overlap_s: float,
+        breaker_states: BreakerStates | None = None,  # None: no Redis: not served
+    ) -> None:
         self.store = store
         self.reports = reports
+        self.breaker_states = breaker_states or BreakerStates(None)
         self._bearer = f"Bearer {token}".encode()
         self.overlap_s = overlap_s
         self._document = json.dumps(document(ROUTES))
-        self.console = console.Console(store, reports, Logins(token), overlap_s)
+        self.console = console.Console(
+            store, reports, Logins(token), overlap_s, breaker_states=self.breaker_states
+        )
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
@@ -244,6 +255,22 @@ class Admin:
 
     async def breakers(self, request: web.Request) -> web.Response:
         return await self._events(request, "breaker.")
+
+    # The breakers as they stand now (admin/breakers.py: Redis).
+
+    async def get_breaker(self, request: web.Request) -> web.Response:
+        tenant = await self.store.tenant(request.match_info["id"])
+        (state,) = await self.breaker_states.read([tenant], self.store.tiers())
+        return answer(state.view())
+
+    async def open_breakers(self, request: web.Request) -> web.Response:
+        """Bounded: one page of tenants read (no SCAN of Redis), the tripped ones answered."""
+        tenants = await self.store.tenants(self._page(request))
+        states = await self.breaker_states.read(tenants.data, self.store.tiers())
+        tripped = Page(
+            [s for s in states if s.state != "closed"], tenants.has_more, tenants.last_id
+        )
+        return answer(page_body(tripped, lambda s: s.view()))
 
     async def alerts(self, request: web.Request) -> web.Response:
         return await self._events(request, "alert.")

@@ -19,11 +19,12 @@ import jinja2
 from aiohttp import web
 
 from admin import charts
+from admin.breakers import BreakerState, BreakerStates
 from admin.logins import COOKIE, LIFETIME_S, Logins
 from admin.reports import Reports, Window
 from admin.specs import new_tenant
 from admin.store import Store
-from admin.types import MAX_LIMIT, ApiError, KeyRow, PageRequest, whole
+from admin.types import MAX_LIMIT, ApiError, KeyRow, PageRequest, TenantRow, whole
 
 PREFIX = "/console"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -84,12 +85,14 @@ class Console:
         logins: Logins,
         overlap_s: float,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        breaker_states: BreakerStates | None = None,  # None: no Redis: not shown
     ) -> None:
         self.store = store
         self.reports = reports
         self.logins = logins
         self.overlap_s = overlap_s
         self.clock = clock
+        self.breaker_states = breaker_states or BreakerStates(None)
         self.templates = jinja2.Environment(
             loader=jinja2.PackageLoader("admin", "templates"),
             autoescape=True,
@@ -202,9 +205,26 @@ class Console:
         row = await self.store.tenant(tenant_id)
         keys = await self.store.keys(tenant_id, PageRequest(MAX_LIMIT))
         spec = json.dumps(row.view(), indent=2)
+        states, unknown = await self._breakers([row])
         return self._render(
-            request, "tenant.j2", tenant=row, spec=spec, keys=keys, secret=secret, made=made
+            request,
+            "tenant.j2",
+            tenant=row,
+            spec=spec,
+            keys=keys,
+            secret=secret,
+            made=made,
+            breaker=states[0] if states else None,
+            breaker_unknown=unknown,
         )
+
+    async def _breakers(self, rows: list[TenantRow]) -> tuple[list[BreakerState], str]:
+        """The breakers of `rows` now, or none and why (no Redis, Redis down): the page
+        shows the rest."""
+        try:
+            return await self.breaker_states.read(rows, self.store.tiers()), ""
+        except ApiError as exc:
+            return [], exc.message
 
     async def create_key(self, request: web.Request) -> web.Response:
         secret, key = await self.store.create_key(request.match_info["id"], None)
@@ -296,7 +316,20 @@ class Console:
             "breaker.", tenant, PageRequest(LIST, after["breaker"])
         )
         alerts = await self.reports.events("alert.", tenant, PageRequest(LIST, after["alert"]))
-        return self._render(request, "events.j2", breakers=breakers, alerts=alerts, tenant=tenant)
+        # Tripped now: among a page of tenants by ID (bounded, as the API's breakers/open).
+        scanned = await self.store.tenants(PageRequest(LIST, request.query.get("open_after")))
+        states, unknown = await self._breakers(scanned.data)
+        tripped = [s for s in states if s.state != "closed"]
+        return self._render(
+            request,
+            "events.j2",
+            breakers=breakers,
+            alerts=alerts,
+            tenant=tenant,
+            tripped=tripped,
+            scanned=scanned,
+            tripped_unknown=unknown,
+        )
 
     async def tiers(self, request: web.Request) -> web.Response:
         now = self.clock()

@@ -73,6 +73,13 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route("GET", f"{PREFIX}/tenants/{{id}}/keys", "list_keys", "A tenant's keys", PAGE, lists=True),
     Route(
+        "GET",
+        f"{PREFIX}/tenants/{{id}}/breaker",
+        "get_breaker",
+        "A tenant's breaker now, from Redis: closed, open or half_open; until, admits,"
+        " tripped_at, cooldown_s",
+    ),
+    Route(
         "POST",
         f"{PREFIX}/tenants/{{id}}/keys",
         "create_key",
@@ -120,6 +127,16 @@ ROUTES: tuple[Route, ...] = (
         "breakers",
         "Tenant breaker trips and recoveries",
         (TENANT, *PAGE),
+        lists=True,
+    ),
+    Route(
+        "GET",
+        f"{PREFIX}/breakers/open",
+        "open_breakers",
+        "The breakers not closed now (open or half_open) among a page of tenants by ID: `data`"
+        " may be shorter than `limit`, even empty, while `has_more`; `last_id` is the page's"
+        " last tenant",
+        PAGE,
         lists=True,
     ),
     Route("GET", f"{PREFIX}/alerts", "alerts", "Alerts", (TENANT, *PAGE), lists=True),

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 
 from llmgw.config import Strict
+from llmgw.redisconf import RedisSettings
 from llmgw.secret import Secret
 
 ENV_PREFIX = "LLMGW_ADMIN"
@@ -30,6 +31,10 @@ class Settings(Strict):
     # A tenants file (extauthz's schema) imported at start: its tenants and keys that the
     # database lacks are added, its specs replace the database's (the demo tenants of `llmgw up`).
     import_tenants_file: Path | None = None
+    # The Redis of the tenants' breakers (the rate limiter's and the ledger's): their state is
+    # read from it (admin/breakers.py). None: not served (those routes answer 503).
+    redis: RedisSettings | None = None
+    redis_timeout_s: float = Field(default=1.0, gt=0)  # a read of breakers, connecting included
     pool_size: int = Field(default=4, ge=1)
     connect_timeout_s: float = Field(default=30.0, gt=0)  # the database at start-up
     command_timeout_s: float = Field(default=10.0, gt=0)

@@ -1,5 +1,6 @@
 -- The per-tenant breaker's rule (llmgw/breaker.py), prepended to ratelimit/admit.lua, which
--- enforces it, and to ledger/breaker.lua, which feeds it outcomes: both read the state alike.
+-- enforces it, to ledger/breaker.lua, which feeds it outcomes, and to admin/breaker.lua, which
+-- reads it for the operator: all read the state alike.
 -- One hash per tenant, `<tenant prefix>:cb` (the hash tag of the tenant's counters):
 --   s, m    the decaying scores: the tenant's failures and its mistakes (4xx)
 --   t       the time (ms) both were brought to
@@ -45,6 +46,19 @@ local function cb_admit(key, now)
   redis.call('HSET', key, 'c', c + 1, 'cs', step)
   if math.floor(c * share / 1000) ~= math.floor((c - 1) * share / 1000) then return nil end
   return ends - now
+end
+
+-- The state at `now`, read only (the admin API: admin/breaker.lua): no HSET, no count of a
+-- half-open step's requests (cb_admit's), no expiry moved. Returns the phase ('closed', 'open',
+-- 'half', 'recovered': a recovery no feed has cleaned up yet), then, tripped, its end (ms: the
+-- cool-down's, or the current step's), the step's share per mille ('' while open), the
+-- episode's first trip (ms) and its cool-down (ms); '' where there is none.
+local function cb_state(key, now)
+  local f = redis.call('HMGET', key, 'o', 'sm', 'p', 'at', 'cd')
+  local phase, x, share, ends = cb_phase(tonumber(f[1]), tonumber(f[2]), cb_steps(f[3]), now)
+  if phase == 'open' then return {phase, cb_int(x), '', f[4] or '', f[5] or ''} end
+  if phase == 'half' then return {phase, cb_int(ends), cb_int(share), f[4] or '', f[5] or ''} end
+  return {phase, '', '', '', ''}
 end
 
 -- Outcomes: a = threshold, recovery threshold, mistakes threshold, λ per ms, cool-down ms,

@@ -463,6 +463,10 @@ class Stack:
             "PORT": str(port),
             "DATABASE_URL": self._database(),
             "ADMIN_TOKEN": self.admin_token,
+            # The tenants' breakers, whose state it serves (admin/breakers.py).
+            "REDIS__HOST": "127.0.0.1",
+            "REDIS__PORT": str(self.redis_port),
+            "REDIS__PASSWORD": self.redis_password,
         }
         if self.tenants_file.exists():
             settings["IMPORT_TENANTS_FILE"] = str(self.tenants_file)

@@ -1,10 +1,12 @@
 """Fixtures of the admin API's tests: a real PostgreSQL (a fresh database per test: the shared
-fixtures of tests/conftest.py) and the API served on a loopback port, reached over real HTTP."""
+fixtures of tests/conftest.py) and the API served on a loopback port, reached over real HTTP;
+`redis_api`, the same with a real redis-server holding the tenants' breakers."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +17,26 @@ from aiohttp import web
 
 from admin.__main__ import connect
 from admin.api import Admin
+from admin.breakers import BreakerStates
 from admin.reports import Reports
 from admin.settings import Settings
 from admin.store import Store
-from llmgw.tiers import TierTable
+from llmgw.breaker import BreakerSpec
+from llmgw.redisconf import RedisSettings
+from llmgw.tiers import PerUnit, TierSpec, TierTable
+from tests.ratelimit.rl_redis import flushall, redis_port, start_redis
+from tools.procs import Process
 
 OVERLAP_S = 3600.0  # the service's default rotation overlap in these tests
+# A tier whose breaker trips at two 500s and runs its course in seconds: open 1.5 s, then
+# half-open 10 %, 30 %, 100 % for 1 s each, then closed; and a tier with no breaker.
+FAST = BreakerSpec(threshold=2.0, cooldown_s=1.5, cooldown_max_s=3.0, step_s=1.0)
+TIERS = TierTable(
+    tiers={
+        "fast": TierSpec(requests=PerUnit(second=10**6), breaker=FAST),
+        "plain": TierSpec(requests=PerUnit(second=10**6)),
+    }
+)
 
 
 @dataclass
@@ -72,10 +88,43 @@ class Api:
 
 @pytest.fixture
 async def api(db: str) -> AsyncIterator[Api]:
+    """The admin API with no Redis: breaker state not served."""
+    async with serve(db) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    proc = start_redis(tmp_path_factory.mktemp("redis"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def redis(shared_redis: Process) -> int:
+    """The shared redis-server's port, emptied for this test."""
+    port = redis_port(shared_redis)
+    flushall(port)
+    return port
+
+
+@pytest.fixture
+async def redis_api(db: str, redis: int) -> AsyncIterator[Api]:
+    """The admin API reading the breakers in `redis`, its tier table `TIERS`."""
+    async with serve(db, RedisSettings(port=redis), TIERS) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    db: str, redis: RedisSettings | None = None, tiers: TierTable | None = None
+) -> AsyncIterator[Api]:
     token = secrets.token_hex(32)
     settings = Settings.model_validate({"database_url": db, "admin_token": token})
     pool = await connect(settings)
-    admin = Admin(Store(pool, lambda: TierTable()), Reports(pool), token, OVERLAP_S)
+    table = tiers or TierTable()
+    states = BreakerStates(redis)
+    admin = Admin(Store(pool, lambda: table), Reports(pool), token, OVERLAP_S, states)
     runner = web.AppRunner(admin.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -86,4 +135,5 @@ async def api(db: str) -> AsyncIterator[Api]:
             yield Api(f"http://127.0.0.1:{port}", token, db, session)
     finally:
         await runner.cleanup()
+        await states.close()
         await pool.close()

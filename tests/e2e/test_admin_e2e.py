@@ -52,6 +52,10 @@ def test_the_stack_serves_the_admin_api_with_the_demo_tenants(stack: Stack) -> N
         _, keys = get(f"{url}/admin/v1/tenants/{tenant.id}/keys", token)
         assert [k["id"] for k in keys["data"]] == [k.id for k in tenant.keys]
     assert get(f"{url}/admin/v1/tenants", None)[0] == 401
+    # The stack's Redis (its password) is the admin's: breaker state is served.
+    first = next(iter(demo))
+    status, breaker = get(f"{url}/admin/v1/tenants/{first}/breaker", token)
+    assert status == 200 and breaker["state"] == "closed", breaker
     assert get(f"{url}/openapi.json", None)[1]["openapi"].startswith("3.1")
     shown = banner(info)
     assert f"{url}/admin/v1/" in shown and token in shown
