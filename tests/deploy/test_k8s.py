@@ -60,7 +60,7 @@ TLS_ENVOY, TLS_SERVICE = "/etc/envoy-tls", "/etc/llmgw-tls"  # the Secret llmgw-
 # The ledger's reconciler runs in Envoy's pods (envoy.yaml, ledger-reconcile). The admin API
 # keeps the tenants in PostgreSQL; extauthz follows them there.
 STORES = {
-    "redis": {"extauthz", "ledger", "envoy"},
+    "redis": {"extauthz", "ledger", "envoy", ADMIN},  # the admin: the breakers' state
     "postgres": {"ledger", "envoy", ADMIN, "extauthz"},
 }
 # The one Secret of the PostgreSQL URL (the ledger's, the admin's, extauthz's tenants').
@@ -364,6 +364,7 @@ def test_redis_asks_for_the_password_every_client_gets_from_one_secret() -> None
     clients = {
         "ledger": ["LLMGW_LEDGER__REDIS__PASSWORD"],
         "extauthz": ["LLMGW_RATELIMIT__REDIS__PASSWORD", "LLMGW_ROUTER__REDIS__PASSWORD"],
+        ADMIN: ["LLMGW_ADMIN__REDIS__PASSWORD"],  # the breakers' state
     }
     for name, wanted in clients.items():
         env = {v["name"]: v.get("valueFrom") for v in container(name)["env"]}
@@ -431,11 +432,16 @@ def test_network_policies_let_only_envoy_reach_the_services_and_services_the_sto
         rules = ingress_from(store)
         assert len(rules) == 1 and rules[0][0] == clients
     # The admin API: Prometheus alone (operators port-forward, which no policy sees), and it
-    # reaches PostgreSQL and DNS alone.
-    port = config.load(AdminSettings, None, "LLMGW_ADMIN", env_of(ADMIN)).port
-    assert ingress_from(ADMIN) == [({"monitoring"}, {port})]
+    # reaches PostgreSQL, Redis (the breakers' state) and DNS alone.
+    admin = config.load(AdminSettings, None, "LLMGW_ADMIN", env_of(ADMIN))
+    assert ingress_from(ADMIN) == [({"monitoring"}, {admin.port})]
     postgres = container("postgres")["ports"][0]["containerPort"]
-    assert egress_to(ADMIN) == [({"postgres"}, {postgres}), ({"anyone"}, {53})]
+    assert admin.redis is not None and admin.redis.host == "redis"
+    assert egress_to(ADMIN) == [
+        ({"postgres"}, {postgres}),
+        ({"redis"}, {admin.redis.port}),
+        ({"anyone"}, {53}),
+    ]
     assert ({"anyone"}, {8080}) in ingress_from("envoy")
     # The pods: Envoy's requests and the scrapes of the router in extauthz; Prometheus.
     port = workload("vllm")["spec"]["template"]["spec"]["containers"][0]["ports"][0]

@@ -187,6 +187,7 @@ def test_compose_runs_the_whole_product() -> None:
     assert redis[redis.index("--requirepass") + 1] == password
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == password  # the health check
     assert services["ledger"]["environment"]["LLMGW_LEDGER__REDIS__PASSWORD"] == password
+    assert services[ADMIN]["environment"]["LLMGW_ADMIN__REDIS__PASSWORD"] == password  # breakers
     # extauthz holds the router: it picks, scrapes the pods and publishes the fleet load; and
     # the rate limiter: it admits in each Check, its counters in the same Redis.
     extauthz = services["extauthz"]["environment"]
@@ -542,6 +543,9 @@ def test_a_key_made_through_the_admin_api_is_admitted_by_extauthz_and_refused_on
     eventually(lambda: checked(started, key) == 200, START_TIMEOUT, "the key never worked")
     assert call("DELETE", f"{admin}/keys/{key_id}", headers=auth).status == 200
     eventually(lambda: checked(started, key) == 401, START_TIMEOUT, "the revoked key worked on")
+    # Its breaker's state, from the compose Redis with the compose password.
+    breaker = call("GET", f"{admin}/tenants/compose/breaker", headers=auth)
+    assert (breaker.status, breaker.json()["state"]) == (200, "closed"), breaker.body
 
 
 def test_the_router_in_extauthz_scrapes_the_pods_and_publishes_to_redis(started: Started) -> None:
