@@ -71,13 +71,21 @@ def page_body(page: Page[Any], view: Callable[[Any], dict[str, Any]] = dict) -> 
 
 
 class Admin:
-    def __init__(self, store: Store, reports: Reports, token: str, overlap_s: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        reports: Reports,
+        token: str,
+        overlap_s: float,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self.store = store
         self.reports = reports
         self._bearer = f"Bearer {token}".encode()
         self.overlap_s = overlap_s
+        self.clock = clock
         self._document = json.dumps(document(ROUTES))
-        self.console = console.Console(store, reports, Logins(token), overlap_s)
+        self.console = console.Console(store, reports, Logins(token), overlap_s, clock)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
@@ -232,8 +240,11 @@ class Admin:
         group = GROUPS.get(request.query.get("group_by", "tenant"))
         if group is None:
             raise ApiError.invalid("group_by", f"one of {', '.join(GROUPS)}")
-        window = Window(
-            request.query.get("tenant"), self._time(request, "since"), self._time(request, "until")
+        window = Window.bounded(
+            request.query.get("tenant"),
+            self._time(request, "since"),
+            self._time(request, "until"),
+            self.clock(),
         )
         page = await self.reports.usage(window, group, self._page(request))
         return answer(page_body(page))
