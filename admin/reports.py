@@ -72,6 +72,18 @@ def _arg(args: list[Any], value: Any) -> str:
     return f"${len(args)}"
 
 
+def _within(window: Window, args: list[Any], table: str = "") -> str:
+    """SQL: the window's rows. A condition only where it applies: the plan the database keeps
+    for a statement after a few runs is made without the parameters' values, and for `($1 IS
+    NULL OR tenant = $1)` it scans every tenant's rows (measured: 214 ms for one of 10 rows)."""
+    where = [f"{table}ts >= {_arg(args, window.since)}"]
+    if window.tenant is not None:
+        where.append(f"{table}tenant = {_arg(args, window.tenant)}")
+    if window.until is not None:
+        where.append(f"{table}ts < {_arg(args, window.until)}")
+    return " AND ".join(where)
+
+
 @dataclass(frozen=True)
 class Recent:
     """A tenant's recent sessions; `partial`: the scan reached its bound (older requests of
@@ -86,19 +98,48 @@ class Reports:
         self.pool = pool
 
     async def usage(self, window: Window, by: GroupBy, page: PageRequest) -> Page[dict[str, Any]]:
+        """The window's totals by `by`, a page of them. The rows read: a tenant's in the window
+        through its (tenant, ts) index, or every tenant's in the window (by model or day); by
+        tenant, those of the page's tenants only."""
+        if by == "tenant" and window.tenant is None:
+            return await self._usage_by_tenant(window, page)
+        args: list[Any] = []
+        where = _within(window, args)
+        after = "" if page.after is None else f" WHERE {by} > {_arg(args, page.after)}"
         rows = await self.pool.fetch(
             f"SELECT * FROM (SELECT {GROUP_KEYS[by]} AS {by}, {usage.TOTALS} FROM outcomes"
-            " WHERE ($1::text IS NULL OR tenant = $1) AND ts >= $2"
-            f" AND ($3::timestamptz IS NULL OR ts < $3) GROUP BY 1) g"
-            f" WHERE $4::text IS NULL OR {by} > $4 ORDER BY {by} LIMIT $5",
-            window.tenant,
-            window.since,
-            window.until,
-            page.after,
-            page.limit + 1,
+            f" WHERE {where} GROUP BY 1) g{after} ORDER BY {by} LIMIT {_arg(args, page.limit + 1)}",
+            *args,
         )
         items = [{"object": "usage", **r} for r in map(dict, rows)]
         return Page.of(items, page.limit, lambda r: r[by])
+
+    async def _usage_by_tenant(self, window: Window, page: PageRequest) -> Page[dict[str, Any]]:
+        """Every tenant's totals, a page: first the page's tenants, walking the (tenant, ts)
+        index from one tenant to the next (a probe each, and one for a row in the window: the
+        walk passes tenants with none), then only their rows are read."""
+        args: list[Any] = []
+        start = "" if page.after is None else f" WHERE tenant > {_arg(args, page.after)}"
+        within = _within(Window(None, window.since, window.until), args, "o.")
+        tenants = await self.pool.fetch(
+            "WITH RECURSIVE walk(tenant) AS ("
+            f" (SELECT tenant FROM outcomes{start} ORDER BY tenant LIMIT 1)"
+            " UNION ALL SELECT (SELECT o.tenant FROM outcomes o WHERE o.tenant > walk.tenant"
+            " ORDER BY o.tenant LIMIT 1) FROM walk WHERE walk.tenant IS NOT NULL)"
+            " SELECT tenant FROM walk WHERE tenant IS NOT NULL AND EXISTS (SELECT FROM outcomes o"
+            f" WHERE o.tenant = walk.tenant AND {within}) LIMIT {_arg(args, page.limit + 1)}",
+            *args,
+        )
+        names = [r["tenant"] for r in tenants]
+        args = [names[: page.limit]]
+        rows = await self.pool.fetch(
+            f"SELECT tenant, {usage.TOTALS} FROM outcomes WHERE tenant = ANY($1::text[])"
+            f" AND {_within(Window(None, window.since, window.until), args)}"
+            " GROUP BY tenant ORDER BY tenant",
+            *args,
+        )
+        items = [{"object": "usage", **r} for r in map(dict, rows)]
+        return Page(items, len(names) > page.limit, items[-1]["tenant"] if items else None)
 
     async def session(self, session: str, page: PageRequest) -> Page[dict[str, Any]]:
         """The session's requests in time order (`after`: a request ID of it)."""

@@ -105,6 +105,30 @@ async def test_usage_without_since_reads_the_last_30_days(api: Api) -> None:
     assert [r["tenant"] for r in before["data"]] == ["old"]
 
 
+async def test_a_page_of_tenants_holds_those_with_requests_in_the_window(api: Api) -> None:
+    """By tenant, a page is the next `limit` tenants with requests in the window: one with
+    requests before it only (found on the way through the index) is passed over."""
+    old = T0 - timedelta(days=60)
+    await write(
+        api,
+        [
+            outcome(0, tenant="a"),
+            outcome(1, tenant="b", ts=old),
+            outcome(2, tenant="c"),
+            outcome(3, tenant="c"),
+            outcome(4, tenant="d", ts=old),
+        ],
+    )
+    page = await api.ok("GET", "/admin/v1/usage", limit=2)
+    assert [(r["tenant"], r["requests"]) for r in page["data"]] == [("a", 1), ("c", 2)]
+    assert not page["has_more"] and page["last_id"] == "c"
+    first = await api.ok("GET", "/admin/v1/usage", limit=1)
+    assert [r["tenant"] for r in first["data"]] == ["a"] and first["has_more"]
+    rest = await api.ok("GET", "/admin/v1/usage", limit=1, after="a")
+    assert [r["tenant"] for r in rest["data"]] == ["c"] and not rest["has_more"]
+    assert (await api.ok("GET", "/admin/v1/usage", after="c"))["data"] == []
+
+
 async def test_a_window_longer_than_366_days_is_a_400(api: Api) -> None:
     await write(api, [outcome(0)])
     now = datetime.now(UTC)
