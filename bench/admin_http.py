@@ -157,6 +157,9 @@ async def serve_and_time(pool: asyncpg.Pool, n_tenants: int, n_outcomes: int, ca
                 f"POST tenants/{one}/keys (create)": create_key,
                 "DELETE keys/{id} (revoke)": revoke_key,
                 "GET usage (default window, by tenant)": get("/admin/v1/usage"),
+                "GET usage (by tenant, a page deep in the list)": get(
+                    "/admin/v1/usage", after=f"t{n_tenants // 2}"
+                ),
                 "GET usage?group_by=model": get("/admin/v1/usage", group_by="model"),
                 f"GET usage?tenant={small_tenant}": get("/admin/v1/usage", tenant=small_tenant),
                 "GET usage?tenant=t1 (heavy)": get("/admin/v1/usage", tenant="t1"),
