@@ -65,7 +65,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-## a benchmark from bench/ (BENCH=overhead, cpu, wakeups, routing, flow, large_bodies, hostile, extauthz_decision, ratelimit_decision, router_pick, tokenize, vllm_startup, vllm_overhead, vllm_scrape, kv_index, collectors, responses, gputime)
+## a benchmark from bench/ (BENCH=overhead, cpu, wakeups, routing, flow, large_bodies, hostile, extauthz_decision, ratelimit_decision, router_pick, tokenize, vllm_startup, vllm_overhead, vllm_scrape, kv_index, collectors, responses, gputime, tenants_db, admin_http)
 bench: $(STAMP)
 	$(PY) -m bench.$(or $(BENCH),overhead) $(ARGS)
 

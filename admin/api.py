@@ -79,15 +79,17 @@ class Admin:
         token: str,
         overlap_s: float,
         breaker_states: BreakerStates | None = None,  # None: no Redis: not served
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.store = store
         self.reports = reports
         self.breaker_states = breaker_states or BreakerStates(None)
         self._bearer = f"Bearer {token}".encode()
         self.overlap_s = overlap_s
+        self.clock = clock
         self._document = json.dumps(document(ROUTES))
         self.console = console.Console(
-            store, reports, Logins(token), overlap_s, breaker_states=self.breaker_states
+            store, reports, Logins(token), overlap_s, clock, breaker_states=self.breaker_states
         )
 
     def app(self) -> web.Application:
@@ -243,8 +245,11 @@ class Admin:
         group = GROUPS.get(request.query.get("group_by", "tenant"))
         if group is None:
             raise ApiError.invalid("group_by", f"one of {', '.join(GROUPS)}")
-        window = Window(
-            request.query.get("tenant"), self._time(request, "since"), self._time(request, "until")
+        window = Window.bounded(
+            request.query.get("tenant"),
+            self._time(request, "since"),
+            self._time(request, "until"),
+            self.clock(),
         )
         page = await self.reports.usage(window, group, self._page(request))
         return answer(page_body(page))

@@ -21,16 +21,18 @@ from aiohttp import web
 from admin import charts
 from admin.breakers import BreakerState, BreakerStates
 from admin.logins import COOKIE, LIFETIME_S, Logins
-from admin.reports import Reports, Window
+from admin.reports import Reports, Window, days_back
 from admin.specs import new_tenant
 from admin.store import Store
-from admin.types import MAX_LIMIT, ApiError, KeyRow, PageRequest, TenantRow, whole
+from admin.types import DEFAULT_DAYS, MAX_LIMIT, ApiError, KeyRow, PageRequest, TenantRow, whole
 
 PREFIX = "/console"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SID = web.RequestKey("console.session", str)  # the request's login, set by the middleware
-DAYS = 30  # the usage page's window
+DAYS = DEFAULT_DAYS  # the usage page's window: the API's default one
 SESSIONS = 20  # the usage page's recent sessions
+RECENT_ROWS = 10_000  # recent sessions: those of the tenant's latest requests in the window
+TIMELINE = 200  # a session page's requests (then a link to the next page)
 LIST = 100  # rows of a listing page
 HEADERS = {
     "Cache-Control": "no-store",
@@ -242,13 +244,12 @@ class Console:
 
     async def usage(self, request: web.Request) -> web.Response:
         tenant = await self.store.tenant(request.match_info["id"])
-        today = self.clock().astimezone(UTC).date()
-        first = datetime.combine(today - timedelta(days=DAYS - 1), datetime.min.time(), UTC)
+        first = days_back(self.clock(), DAYS)
         window = Window(tenant.spec.id, first)
         every = PageRequest(MAX_LIMIT)
         days = (await self.reports.usage(window, "day", every)).data
         models = (await self.reports.usage(window, "model", every)).data
-        sessions = await self.reports.sessions(tenant.spec.id, SESSIONS)
+        recent = await self.reports.sessions(tenant.spec.id, first, SESSIONS, RECENT_ROWS)
         by_day = {d["day"]: d for d in days}
         dates = [(first.date() + timedelta(days=i)).isoformat() for i in range(DAYS)]
         # None: no priced record that day (ledger/usage.py); several: listed, never summed.
@@ -262,7 +263,9 @@ class Console:
             tenant=tenant,
             days=days,
             models=models,
-            sessions=sessions,
+            sessions=recent.sessions,
+            partial=recent.partial,
+            scanned=RECENT_ROWS,
             currency=currency,
             cost_chart=charts.columns(cost, currency or "(unpriced)", "cost"),
             requests_chart=charts.columns(requests, "requests", "requests"),
@@ -270,7 +273,11 @@ class Console:
 
     async def session(self, request: web.Request) -> web.Response:
         session_id = request.match_info["id"]
-        found = (await self.reports.session(session_id, PageRequest(MAX_LIMIT))).data
+        after = request.query.get("after")
+        page = await self.reports.session(session_id, PageRequest(TIMELINE, after))
+        found = page.data
+        if not found:  # `after` its last request
+            raise ApiError(404, f"no request of {session_id!r} after {after!r}", "not_found")
         start = found[0]["ts"]
         rows = [
             self._stages(i, r, (r["ts"] - start).total_seconds() * 1000)
@@ -278,7 +285,13 @@ class Console:
         ]
         timeline = charts.bars(rows, "ms")
         return self._render(
-            request, "session.j2", session=session_id, requests=found, timeline=timeline
+            request,
+            "session.j2",
+            session=session_id,
+            requests=found,
+            timeline=timeline,
+            page=page,
+            after=after,
         )
 
     @staticmethod

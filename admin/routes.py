@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from admin.types import DEFAULT_LIMIT, MAX_LIMIT, KeyCreate, KeyRotate
+from admin.types import DEFAULT_DAYS, DEFAULT_LIMIT, MAX_DAYS, MAX_LIMIT, KeyCreate, KeyRotate
 from extauthz.types import Tenant
 
 PREFIX = "/admin/v1"
@@ -102,8 +102,14 @@ ROUTES: tuple[Route, ...] = (
         "Requests, tokens and cost from the ledger, grouped",
         (
             TENANT,
-            Param("since", "from this time (inclusive; no zone: UTC)", TIME),
-            Param("until", "to this time (exclusive; no zone: UTC)", TIME),
+            Param(
+                "since",
+                "from this time (inclusive; no zone: UTC); by default the last"
+                f" {DEFAULT_DAYS} UTC days, today's included; at most {MAX_DAYS} days before"
+                " `until` (or now)",
+                TIME,
+            ),
+            Param("until", "to this time (exclusive; no zone: UTC; by default none)", TIME),
             Param(
                 "group_by",
                 "the totals' key",
@@ -117,7 +123,8 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         f"{PREFIX}/sessions/{{id}}",
         "get_session",
-        "A session's requests in time order, with their pod, queue, TTFT and decode times",
+        "A session's requests in time order, with their pod, queue, TTFT and decode times (a"
+        " page at a time)",
         PAGE,
         lists=True,
     ),

@@ -17,6 +17,8 @@ T = TypeVar("T")
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
+DEFAULT_DAYS = 30  # a report's window with no start: the last 30 UTC days, today's included
+MAX_DAYS = 366  # the longest window a report reads
 
 
 class ApiError(Exception):

@@ -428,6 +428,7 @@ async def test_numbers_are_ascii_digits(
         ("GET", "/admin/v1/usage", {"tenant": "a\x00b"}),
         ("GET", "/admin/v1/sessions/s\x00", {}),
         ("GET", "/admin/v1/usage", {"since": "0001-01-01T00:00:00+14:00"}),
+        ("GET", "/admin/v1/usage", {"until": "0001-01-01T00:00:00+14:00"}),
     ],
 )
 async def test_a_value_the_database_cannot_hold_is_the_requests_fault(

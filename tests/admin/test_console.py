@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from admin import console
 from admin.console import PAGES, PREFIX, Page
 from admin.logins import COOKIE
 from tests.admin.conftest import Api
@@ -299,6 +300,67 @@ async def test_the_session_timeline_lists_its_requests_in_order_with_their_stage
     assert second[0][1] == pytest.approx(qx + 10 * qw, abs=0.5)  # one second after the first
     assert [k for k, _, _ in third] == ["unanswered"]
     assert (await logged_in.get(f"{PREFIX}/sessions/nope")).status == 404
+
+
+async def test_a_long_session_shows_a_page_of_its_requests_and_links_the_next(
+    logged_in: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session of more requests than a page (console.TIMELINE, 3 here) shows the first ones,
+    says so and links the rest, in order across requests of one instant."""
+    monkeypatch.setattr(console, "TIMELINE", 3)
+    t0 = datetime.now(UTC)
+    at = [t0, t0, t0 + timedelta(seconds=1), t0 + timedelta(seconds=1), t0 + timedelta(seconds=2)]
+    stages = {"ttft_ms": 10.0, "duration_ms": 30.0}
+    await write(
+        logged_in.api, [outcome(i, ts=ts, session="s1", **stages) for i, ts in enumerate(at)]
+    )
+
+    def requests(page: str) -> list[str]:
+        return re.findall(r"<td>(req-\d+)</td>", page.split('id="requests"')[1])
+
+    first = (await logged_in.get(f"{PREFIX}/sessions/s1")).text
+    assert requests(first) == ["req-0000", "req-0001", "req-0002"]
+    assert "The first 3 requests shown" in first
+    assert len({y for _, _, y, _, _ in RECT.findall(first)}) == 3  # a bar each, no more
+    link = re.search(r'<a id="next" href="([^"]+)"', first)
+    assert link is not None and link.group(1) == "?after=req-0002"
+    rest = (await logged_in.get(f"{PREFIX}/sessions/s1", after="req-0002")).text
+    assert requests(rest) == ["req-0003", "req-0004"]
+    assert "2 requests after <code>req-0002</code> shown." in rest and 'id="next"' not in rest
+    past = await logged_in.get(f"{PREFIX}/sessions/s1", after="req-0004")
+    assert past.status == 404
+    short = (await logged_in.get(f"{PREFIX}/sessions/s1", after="req-0001")).text
+    assert requests(short) == ["req-0002", "req-0003", "req-0004"] and 'id="next"' not in short
+
+
+async def test_recent_sessions_are_read_from_the_latest_requests_of_the_window(
+    logged_in: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usage page's recent sessions come from the tenant's latest requests in its 30 days
+    (console.RECENT_ROWS of them, 3 here), never its whole history: an older session is not
+    listed, and when the bound is reached the page says the counts are within it."""
+    monkeypatch.setattr(console, "RECENT_ROWS", 3)
+    await logged_in.api.tenant("acme")
+    now = datetime.now(UTC)
+    rows = [
+        outcome(0, ts=now - timedelta(days=40), session="s-old"),  # before the window
+        outcome(1, ts=now - timedelta(days=1), session="s-a"),
+        outcome(2, ts=now - timedelta(days=1) + timedelta(seconds=1), session="s-a"),
+        outcome(3, ts=now - timedelta(seconds=2), session="s-b"),
+        outcome(4, ts=now - timedelta(seconds=1), session="s-b"),
+        outcome(5, ts=now, tenant="beta", session="s-c"),  # another tenant's
+    ]
+    await write(logged_in.api, rows)
+    page = (await logged_in.get(f"{PREFIX}/tenants/acme/usage")).text
+    table = page.split('id="sessions"')[1].split("</table>")[0]
+    found = re.findall(r'<a class="session" href="[^"]+">([^<]+)</a>', table)
+    assert found == ["s-b", "s-a"]
+    counts = re.findall(r'<td class="n">(\d+)</td>', table)
+    assert counts == ["2", "1"]  # s-a's latest request only: within the 3 read
+    assert 'id="partial"' in page and "latest 3 requests" in page
+    monkeypatch.setattr(console, "RECENT_ROWS", 5)
+    whole = (await logged_in.get(f"{PREFIX}/tenants/acme/usage")).text
+    assert 'id="partial"' not in whole  # the window's 4, fewer than the bound: all read
 
 
 async def test_the_events_and_tiers_pages_show_the_ledgers_rows(logged_in: Browser) -> None:

@@ -4,7 +4,7 @@ read back through the admin API."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, time, timedelta
 from typing import Any
 
 import asyncpg
@@ -14,7 +14,9 @@ from llmgw.outcome import Outcome
 from tests.admin.conftest import Api
 from tests.admin.test_api import assert_error
 
-T0 = datetime(2026, 12, 1, 23, 59, 58, tzinfo=UTC)
+TODAY = datetime.now(UTC).date()
+T0 = datetime.combine(TODAY - timedelta(days=2), time(23, 59, 58), UTC)  # in the default window
+DAY0, DAY1 = (TODAY - timedelta(days=2)).isoformat(), (TODAY - timedelta(days=1)).isoformat()
 
 
 def outcome(i: int, **fields: Any) -> Outcome:
@@ -67,14 +69,11 @@ async def test_usage_by_tenant_model_and_day_within_a_window(api: Api) -> None:
     models = await api.ok("GET", "/admin/v1/usage", group_by="model", tenant="acme")
     assert [(m["model"], m["requests"]) for m in models["data"]] == [("m1", 2), ("m2", 1)]
     days = await api.ok("GET", "/admin/v1/usage", group_by="day")  # 23:59:58 + 0..3 s
-    assert [(d["day"], d["requests"]) for d in days["data"]] == [
-        ("2026-12-01", 2),
-        ("2026-12-02", 2),
-    ]
+    assert [(d["day"], d["requests"]) for d in days["data"]] == [(DAY0, 2), (DAY1, 2)]
     since, until = (T0 + timedelta(seconds=1)).isoformat(), (T0 + timedelta(seconds=3)).isoformat()
     window = await api.ok("GET", "/admin/v1/usage", since=since, until=until)
     assert [(w["tenant"], w["requests"]) for w in window["data"]] == [("acme", 2)]
-    naive = await api.ok("GET", "/admin/v1/usage", since="2026-12-02T00:00:00")  # UTC
+    naive = await api.ok("GET", "/admin/v1/usage", since=f"{DAY1}T00:00:00")  # UTC
     assert sum(w["requests"] for w in naive["data"]) == 2
     first = await api.ok("GET", "/admin/v1/usage", limit=1)
     assert first["has_more"] and first["last_id"] == "acme"
@@ -84,6 +83,68 @@ async def test_usage_by_tenant_model_and_day_within_a_window(api: Api) -> None:
         reply = await api.call("GET", "/admin/v1/usage", **query)
         assert reply.status == 400
         assert_error(reply.body, "invalid_value", param)
+
+
+async def test_usage_without_since_reads_the_last_30_days(api: Api) -> None:
+    """No `since`: the last 30 UTC days, today's included (the console's window), up to
+    `until` when given: a request older is not read unless `since` names it."""
+    first = datetime.combine(TODAY - timedelta(days=29), time(), UTC)
+    await write(
+        api,
+        [
+            outcome(0, ts=first - timedelta(seconds=1), tenant="old"),
+            outcome(1, ts=first, tenant="new"),
+        ],
+    )
+    default = await api.ok("GET", "/admin/v1/usage")
+    assert [r["tenant"] for r in default["data"]] == ["new"]
+    earlier = (first - timedelta(days=1)).isoformat()
+    both = await api.ok("GET", "/admin/v1/usage", since=earlier)
+    assert [r["tenant"] for r in both["data"]] == ["new", "old"]
+    before = await api.ok("GET", "/admin/v1/usage", until=first.isoformat())
+    assert [r["tenant"] for r in before["data"]] == ["old"]
+
+
+async def test_a_page_of_tenants_holds_those_with_requests_in_the_window(api: Api) -> None:
+    """By tenant, a page is the next `limit` tenants with requests in the window: one with
+    requests before it only (found on the way through the index) is passed over."""
+    old = T0 - timedelta(days=60)
+    await write(
+        api,
+        [
+            outcome(0, tenant="a"),
+            outcome(1, tenant="b", ts=old),
+            outcome(2, tenant="c"),
+            outcome(3, tenant="c"),
+            outcome(4, tenant="d", ts=old),
+        ],
+    )
+    page = await api.ok("GET", "/admin/v1/usage", limit=2)
+    assert [(r["tenant"], r["requests"]) for r in page["data"]] == [("a", 1), ("c", 2)]
+    assert not page["has_more"] and page["last_id"] == "c"
+    first = await api.ok("GET", "/admin/v1/usage", limit=1)
+    assert [r["tenant"] for r in first["data"]] == ["a"] and first["has_more"]
+    rest = await api.ok("GET", "/admin/v1/usage", limit=1, after="a")
+    assert [r["tenant"] for r in rest["data"]] == ["c"] and not rest["has_more"]
+    assert (await api.ok("GET", "/admin/v1/usage", after="c"))["data"] == []
+
+
+async def test_a_window_longer_than_366_days_is_a_400(api: Api) -> None:
+    await write(api, [outcome(0)])
+    now = datetime.now(UTC)
+    year = await api.ok("GET", "/admin/v1/usage", since=(now - timedelta(days=365)).isoformat())
+    assert [r["requests"] for r in year["data"]] == [1]
+    long_ago = now - timedelta(days=800)
+    for query in (
+        {"since": (now - timedelta(days=367)).isoformat()},  # to now
+        {"since": long_ago.isoformat(), "until": (long_ago + timedelta(days=367)).isoformat()},
+    ):
+        reply = await api.call("GET", "/admin/v1/usage", **query)
+        assert reply.status == 400, query
+        assert_error(reply.body, "invalid_value", "since")
+        assert "366 days" in reply.body["error"]["message"]
+    old = await api.ok("GET", "/admin/v1/usage", until=long_ago.isoformat())  # 30 days before
+    assert old["data"] == []
 
 
 async def test_a_sessions_requests_in_time_order_with_their_stages(api: Api) -> None:
