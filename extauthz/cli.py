@@ -49,7 +49,7 @@ def _not_owned_by_an_admin_api(path: Path) -> None:
     (its ready file, beside the file, names the API): extauthz follows PostgreSQL there, and the
     file is read only at the next start, so a key revoked here would keep working."""
     try:
-        ready = json.loads((path.parent / wire.READY_FILE).read_text())
+        ready = json.loads((path.resolve().parent / wire.READY_FILE).read_text())
     except (OSError, ValueError):
         return
     url = ready.get("admin_url") if isinstance(ready, dict) else None

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from extauthz import cli as extauthz_cli
-from llmgw import config, logs, wire
+from llmgw import config, logs
 from llmgw.config import deprecated
 from llmgw.tls import ENVOY_IDENTITY
 from llmgw.topology import Topology
@@ -64,9 +64,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     os.umask(0o077)
     settings = _stack_settings(args)
     state_dir = args.state_dir / time.strftime("run-%Y%m%d-%H%M%S")
-    # Without --ready-file, in the run directory (0700): where `llmgw usage` and `llmgw spend`
-    # find the stack's database and Redis.
-    return supervise(Stack(settings, state_dir), args.ready_file or state_dir / wire.READY_FILE)
+    return supervise(Stack(settings, state_dir), args.ready_file)
 
 
 RENDERED_SERVICES = ("extauthz", "ratelimit", "router", "ledger")
@@ -196,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--ready-file",
         type=Path,
-        help="write base URL, keys and pods here as JSON (default: the run directory's ready.json)",
+        help="also write base URL, keys and pods here as JSON (the run directory's ready.json)",
     )
     up.add_argument(
         "--database-url", help="PostgreSQL for the usage ledger (default: a local server of ours)"

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from llmgw import wire
 from tools.procs import Process
 from tools.stack import Stack
 from tools.supervisor import Backoff, Supervisor, SupervisorMetrics
@@ -74,9 +75,13 @@ def write_ready(ready_file: Path, info: dict[str, Any]) -> None:
 def supervise(stack: Stack, ready_file: Path | None, backoff: Backoff | None = None) -> int:
     """Run until SIGINT/SIGTERM (exit 0), restarting any child that dies (tools.supervisor).
 
-    The ready file is rewritten after each restart (new pid, restart counts); the supervisor's
-    metrics (`llmgw_child_restarts_total` ...) are served at `metrics.launcher` in it.
+    The ready file is written in the run directory, and to `ready_file` too when given: `llmgw
+    usage`, `spend` and `keys` find the running stack in its run directory whatever the operator
+    named. It is rewritten after each restart (new pid, restart counts) and removed at the end;
+    the supervisor's metrics (`llmgw_child_restarts_total` ...) are served at
+    `metrics.launcher` in it.
     """
+    ready_files = {stack.state_dir / wire.READY_FILE} | ({ready_file} if ready_file else set())
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -92,12 +97,11 @@ def supervise(stack: Stack, ready_file: Path | None, backoff: Backoff | None = N
     supervisor: Supervisor | None = None
 
     def report(_restarted: Process | None = None) -> None:
-        if ready_file is None:
-            return
         info = stack.ready_info()
         info["metrics"] = {**info["metrics"], "launcher": metrics_url}
         info["restarts"] = supervisor.restarts() if supervisor else {}
-        write_ready(ready_file, info)
+        for path in ready_files:
+            write_ready(path, info)
 
     try:
         stack.start()
@@ -110,6 +114,6 @@ def supervise(stack: Stack, ready_file: Path | None, backoff: Backoff | None = N
     finally:
         stack.stop()
         server.shutdown()
-        if ready_file is not None:
-            ready_file.unlink(missing_ok=True)
+        for path in ready_files:
+            path.unlink(missing_ok=True)
     return 0

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -29,11 +30,14 @@ from tools.procs import Process
 
 OVERLAP_S = 3600.0  # the service's default rotation overlap in these tests
 # A tier whose breaker trips at two 500s and runs its course in seconds: open 1.5 s, then
-# half-open 10 %, 30 %, 100 % for 1 s each, then closed; and a tier with no breaker.
+# half-open 10 %, 30 %, 100 % for 1 s each, then closed; one that stays open for 10 minutes
+# (a read while open, however busy the machine); and a tier with no breaker.
 FAST = BreakerSpec(threshold=2.0, cooldown_s=1.5, cooldown_max_s=3.0, step_s=1.0)
+SLOW = BreakerSpec(threshold=2.0, cooldown_s=600.0, cooldown_max_s=1200.0, step_s=1.0)
 TIERS = TierTable(
     tiers={
         "fast": TierSpec(requests=PerUnit(second=10**6), breaker=FAST),
+        "slow": TierSpec(requests=PerUnit(second=10**6), breaker=SLOW),
         "plain": TierSpec(requests=PerUnit(second=10**6)),
     }
 )
@@ -117,14 +121,17 @@ async def redis_api(db: str, redis: int) -> AsyncIterator[Api]:
 
 @contextlib.asynccontextmanager
 async def serve(
-    db: str, redis: RedisSettings | None = None, tiers: TierTable | None = None
+    db: str,
+    redis: RedisSettings | None = None,
+    tiers: TierTable | None = None,
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> AsyncIterator[Api]:
     token = secrets.token_hex(32)
     settings = Settings.model_validate({"database_url": db, "admin_token": token})
     pool = await connect(settings)
     table = tiers or TierTable()
     states = BreakerStates(redis)
-    admin = Admin(Store(pool, lambda: table), Reports(pool), token, OVERLAP_S, states)
+    admin = Admin(Store(pool, lambda: table), Reports(pool), token, OVERLAP_S, states, clock)
     runner = web.AppRunner(admin.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

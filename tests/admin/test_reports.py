@@ -3,20 +3,30 @@ read back through the admin API."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, time, timedelta
 from typing import Any
 
 import asyncpg
+import pytest
 
 from ledger.db import INSERT_EVENTS, INSERT_OUTCOMES, columns
 from llmgw.outcome import Outcome
-from tests.admin.conftest import Api
+from tests.admin.conftest import Api, serve
 from tests.admin.test_api import assert_error
 
-TODAY = datetime.now(UTC).date()
+# The admin's clock stands still at the module's import: the rows below are placed against it,
+# and a suite that runs past midnight (UTC) must not move the default window under them.
+NOW = datetime.now(UTC)
+TODAY = NOW.date()
 T0 = datetime.combine(TODAY - timedelta(days=2), time(23, 59, 58), UTC)  # in the default window
 DAY0, DAY1 = (TODAY - timedelta(days=2)).isoformat(), (TODAY - timedelta(days=1)).isoformat()
+
+
+@pytest.fixture
+async def api(db: str) -> AsyncIterator[Api]:
+    async with serve(db, clock=lambda: NOW) as running:
+        yield running
 
 
 def outcome(i: int, **fields: Any) -> Outcome:

@@ -74,6 +74,17 @@ def test_up_serves_and_stops_cleanly(
     for path in [run, *run.rglob("*")]:
         assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
     assert info["database_url"] not in log.read_text()
+    # The run directory has its ready file too, whatever --ready-file named: `llmgw keys` finds
+    # there that the admin API owns the tenants, and refuses to edit the file (a link too).
+    assert json.loads((run / "ready.json").read_text())["admin_url"] == info["admin_url"]
+    link = run.parent / "tenants-link.yaml"
+    link.symlink_to(run / "tenants.yaml")
+    for tenants in (run / "tenants.yaml", link):
+        revoke = [sys.executable, "-m", "llmgw", "keys", "revoke", "key_x"]
+        refused = subprocess.run(
+            [*revoke, "--tenants-file", str(tenants)], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 1 and info["admin_url"] in refused.stderr, refused.stderr
     # Redis's generated password: in the ready file's URL only, not on stdout, in a child's log
     # or in Redis's command line as `ps` shows it (redis-server rewrites its process title).
     password = urlsplit(info["redis_url"]).password
@@ -87,6 +98,7 @@ def test_up_serves_and_stops_cleanly(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert not [pid for pid in children if pid_alive(pid)]
+    assert not (run / "ready.json").exists() and not ready.exists()  # no stack runs
 
 
 def test_a_dead_pod_is_reported_restarted_and_the_stack_stays_up(
