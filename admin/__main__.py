@@ -48,7 +48,7 @@ async def main(settings: Settings) -> None:
             log.info("tenants imported", extra={"changed": imported})
         admin = Admin(
             store,
-            Reports(pool),
+            Reports(pool, concurrent=max(1, settings.pool_size - 1)),
             settings.admin_token.get_secret_value(),
             settings.rotation_overlap_s,
             breakers,

@@ -9,6 +9,7 @@ requests in such a window, and each page at most a page's rows, through an index
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -59,6 +60,8 @@ class Window:
             start = days_back(end, DEFAULT_DAYS) if since is None else since
         except OverflowError as exc:  # before 0001-01-31 UTC
             raise ApiError.invalid("until", f"a time {DEFAULT_DAYS} days after year 1") from exc
+        if end <= start:
+            raise ApiError.invalid("until", "after `since`")
         if end - start > timedelta(days=MAX_DAYS):
             raise ApiError.invalid(
                 "since", f"at most {MAX_DAYS} days before `until` (or now, without `until`)"
@@ -94,8 +97,24 @@ class Recent:
 
 
 class Reports:
-    def __init__(self, pool: Any) -> None:  # asyncpg.Pool
+    def __init__(self, pool: Any, concurrent: int = 1) -> None:  # asyncpg.Pool
         self.pool = pool
+        # A report may read many rows for seconds: at most `concurrent` run at once, so the pool
+        # keeps connections for /health and the changes to tenants and keys, whatever is asked.
+        self._slots = asyncio.Semaphore(concurrent)
+
+    async def _fetch(self, query: str, *args: Any) -> list[Any]:
+        async with self._slots:
+            try:
+                return list(await self.pool.fetch(query, *args))
+            except TimeoutError as exc:  # the pool's command_timeout: the query is cancelled
+                raise ApiError(
+                    503,
+                    "the report did not finish in time: name a tenant or narrow the window"
+                    " (since, until)",
+                    "report_timeout",
+                    type="server_error",
+                ) from exc
 
     async def usage(self, window: Window, by: GroupBy, page: PageRequest) -> Page[dict[str, Any]]:
         """The window's totals by `by`, a page of them. The rows read: a tenant's in the window
@@ -106,7 +125,7 @@ class Reports:
         args: list[Any] = []
         where = _within(window, args)
         after = "" if page.after is None else f" WHERE {by} > {_arg(args, page.after)}"
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             f"SELECT * FROM (SELECT {GROUP_KEYS[by]} AS {by}, {usage.TOTALS} FROM outcomes"
             f" WHERE {where} GROUP BY 1) g{after} ORDER BY {by} LIMIT {_arg(args, page.limit + 1)}",
             *args,
@@ -121,7 +140,7 @@ class Reports:
         args: list[Any] = []
         start = "" if page.after is None else f" WHERE tenant > {_arg(args, page.after)}"
         within = _within(Window(None, window.since, window.until), args, "o.")
-        tenants = await self.pool.fetch(
+        tenants = await self._fetch(
             "WITH RECURSIVE walk(tenant) AS ("
             f" (SELECT tenant FROM outcomes{start} ORDER BY tenant LIMIT 1)"
             " UNION ALL SELECT (SELECT o.tenant FROM outcomes o WHERE o.tenant > walk.tenant"
@@ -132,7 +151,7 @@ class Reports:
         )
         names = [r["tenant"] for r in tenants]
         args = [names[: page.limit]]
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             f"SELECT tenant, {usage.TOTALS} FROM outcomes WHERE tenant = ANY($1::text[])"
             f" AND {_within(Window(None, window.since, window.until), args)}"
             " GROUP BY tenant ORDER BY tenant",
@@ -153,7 +172,7 @@ class Reports:
             at = f"(SELECT ts FROM outcomes WHERE request_id = {_arg(args, page.after)})"
             key = at.replace("SELECT ts", "SELECT ts, request_id")
             after = f" AND ts >= {at} AND (ts, request_id) > {key}"
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             f"SELECT {SESSION_COLUMNS} FROM outcomes WHERE session = $1 AND session <> ''{after}"
             f" ORDER BY ts, request_id LIMIT {_arg(args, page.limit + 1)}",
             *args,
@@ -166,7 +185,7 @@ class Reports:
     async def events(
         self, kind: EventKind, tenant: str | None, page: PageRequest
     ) -> Page[dict[str, Any]]:
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             "SELECT id, ts, kind, tenant, detail FROM ledger_events WHERE starts_with(kind, $1)"
             " AND ($2::text IS NULL OR tenant = $2) AND ($3::bigint IS NULL OR id > $3)"
             " ORDER BY id LIMIT $4",
@@ -182,7 +201,7 @@ class Reports:
         """The tenant's latest sessions since `since`, the most recently active first: those
         of its latest `scan` requests with a session (its (tenant, ts) index read backwards),
         with their requests, first and last among those."""
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             "SELECT session, min(ts) AS started, max(ts) AS last, count(*) AS requests,"
             " sum(cost_micros)::bigint AS cost_micros,"
             " coalesce(string_agg(DISTINCT nullif(currency, ''), ','), '') AS currency,"
@@ -204,7 +223,7 @@ class Reports:
     async def tiers(self, since: datetime) -> list[dict[str, Any]]:
         """Each tier's admissions since `since`: its tenants, requests, what they were refused,
         charged and drew from the fleet's borrowing pool (the ledger's `borrowed_*`)."""
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             "SELECT tier, count(DISTINCT tenant) AS tenants, count(*) AS requests,"
             " count(*) FILTER (WHERE outcome = 'refused') AS refused,"
             " sum(charged_tokens)::bigint AS charged_tokens,"

@@ -35,7 +35,7 @@ class Settings(Strict):
     # read from it (admin/breakers.py). None: not served (those routes answer 503).
     redis: RedisSettings | None = None
     redis_timeout_s: float = Field(default=1.0, gt=0)  # a read of breakers, connecting included
-    pool_size: int = Field(default=4, ge=1)
+    pool_size: int = Field(default=4, ge=1)  # reports take at most all but one (admin/reports.py)
     connect_timeout_s: float = Field(default=30.0, gt=0)  # the database at start-up
     command_timeout_s: float = Field(default=10.0, gt=0)
     grace_seconds: float = Field(default=5.0, ge=0)  # on SIGTERM: requests in flight finish

@@ -3,6 +3,7 @@ read back through the admin API."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, time, timedelta
 from typing import Any
@@ -10,10 +11,13 @@ from typing import Any
 import asyncpg
 import pytest
 
+from admin.reports import Reports, Window
+from admin.types import ApiError, PageRequest
 from ledger.db import INSERT_EVENTS, INSERT_OUTCOMES, columns
 from llmgw.outcome import Outcome
 from tests.admin.conftest import Api, serve
 from tests.admin.test_api import assert_error
+from tests.eventually import eventually_awaited
 
 # The admin's clock stands still at the module's import: the rows below are placed against it,
 # and a suite that runs past midnight (UTC) must not move the default window under them.
@@ -155,6 +159,12 @@ async def test_a_window_longer_than_366_days_is_a_400(api: Api) -> None:
         assert "366 days" in reply.body["error"]["message"]
     old = await api.ok("GET", "/admin/v1/usage", until=long_ago.isoformat())  # 30 days before
     assert old["data"] == []
+    # An end not after the start is the caller's mistake, not an empty report.
+    for until in (long_ago, long_ago - timedelta(seconds=1)):
+        query = {"since": long_ago.isoformat(), "until": until.isoformat()}
+        reply = await api.call("GET", "/admin/v1/usage", **query)
+        assert reply.status == 400, query
+        assert_error(reply.body, "invalid_value", "until")
 
 
 async def test_a_sessions_requests_in_time_order_with_their_stages(api: Api) -> None:
@@ -219,3 +229,45 @@ async def test_usage_in_two_currencies_gives_no_sum_of_money(api: Api) -> None:
     assert acme["charged_tokens"] == 30 and acme["cost_micros"] is None and acme["cost"] is None
     assert set(acme["currency"].split(",")) == {"EUR", "USD"}
     assert (beta["cost_micros"], beta["cost"], beta["currency"]) == (1000, 0.001, "USD")
+
+
+class SlowPool:
+    """A pool whose queries wait to be let go (or time out as asyncpg's command_timeout does)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.most = 0
+        self.go = asyncio.Event()
+        self.timeout = False
+
+    async def fetch(self, query: str, *args: Any) -> list[Any]:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            if self.timeout:
+                raise TimeoutError
+            await self.go.wait()
+            return []
+        finally:
+            self.running -= 1
+
+
+async def test_reports_run_a_few_at_a_time_and_a_slow_one_says_so() -> None:
+    """However many reports are asked at once, at most `concurrent` hold a connection (the rest
+    of the pool stays free for /health and the changes to tenants and keys); one the database
+    gives up on is a 503 `report_timeout` that says how to ask for less, not 'unavailable'."""
+    pool = SlowPool()
+    reports = Reports(pool, concurrent=2)
+    window = Window(None, NOW - timedelta(days=30))
+    asked = [asyncio.create_task(reports.usage(window, "model", PageRequest())) for _ in range(10)]
+    await eventually_awaited(lambda: asyncio.sleep(0, pool.running == 2), 5, "two running")
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert pool.most == 2
+    pool.go.set()
+    await asyncio.gather(*asked)
+    pool.timeout = True
+    with pytest.raises(ApiError) as refused:
+        await reports.usage(window, "model", PageRequest())
+    assert (refused.value.status, refused.value.code) == (503, "report_timeout")
+    assert "narrow the window" in refused.value.message

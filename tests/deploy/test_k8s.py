@@ -16,8 +16,8 @@
   stays a standalone router, in picker mode.
 - The admin API: one replica behind a ClusterIP Service no Ingress, LoadBalancer or Envoy route
   reaches (operators port-forward), its token and database from Secrets, settings its own
-  `--check-config` accepts; no one but Prometheus reaches it, and it reaches only PostgreSQL and
-  DNS. extauthz follows the admin API's tables, its snapshot cached on a writable emptyDir.
+  `--check-config` accepts; no one but Prometheus reaches it, and it reaches only PostgreSQL, Redis
+  and DNS. extauthz follows the admin API's tables, its snapshot cached on a writable emptyDir.
 """
 
 from __future__ import annotations
