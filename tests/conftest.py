@@ -12,7 +12,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from tests.ratelimit.rl_redis import flushall, redis_port, start_redis
 from tools.postgres import Postgres
+from tools.procs import Process
 
 TIERS = ("vllm", "e2e")  # the later tiers, most significant first
 
@@ -34,6 +36,22 @@ def _collect_garbage() -> Iterator[None]:
 
 
 # A real PostgreSQL (tools.postgres): the ledger's and the tenants database's tests.
+
+
+@pytest.fixture(scope="session")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    proc = start_redis(tmp_path_factory.mktemp("redis"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def redis(shared_redis: Process) -> int:
+    """The shared redis-server's port, emptied for this test (a directory's own `redis` may
+    replace it)."""
+    port = redis_port(shared_redis)
+    flushall(port)
+    return port
 
 
 @pytest.fixture(scope="session")

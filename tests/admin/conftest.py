@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -25,8 +25,6 @@ from admin.store import Store
 from llmgw.breaker import BreakerSpec
 from llmgw.redisconf import RedisSettings
 from llmgw.tiers import PerUnit, TierSpec, TierTable
-from tests.ratelimit.rl_redis import flushall, redis_port, start_redis
-from tools.procs import Process
 
 OVERLAP_S = 3600.0  # the service's default rotation overlap in these tests
 # A tier whose breaker trips at two 500s and runs its course in seconds: open 1.5 s, then
@@ -95,21 +93,6 @@ async def api(db: str) -> AsyncIterator[Api]:
     """The admin API with no Redis: breaker state not served."""
     async with serve(db) as running:
         yield running
-
-
-@pytest.fixture(scope="session")
-def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    proc = start_redis(tmp_path_factory.mktemp("redis"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def redis(shared_redis: Process) -> int:
-    """The shared redis-server's port, emptied for this test."""
-    port = redis_port(shared_redis)
-    flushall(port)
-    return port
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 
 from admin.console import PREFIX
 from ledger.breaker import Breakers
-from llmgw.outcome import Outcome
 from llmgw.redisconf import RedisSettings
 from llmgw.resp import Resp
 from llmgw.wire import breaker_key, tenant_prefix
@@ -31,21 +29,11 @@ from tests.admin.test_api import assert_error
 from tests.admin.test_console import Browser
 from tests.eventually import eventually_awaited
 from tests.ratelimit.rl_redis import redis_port, start_redis
+from tests.ratelimit.test_rl_breaker import outcome
 
 BREAKER = "/admin/v1/tenants/{}/breaker"
 OPEN = "/admin/v1/breakers/open"
 ANY_CHECK = Check("requests:second", SLIDING[Unit.SECOND], MAX_COUNT, 1)
-
-
-def outcome(tenant: str, status: int, tier: str) -> Outcome:
-    return Outcome(
-        request_id=f"r-{time.monotonic_ns()}",
-        ts=datetime.now(UTC),
-        tenant=tenant,
-        tier=tier,
-        status=status,
-        outcome="upstream_error" if status >= 500 else "ok",
-    )
 
 
 def at(ms: int) -> datetime:

@@ -6,26 +6,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from rl_redis import flushall, redis_port, start_redis
+from rl_redis import start_redis
 
 from llmgw.resp import Resp
 from ratelimit.failover import Failover
 from tools.procs import Process
-
-
-@pytest.fixture(scope="session")
-def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    proc = start_redis(tmp_path_factory.mktemp("redis"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def redis(shared_redis: Process) -> int:
-    """The shared redis-server's port, emptied for this test."""
-    port = redis_port(shared_redis)
-    flushall(port)
-    return port
 
 
 @pytest.fixture
