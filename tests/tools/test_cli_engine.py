@@ -61,10 +61,12 @@ def test_upstreams_alone_still_mean_pods_someone_else_runs() -> None:
     assert up.engine == "sim"  # not used: the ready file says "external"
 
 
-def test_up_writes_its_ready_file_into_the_run_directory_unless_told_where(
+def test_up_runs_in_a_new_run_directory_and_passes_on_where_else_the_ready_file_goes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where `llmgw usage` and `llmgw spend` look for the stack's database and Redis."""
+    """A run directory of its own under --state-dir, where the launcher always writes the ready
+    file (`llmgw usage`, `spend` and `keys` look there: tests/e2e/test_launcher.py); a
+    --ready-file is a copy elsewhere."""
     given: list[tuple[Path, Path | None]] = []
 
     def supervise(stack: Stack, ready_file: Path | None) -> int:
@@ -76,4 +78,4 @@ def test_up_writes_its_ready_file_into_the_run_directory_unless_told_where(
     assert cli.main(["up", "--state-dir", str(tmp_path), "--ready-file", "up.json"]) == 0
     (run, default), (_, named) = given
     assert run.parent == tmp_path and run.name.startswith("run-")
-    assert default == run / "ready.json" and named == Path("up.json")
+    assert default is None and named == Path("up.json")
