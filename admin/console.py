@@ -25,6 +25,7 @@ from admin.reports import Reports, Window, days_back
 from admin.specs import new_tenant
 from admin.store import Store
 from admin.types import DEFAULT_DAYS, MAX_LIMIT, ApiError, KeyRow, PageRequest, TenantRow, whole
+from extauthz.types import Tenant
 
 PREFIX = "/console"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -33,6 +34,7 @@ DAYS = DEFAULT_DAYS  # the usage page's window: the API's default one
 SESSIONS = 20  # the usage page's recent sessions
 RECENT_ROWS = 10_000  # recent sessions: those of the tenant's latest requests in the window
 TIMELINE = 200  # a session page's requests (then a link to the next page)
+MAX_KEY_DAYS = 3650  # the longest expiry the key form offers
 LIST = 100  # rows of a listing page
 HEADERS = {
     "Cache-Control": "no-store",
@@ -58,6 +60,8 @@ PAGES: tuple[Page, ...] = (
     Page("GET", "/tenants", "tenants"),
     Page("POST", "/tenants", "create_tenant"),
     Page("GET", "/tenants/{id}", "tenant"),
+    Page("POST", "/tenants/{id}", "update_tenant"),
+    Page("POST", "/tenants/{id}/delete", "delete_tenant"),
     Page("POST", "/tenants/{id}/keys", "create_key"),
     Page("POST", "/keys/{key_id}/rotate", "rotate_key"),
     Page("POST", "/keys/{key_id}/revoke", "revoke_key"),
@@ -65,6 +69,7 @@ PAGES: tuple[Page, ...] = (
     Page("GET", "/sessions/{id}", "session"),
     Page("GET", "/events", "events"),
     Page("GET", "/tiers", "tiers"),
+    Page("GET", "/audit", "audit"),
 )
 OPEN = frozenset(PREFIX + p.path for p in PAGES if not p.login)
 
@@ -72,6 +77,44 @@ OPEN = frozenset(PREFIX + p.path for p in PAGES if not p.login)
 def see(path: str) -> web.Response:
     """A redirect after a POST (or to the login page): 303, so the browser GETs it."""
     return web.Response(status=303, headers={"Location": PREFIX + path})
+
+
+def _spec_form(form: dict[str, str]) -> dict[str, Any]:
+    """The fields of a tenant both forms have. A value left as typed when it is not a number:
+    the spec's check names the field."""
+    models = form.get("models", "").strip()
+    return {
+        "name": form.get("name", ""),
+        "tier": form.get("tier", ""),
+        "priority": _number(form.get("priority", "")),
+        "models": "*" if models == "*" else [m.strip() for m in models.split(",") if m.strip()],
+        "cache_group": form.get("cache_group", "").strip() or None,
+    }
+
+
+def _limits_form(form: dict[str, str], current: Tenant) -> dict[str, Any]:
+    """The tenant's own limits and budgets as the edit form states them; an empty field: none.
+    A money budget keeps the percentages its soft limits alert at (the API sets them)."""
+
+    def field(name: str) -> str:
+        return form.get(name, "").strip()
+
+    limits = {k: _number(field(k)) for k in ("rpm", "tpm") if field(k)}
+    budget = (
+        {"tokens": _number(field("budget_tokens")), "per": field("budget_per") or "day"}
+        if field("budget_tokens")
+        else None
+    )
+    spend: dict[str, Any] | None = {
+        p: field(f"spend_{p}") for p in ("day", "month") if field(f"spend_{p}")
+    }
+    if spend and current.spend is not None:
+        spend["alert_at"] = list(current.spend.alert_at)
+    return {"limits": limits, "budget": budget, "spend": spend or None}
+
+
+def _number(raw: str) -> int | str:
+    return raw if (n := whole(raw)) is None else n
 
 
 def money(micros: int | None) -> str:
@@ -184,19 +227,25 @@ class Console:
 
     async def create_tenant(self, request: web.Request) -> web.Response:
         form = await self._form(request)
-        models = form.get("models", "").strip()
-        body: dict[str, Any] = {
-            "id": form.get("id", "").strip(),
-            "name": form.get("name", ""),
-            "tier": form.get("tier", ""),
-            # Left a string when it is not a number: the spec's check names the field.
-            "priority": p if (n := whole(p := form.get("priority", ""))) is None else n,
-            "models": "*" if models == "*" else [m.strip() for m in models.split(",") if m.strip()],
-        }
-        if form.get("cache_group", "").strip():
-            body["cache_group"] = form["cache_group"].strip()
+        body = {"id": form.get("id", "").strip(), **_spec_form(form)}
+        if body["cache_group"] is None:
+            del body["cache_group"]
         row = await self.store.create_tenant(new_tenant(body, self.store.tiers()))
         return see(f"/tenants/{quote(row.spec.id)}")
+
+    async def update_tenant(self, request: web.Request) -> web.Response:
+        """The edit form: every field of the spec but its ID, limits and budgets included (an
+        empty one: none, the tier's applies)."""
+        tenant_id = request.match_info["id"]
+        form = await self._form(request)
+        current = (await self.store.tenant(tenant_id)).spec
+        body = {**_spec_form(form), **_limits_form(form, current)}
+        await self.store.update_tenant(tenant_id, body)
+        return see(f"/tenants/{quote(tenant_id)}")
+
+    async def delete_tenant(self, request: web.Request) -> web.Response:
+        await self.store.delete_tenant(request.match_info["id"])
+        return see("/tenants")
 
     async def tenant(self, request: web.Request) -> web.Response:
         return await self._tenant_page(request, request.match_info["id"])
@@ -218,6 +267,7 @@ class Console:
             made=made,
             breaker=states[0] if states else None,
             breaker_unknown=unknown,
+            tiers=sorted(self.store.tiers().all_tiers),
         )
 
     async def _breakers(self, rows: list[TenantRow]) -> tuple[list[BreakerState], str]:
@@ -229,7 +279,14 @@ class Console:
             return [], exc.message
 
     async def create_key(self, request: web.Request) -> web.Response:
-        secret, key = await self.store.create_key(request.match_info["id"], None)
+        raw = (await self._form(request)).get("expires_days", "").strip()
+        expires = None
+        if raw:
+            days = whole(raw)
+            if days is None or not 1 <= days <= MAX_KEY_DAYS:
+                raise ApiError.invalid("expires_days", f"a whole number of days, 1-{MAX_KEY_DAYS}")
+            expires = self.clock() + timedelta(days=days)
+        secret, key = await self.store.create_key(request.match_info["id"], expires)
         return await self._tenant_page(request, key.tenant, secret, key)
 
     async def rotate_key(self, request: web.Request) -> web.Response:
@@ -316,6 +373,13 @@ class Console:
             )
         label = f"#{n} {r['pod'] or 'no pod'}"
         return charts.Row(label, spans, f"#{n} {r['request_id']}")
+
+    async def audit(self, request: web.Request) -> web.Response:
+        after = request.query.get("after")
+        if after is not None and whole(after) is None:
+            raise ApiError.invalid("after", "the last ID of a page of this list")
+        page = await self.store.audit(PageRequest(LIST, after))
+        return self._render(request, "audit.j2", page=page)
 
     async def events(self, request: web.Request) -> web.Response:
         after: dict[str, str | None] = {}

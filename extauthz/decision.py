@@ -126,8 +126,7 @@ class Decider:
             session=session,
             request_id=headers.get(wire.HEADER_REQUEST_ID) or str(uuid.uuid4()),
             key_id=entry.key_id,
-            rpm=tenant.limits.rpm,
-            tpm=tenant.limits.tpm,
+            own=tenant.own,
         )
         set_headers = self._headers(tenant, context, request_facts, storage.stores)
         return Allow(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import logging
 import os
 import secrets
 import tempfile
@@ -28,8 +27,6 @@ from extauthz.types import (
 from llmgw import wire
 from llmgw.config import ConfigError, read_yaml, validate
 from llmgw.tiers import TierTable
-
-log = logging.getLogger(__name__)
 
 
 def digest(api_key: str) -> bytes:
@@ -59,14 +56,6 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
     tenants: dict[str, TenantView] = {}
     keys: dict[bytes, KeyEntry] = {}
     known = table.all_tiers
-    own = [t.id for t in data.tenants if t.limits.spec() is not None]
-    if own:
-        log.warning(
-            "%s: deprecated setting tenants.*.limits (rpm, tpm): state a tenant's own limits "
-            "in the tier table's tenants: (llmgw/tiers.py)",
-            source,
-            extra={"tenants": own},
-        )
     for i, tenant in enumerate(data.tenants):
         if tenant.tier not in known:
             raise ConfigError(
@@ -81,6 +70,7 @@ def snapshot(data: TenantsFile, table: TierTable, source: str = "tenants file") 
 
 def tenant_view(tenant: Tenant, table: TierTable) -> TenantView:
     """The tenant as the decision reads it; its tier must be in `table`."""
+    own = tenant.own()
     return TenantView(
         id=tenant.id,
         tier=tenant.tier,
@@ -91,10 +81,10 @@ def tenant_view(tenant: Tenant, table: TierTable) -> TenantView:
             (wire.HEADER_TIER, tenant.tier),
             (wire.HEADER_PRIORITY, str(tenant.priority)),
         ),
-        limits=tenant.limits,
+        own=own,
         cache_group=f"group/{tenant.cache_group}" if tenant.cache_group else f"tenant/{tenant.id}",
         max_output=table.all_tiers[tenant.tier].max_output_tokens,
-        token_ceiling=table.token_ceiling(tenant.id, tenant.tier, tenant.limits.spec()),
+        token_ceiling=table.token_ceiling(tenant.id, tenant.tier, own),
     )
 
 

@@ -13,16 +13,16 @@ from llmgw import wire
 from llmgw.config import Strict
 from llmgw.facts import RequestFacts
 from llmgw.tenant import TenantContext
-from llmgw.tiers import PerUnit, TenantSpec, TierTable
+from llmgw.tiers import Budget, PerUnit, Spend, TenantSpec, TierTable
 
 KEY_PREFIX = wire.KEY_PREFIX
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 
 class PerMinuteLimits(Strict):
-    """A tenant's own per-minute limits, the older form of the tier table's `tenants:` entry
-    (llmgw/tiers.py TenantSpec), still read with a warning: they travel with each request (a
-    limiter apart reads no tenants file) and are merged like that entry."""
+    """A tenant's own per-minute limits, in its spec (the tenants file's, or the admin API's):
+    merged over its tier like the tier table's `tenants:` entry (llmgw/tiers.py TenantSpec).
+    They travel with each request, as descriptor limits too, so a limiter apart applies them."""
 
     rpm: int | None = Field(default=None, gt=0)
     tpm: int | None = Field(default=None, gt=0)
@@ -60,11 +60,25 @@ class Tenant(Strict):
     priority: int = Field(ge=1, le=10)
     models: Literal["*"] | tuple[str, ...]
     limits: PerMinuteLimits = PerMinuteLimits()
+    # The tenant's own budgets (tokens a day or hour; money a day or month), merged over its
+    # tier's and its tier-table entry's as that entry's are. They reach the limiter inside
+    # extauthz with each request, and the ledger's soft limits through its metadata.
+    budget: Budget | None = None
+    spend: Spend | None = None
     keys: tuple[ApiKey, ...] = ()
     # Tenants naming the same cache group share prefix-cache blocks on the pods (e.g. one system
     # prompt for a customer's several tenants). Without one, a tenant shares with nobody: a
     # shared cache is a timing oracle on another tenant's prompts.
     cache_group: str | None = Field(default=None, pattern=_NAME)
+
+    def own(self) -> TenantSpec | None:
+        """The tenant's own limits and budgets in the tier table's schema; None: none."""
+        limits = self.limits.spec()
+        if self.budget is None and self.spend is None:
+            return limits
+        return (limits or TenantSpec()).model_copy(
+            update={"budget": self.budget, "spend": self.spend}
+        )
 
 
 class TenantsFile(Strict):
@@ -113,7 +127,7 @@ class TenantView:
     priority: int
     models: frozenset[str] | None  # None: every model
     headers: tuple[tuple[str, str], ...]  # tenant, tier, priority
-    limits: PerMinuteLimits  # the tenant's own, replacing its tier's
+    own: TenantSpec | None  # the tenant's own limits and budgets, merged over its tier's
     cache_group: str  # "tenant/<id>" unless the tenant joined a group: "group/<name>"
     max_output: int | None = None  # the tier's output cap (tier table); None: the default
     token_ceiling: int | None = None  # the tenant's smallest token limit (llmgw.tiers)

@@ -227,6 +227,7 @@ def outcome_of(entry: Entry) -> Outcome | None:
         duration_ms=entry.duration_ms,
         bytes_in=entry.bytes_in,
         bytes_out=entry.bytes_out,
+        spend=TenantContext.spend_of(authz),
     )
 
 

@@ -1,6 +1,7 @@
 """Soft limits of the money budgets: an alert (`spend_threshold`) when the costs settled in a
-tenant's budget window reach each of its tier's `spend.alert_at` percentages, once per window
-and percentage across every ledger replica.
+tenant's budget window reach each of its `spend.alert_at` percentages, once per window and
+percentage across every ledger replica. A tenant's budgets are its tier's with its own merged
+over them: its tier-table entry's, then its spec's, as its request's metadata carried them.
 
 The settled costs are settle.lua's answer (a counter of their own beside the budget's, which
 also holds the reservations outstanding), with the day or month they were charged to by Redis's
@@ -17,7 +18,7 @@ from decimal import Decimal
 from llmgw.outcome import Outcome
 from llmgw.prices import MICROS, amount
 from llmgw.resp import Client
-from llmgw.tiers import Period, TierTable
+from llmgw.tiers import Period, TenantSpec, TierTable
 from llmgw.wire import tenant_prefix
 
 # A claim outlives its window (the longest month) and a late settlement.
@@ -38,7 +39,8 @@ class SpendAlerts:
     ) -> list[tuple[Period, int, int, int, Decimal]]:
         """The (period, bucket, percentage, micro-units settled, budget) this tenant's windows
         reached, as one settlement left them, not yet claimed here."""
-        spec = self.tiers().tenant_spec(outcome.tenant, outcome.tier).spend
+        own = None if outcome.spend is None else TenantSpec(spend=outcome.spend)
+        spec = self.tiers().tenant_spec(outcome.tenant, outcome.tier, own).spend
         if spec is None:
             return []
         budgets = dict(spec.amounts())

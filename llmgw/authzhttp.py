@@ -119,6 +119,7 @@ STRINGS = frozenset(
         wire.META_KV_BLOCKS,
         wire.META_BODY_SUFFIX,
         wire.META_ALLOWED_MODELS,
+        wire.META_SPEND,
         wire.DESTINATION_ENDPOINT,
         wire.META_STATUS,
     }

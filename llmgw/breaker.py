@@ -10,12 +10,14 @@ trip and the lazily computed recovery steps are defined once, there.
 from __future__ import annotations
 
 from importlib import resources
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
 from llmgw.config import Strict
-from llmgw.outcome import Outcome
+
+if TYPE_CHECKING:  # the outcome record names the tier table's Spend, which names breakers
+    from llmgw.outcome import Outcome
 
 # Status code (or class "4xx", "5xx") → the weight an outcome adds to the tenant's score.
 # 429 0.7, 500 1.0, 503 1.2 and 400 0.3 are the seed's. The rest, chosen:

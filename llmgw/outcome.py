@@ -3,7 +3,8 @@
 Envoy writes one access-log entry per request when it ends (the gRPC access-log service, in
 batches); the ledger turns each into one `Outcome`, settles its tokens and stores it. Everything
 downstream of a request (settlement, the usage ledger, `llmgw usage`, the breaker, alerts) reads
-this one model, so its field names are the ledger table's columns and `llmgw usage --json`'s keys.
+this one model, so its field names are the ledger table's columns and `llmgw usage --json`'s keys
+(but an excluded field's: what settlement reads and nothing stores).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmgw.tiers import Spend
 
 OutcomeKind = Literal["ok", "aborted", "upstream_error", "refused"]
 OUTCOME_KINDS: tuple[OutcomeKind, ...] = ("ok", "aborted", "upstream_error", "refused")
@@ -64,6 +67,9 @@ class Outcome(BaseModel):
     duration_ms: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
+    # The tenant's own money budgets, as its request's metadata carried them (its spec's), for
+    # the soft limits (ledger/spending.py); not a column: the tier table and the spec hold them.
+    spend: Spend | None = Field(default=None, exclude=True)
 
     @property
     def by_gateway(self) -> bool:

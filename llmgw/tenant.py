@@ -13,9 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from llmgw import wire
 from llmgw.facts import MetaValue
 from llmgw.priority import TENANT_MAX, TENANT_MIN
+from llmgw.tiers import Spend, TenantSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +29,10 @@ class TenantContext:
     session: str = ""
     request_id: str = ""  # Envoy's x-request-id, or one extauthz minted
     key_id: str = ""  # the API key's ID, never the key
-    # The tenant's own limits per minute (the tenants file's), replacing its tier's: written for
-    # Envoy's rate-limit descriptors (their `limit` override), which alone read them back.
-    rpm: int | None = None
-    tpm: int | None = None
+    # The tenant's own limits and budgets (its spec's), merged over its tier's by the limiter
+    # inside extauthz. Written as metadata: the per-minute limits for Envoy's rate-limit
+    # descriptors (their `limit` override), the money budgets for the ledger's soft limits.
+    own: TenantSpec | None = None
 
     def to_metadata(self) -> dict[str, MetaValue]:
         meta: dict[str, MetaValue] = {
@@ -41,11 +44,28 @@ class TenantContext:
         }
         if self.priority is not None:
             meta[wire.META_PRIORITY] = float(self.priority)  # a Struct number is a double
-        if self.rpm is not None:
-            meta[wire.META_LIMIT_REQUESTS] = _per_minute(self.rpm)
-        if self.tpm is not None:
-            meta[wire.META_LIMIT_TOKENS] = _per_minute(self.tpm)
+        own = self.own
+        if own is not None:
+            for key, per in (
+                (wire.META_LIMIT_REQUESTS, own.requests),
+                (wire.META_LIMIT_TOKENS, own.tokens),
+            ):
+                if per is not None and isinstance(per.minute, int):
+                    meta[key] = _per_minute(per.minute)
+            if own.spend is not None:
+                meta[wire.META_SPEND] = own.spend.model_dump_json(exclude_none=True)
         return meta
+
+    @staticmethod
+    def spend_of(meta: Mapping[str, Any]) -> Spend | None:
+        """The tenant's own money budgets its metadata carries; None: none, or not readable."""
+        value = meta.get(wire.META_SPEND)
+        if not isinstance(value, str):
+            return None
+        try:
+            return Spend.model_validate_json(value)
+        except ValidationError:
+            return None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> TenantContext:

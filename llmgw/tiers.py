@@ -26,10 +26,11 @@ prices:                       # money per million tokens (llmgw/prices.py)
 ```
 
 A tenant names its tier in the tenants file (extauthz), which refuses a tier this table does not
-define. A tenant's own limits are stated here, under `tenants:` (the tenants file's per-minute
-`limits: {rpm, tpm}`, its older form, is still read, with a warning: they reach ratelimit as
-descriptor limits, merged by the same rule, TierTable.tenant_spec). Both files reload while
-running: parse → validate → swap, the last good one kept.
+define. A tenant's own limits are stated here, under `tenants:`, or in its spec (the tenants
+file's or the admin API's `limits: {rpm, tpm}`, `budget`, `spend`: extauthz/types.py Tenant),
+which travels with each request and is merged over this entry by the same rule,
+TierTable.tenant_spec. Both files reload while running: parse → validate → swap, the last good
+one kept.
 """
 
 from __future__ import annotations

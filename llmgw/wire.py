@@ -75,6 +75,9 @@ META_ALLOWED_MODELS = "allowed_models"
 # a struct {"requests_per_unit": int, "unit": "MINUTE"}; absent when the tier defaults apply.
 META_LIMIT_REQUESTS = "limit_requests"
 META_LIMIT_TOKENS = "limit_tokens"
+# A tenant's own money budgets (its spec's `spend`: llmgw/tiers.py Spend, as a JSON string), for
+# the ledger's soft limits; absent when its tier's apply.
+META_SPEND = "spend"
 # Envoy's ext_authz marks a request body cut at `with_request_body.max_request_bytes`.
 HEADER_PARTIAL_BODY = "x-envoy-auth-partial-body"
 

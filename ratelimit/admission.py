@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from llmgw.facts import RequestFacts
 from llmgw.tenant import TenantContext
-from ratelimit.types import Admission, Grant, Limit, Unit
+from ratelimit.types import Admission, Grant
 
 
 def from_context(context: TenantContext, facts: RequestFacts) -> Admission:
@@ -19,13 +19,8 @@ def from_context(context: TenantContext, facts: RequestFacts) -> Admission:
         context.session or None,
         context.request_id,
         facts.token_estimate,
-        requests_limit=_per_minute(context.rpm),
-        tokens_limit=_per_minute(context.tpm),
+        own=context.own,
         grant=Grant(facts.history + facts.prompt_tokens, facts.n) if facts.n else None,
         model=facts.model,
         prompt_ceiling=facts.history + facts.prompt_ceiling,
     )
-
-
-def _per_minute(amount: int | None) -> Limit | None:
-    return None if amount is None else Limit(Unit.MINUTE, amount)

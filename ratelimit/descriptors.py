@@ -19,9 +19,9 @@ Request time (one RateLimitRequest, decided with one atomic store call):
 Tokens are settled after the response by the ledger (ledger/), from Envoy's access log.
 
 A descriptor's `limit` (Envoy's `limit: {dynamic_metadata}` override from extauthz's
-limit_requests / limit_tokens: the tenant's own limit in the tenants file, the older form of the
-tier table's `tenants:`) replaces the tier's limit of that unit for its kind, by the tier table's
-rule (llmgw/tiers.py TierTable.tenant_spec).
+limit_requests / limit_tokens: the per-minute limits of the tenant's spec; its budgets do not
+travel here) replaces the tier's limit of that unit for its kind, by the tier table's rule
+(llmgw/tiers.py TierTable.tenant_spec).
 
 Descriptors with another domain, another `kind`, or missing entries are answered OK and not
 counted. Envoy leaves out a descriptor when one of its metadata keys is absent (except those
@@ -37,6 +37,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from llmgw import wire
 from llmgw.tenant import TenantContext
+from ratelimit.limits import own_limits
 from ratelimit.types import Admission, Grant, Limit, Unit
 
 KIND = "kind"
@@ -116,8 +117,7 @@ def parse(request: rls_pb2.RateLimitRequest) -> Parsed:
             context.request_id or None,
             estimate,
             counted,
-            requests_limit=requests_limit,
-            tokens_limit=tokens_limit,
+            own=own_limits(requests_limit, tokens_limit),
             grant=grant,
             model=model,
             prompt_ceiling=ceiling,

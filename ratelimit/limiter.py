@@ -14,6 +14,7 @@ from typing import Literal
 
 from llmgw.fleetload import FleetLoad
 from llmgw.prices import Prices
+from llmgw.tiers import TenantSpec
 from llmgw.wire import breaker_key, tenant_prefix
 from ratelimit import metrics
 from ratelimit.fleet import effective_load
@@ -28,7 +29,6 @@ from ratelimit.types import (
     Grant,
     Kind,
     KindState,
-    Limit,
     Period,
     Policy,
     Refusal,
@@ -45,7 +45,7 @@ RETRY_MAX_MS = 30_000
 MAX_PLANS = 1024
 # A tenant's policy: its tier's limits with its own merged over them (ratelimit/limits.py), from
 # (tenant, tier, its own requests limit, its own tokens limit) as the request carries them.
-Resolve = Callable[[str, str, Limit | None, Limit | None], Policy]
+Resolve = Callable[[str, str, TenantSpec | None], Policy]
 
 
 def retry_after_ms(base_s: float, load: float, free_ms: int, jitter: float) -> int:
@@ -130,7 +130,7 @@ class Limiter:
         return checks
 
     async def admit(self, req: Admission) -> Verdict:
-        policy = self.limits(req.tenant, req.tier, req.requests_limit, req.tokens_limit)
+        policy = self.limits(req.tenant, req.tier, req.own)
         now_s = self.clock()
         now_ms = int(now_s * 1000)
         fleet = self.fleet()

@@ -41,23 +41,21 @@ class TableLimits:
         self._source: TierTable | None = None
         self._limits: Limits | None = None
 
-    def policy(
-        self, tenant: str, tier: str, requests: Limit | None = None, tokens: Limit | None = None
-    ) -> Policy:
+    def policy(self, tenant: str, tier: str, own: TenantSpec | None = None) -> Policy:
         table = self._table()
         if self._limits is None or table is not self._source:
             self._limits, self._source = kept(table, self._limits), table
-        return self._limits.policy(tenant, tier, requests, tokens)
+        return self._limits.policy(tenant, tier, own)
 
 
-# Policies kept per table: one per tier, per tenant of `tenants:`, and per own limit that reached
-# the limiter with a request (the tenants file's older form); past this many, made again.
+# Policies kept per table: one per tier, per tenant of `tenants:`, and per tenant whose own
+# limits reached the limiter with a request (its spec's); past this many, made again.
 MAX_POLICIES = 4096
 
 
 def own_limits(requests: Limit | None, tokens: Limit | None) -> TenantSpec | None:
-    """A tenant's own limits as a request carries them (extauthz's metadata, Envoy's descriptor
-    `limit`: one unit of each kind), in the tier table's schema for them."""
+    """A tenant's own limits as Envoy's descriptors carry them (their `limit`: one unit of each
+    kind), in the tier table's schema for them."""
     if requests is None and tokens is None:
         return None
     return TenantSpec(requests=_per_unit(requests), tokens=_per_unit(tokens))
@@ -74,18 +72,15 @@ class Limits:
     def __init__(self, config: TierTable) -> None:
         self.config = config
         self._tiers = config.all_tiers
-        self._cache: dict[tuple[str, str, Limit | None, Limit | None], Policy] = {}
+        self._cache: dict[tuple[str, str, TenantSpec | None], Policy] = {}
 
-    def policy(
-        self, tenant: str, tier: str, requests: Limit | None = None, tokens: Limit | None = None
-    ) -> Policy:
-        """`requests`, `tokens`: the tenant's own limits the request carries (None: none)."""
+    def policy(self, tenant: str, tier: str, own: TenantSpec | None = None) -> Policy:
+        """`own`: the tenant's own limits and budgets the request carries (None: none)."""
         # Tenants without limits of their own share their tier's policy: the cache stays small.
         key = (
             tenant if tenant in self.config.tenants else "",
             tier if tier in self._tiers else "",
-            requests,
-            tokens,
+            own,
         )
         found = self._cache.get(key)
         if found is None:
@@ -94,11 +89,9 @@ class Limits:
             found = self._cache[key] = self._resolve(*key)
         return found
 
-    def _resolve(
-        self, tenant: str, tier: str, requests: Limit | None, tokens: Limit | None
-    ) -> Policy:
+    def _resolve(self, tenant: str, tier: str, own: TenantSpec | None) -> Policy:
         name = tier or self.config.default_tier
-        spec = self.config.tenant_spec(tenant, name, own_limits(requests, tokens))
+        spec = self.config.tenant_spec(tenant, name, own)
         budget = spec.budget
         return Policy(
             tier=name,

@@ -8,8 +8,8 @@ from typing import Literal
 
 from llmgw.prices import Prices
 from llmgw.tiers import Period as Period  # one definition each, shared with the tier table
+from llmgw.tiers import TenantSpec, month_index, month_start
 from llmgw.tiers import Unit as Unit
-from llmgw.tiers import month_index, month_start
 
 UNIT_MS: dict[Unit, int] = {
     Unit.SECOND: 1_000,
@@ -223,10 +223,10 @@ class Admission:
     request_id: str | None = None
     token_estimate: int | None = None  # None: no token check
     count_request: bool = True  # False: only the token check
-    # The tenant's own limits (tenants file, via Envoy's descriptor `limit` override): each
-    # replaces the policy's limit of the same unit.
-    requests_limit: Limit | None = None
-    tokens_limit: Limit | None = None
+    # The tenant's own limits and budgets (its spec's: in-process from extauthz; apart, the
+    # per-minute limits of Envoy's descriptor `limit` override), merged over its tier's
+    # (llmgw/tiers.py TierTable.tenant_spec).
+    own: TenantSpec | None = None
     # The reservation's parts (token_estimate = prompt + cap × sequences), for a hard budget to
     # lower the cap instead of refusing; None: the budget refuses what does not fit.
     grant: Grant | None = None

@@ -206,6 +206,89 @@ async def test_a_tenant_and_a_key_made_in_the_forms_show_the_key_once(logged_in:
     assert missing.status == 404 and "no key" in missing.text
 
 
+async def test_the_edit_form_sets_and_clears_a_tenants_limits_and_budgets(
+    logged_in: Browser,
+) -> None:
+    """Every field of the spec but its ID, the tenant's own limits and budgets among them, as
+    the API then shows them; an empty one clears it (the tier's applies); a bad one is a 400
+    naming the field, and changes nothing."""
+    api = logged_in.api
+    form = {"id": "acme", "name": "Acme", "tier": "standard", "priority": "7", "models": "*"}
+    assert (await logged_in.submit(f"{PREFIX}/tenants", form)).status == 303
+    edit = {
+        "name": "Acme Inc", "tier": "free", "priority": "3", "models": "a, b",
+        "cache_group": "acme-group", "rpm": "60", "tpm": "9000",
+        "budget_tokens": "50000", "budget_per": "hour", "spend_day": "2.5", "spend_month": "40",
+    }  # fmt: skip
+    saved = await logged_in.submit(f"{PREFIX}/tenants/acme", edit)
+    assert saved.status == 303 and saved.headers["Location"] == f"{PREFIX}/tenants/acme"
+    spec = await api.ok("GET", "/admin/v1/tenants/acme")
+    assert (spec["name"], spec["tier"], spec["priority"], spec["models"]) == (
+        "Acme Inc", "free", 3, ["a", "b"],
+    )  # fmt: skip
+    assert spec["cache_group"] == "acme-group"
+    assert spec["limits"] == {"rpm": 60, "tpm": 9000}
+    assert spec["budget"] == {"tokens": 50000, "per": "hour"}
+    assert spec["spend"] == {"day": "2.5", "month": "40", "alert_at": [50, 80, 100]}
+    page = (await logged_in.get(f"{PREFIX}/tenants/acme")).text
+    assert 'name="budget_tokens" type="number" min="0" value="50000"' in page
+    assert 'name="spend_day" value="2.5"' in page
+    # The percentages the API set are kept by the form.
+    await api.ok("PATCH", "/admin/v1/tenants/acme", {"spend": {"day": "2.5", "alert_at": [90]}})
+    assert (await logged_in.submit(f"{PREFIX}/tenants/acme", edit)).status == 303
+    spec = await api.ok("GET", "/admin/v1/tenants/acme")
+    assert spec["spend"]["alert_at"] == [90]
+    bad = await logged_in.submit(f"{PREFIX}/tenants/acme", {**edit, "spend_day": "lots"})
+    assert bad.status == 400 and "spend.day" in bad.text
+    bad = await logged_in.submit(f"{PREFIX}/tenants/acme", {**edit, "rpm": "-1"})
+    assert bad.status == 400 and "limits.rpm" in bad.text
+    assert (await api.ok("GET", "/admin/v1/tenants/acme"))["limits"]["rpm"] == 60
+    cleared = {k: v for k, v in edit.items() if k in ("name", "tier", "priority", "models")}
+    assert (await logged_in.submit(f"{PREFIX}/tenants/acme", cleared)).status == 303
+    spec = await api.ok("GET", "/admin/v1/tenants/acme")
+    assert (spec["limits"], spec["budget"], spec["spend"], spec["cache_group"]) == (
+        {"rpm": None, "tpm": None}, None, None, None,
+    )  # fmt: skip
+
+
+async def test_a_key_made_with_an_expiry_and_a_tenant_deleted_in_the_console(
+    logged_in: Browser,
+) -> None:
+    api = logged_in.api
+    form = {"id": "acme", "name": "Acme", "tier": "standard", "priority": "7", "models": "*"}
+    assert (await logged_in.submit(f"{PREFIX}/tenants", form)).status == 303
+    made = await logged_in.submit(f"{PREFIX}/tenants/acme/keys", {"expires_days": "30"})
+    assert made.status == 200 and SECRET.search(made.text) is not None
+    (key,) = (await api.ok("GET", "/admin/v1/tenants/acme/keys"))["data"]
+    expires = datetime.fromisoformat(key["expires"])
+    assert timedelta(days=29) < expires - datetime.now(UTC) <= timedelta(days=30)
+    for days in ("0", "x", "3651"):
+        bad = await logged_in.submit(f"{PREFIX}/tenants/acme/keys", {"expires_days": days})
+        assert bad.status == 400 and "expires_days" in bad.text
+    assert len((await api.ok("GET", "/admin/v1/tenants/acme/keys"))["data"]) == 1
+    gone = await logged_in.submit(f"{PREFIX}/tenants/acme/delete")
+    assert gone.status == 303 and gone.headers["Location"] == f"{PREFIX}/tenants"
+    assert (await api.call("GET", "/admin/v1/tenants/acme")).status == 404
+    (revoked,) = await api.rows("SELECT revoked FROM api_keys WHERE tenant = 'acme'")
+    assert revoked["revoked"]
+    assert "acme" not in (await logged_in.get(f"{PREFIX}/tenants")).text
+
+
+async def test_the_audit_page_lists_every_change_and_never_a_key(logged_in: Browser) -> None:
+    form = {"id": "acme", "name": "Acme", "tier": "standard", "priority": "7", "models": "*"}
+    assert (await logged_in.submit(f"{PREFIX}/tenants", form)).status == 303
+    made = await logged_in.submit(f"{PREFIX}/tenants/acme/keys")
+    found = SECRET.search(made.text)
+    assert found is not None
+    assert (await logged_in.submit(f"{PREFIX}/tenants/acme", {**form, "rpm": "5"})).status == 303
+    page = (await logged_in.get(f"{PREFIX}/audit")).text
+    rows = page.split('id="audit"')[1]
+    actions = re.findall(r"<td>(tenant\.\w+|key\.\w+)</td>", rows)
+    assert actions == ["tenant.create", "key.create", "tenant.update"], actions
+    assert found.group(1) not in page
+    assert (await logged_in.get(f"{PREFIX}/audit", after="x")).status == 400
+
+
 async def test_the_usage_page_shows_the_ledgers_rows(logged_in: Browser) -> None:
     await logged_in.api.tenant("acme")
     today = datetime.now(UTC).replace(hour=0, minute=0, second=1, microsecond=0)

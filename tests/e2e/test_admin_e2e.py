@@ -81,3 +81,35 @@ def test_a_key_made_through_the_api_works_through_envoy_and_stops_when_revoked(
     # The demo tenants' keys, imported from the file, work as the banner says.
     demo = next(t for t in info["tenants"] if t["tier"] == "standard")
     assert chat(stack, demo["api_key"]).status == 200
+
+
+def test_a_tenants_own_budget_set_through_the_api_binds_it_through_envoy(stack: Stack) -> None:
+    """A token budget in the tenant's spec (its tier, standard, has none) refuses it through
+    Envoy once spent, as OpenAI's insufficient_quota; raised through the API, it applies within
+    the follower's bound. The tenant beside it, on the same tier, is not refused."""
+    info = stack.ready_info()
+    url, token = info["admin_url"], info["admin_token"]
+    spec = {
+        "id": "budgeted", "name": "Budgeted", "tier": "standard", "priority": 5, "models": "*",
+        "budget": {"tokens": 80, "per": "day"},
+    }  # fmt: skip
+    assert get(f"{url}/admin/v1/tenants", token, "POST", spec)[0] in (200, 201)
+    shown = get(f"{url}/admin/v1/tenants/budgeted", token)[1]
+    assert shown["budget"] == {"tokens": 80, "per": "day"}, shown
+    key = get(f"{url}/admin/v1/tenants/budgeted/keys", token, "POST", {})[1]["key"]
+    eventually(lambda: chat(stack, key).status != 401, 10.0, "the new key works through Envoy")
+    # Each request reserves its prompt and 8 output tokens and is settled at what it used:
+    # 80 tokens are a few requests (bounded: 40 tries).
+    replies = []
+    for _ in range(40):
+        replies.append(chat(stack, key))
+        if replies[-1].status != 200:
+            break
+    refused = replies[-1]
+    assert refused.status == 429 and len(replies) > 1, [r.status for r in replies]
+    assert refused.json()["error"]["code"] == "insufficient_quota", refused.body
+    demo = next(t for t in info["tenants"] if t["tier"] == "standard")
+    assert chat(stack, demo["api_key"]).status == 200
+    raised = {"budget": {"tokens": 1_000_000, "per": "day"}}
+    assert get(f"{url}/admin/v1/tenants/budgeted", token, "PATCH", raised)[0] == 200
+    eventually(lambda: chat(stack, key).status == 200, 10.0, "the raised budget applies")

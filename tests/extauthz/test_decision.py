@@ -13,7 +13,7 @@ from extauthz.types import Allow, Deny, Snapshot
 from llmgw import wire
 from llmgw.facts import MESSAGE_TOKENS
 from llmgw.tenant import TenantContext
-from llmgw.tiers import Budget, TenantSpec
+from llmgw.tiers import Budget, PerUnit, TenantSpec
 from tests.extauthz.conftest import NOW_S, SECRET, TIERS, Keys, make_decider
 
 # One user message: the chat template's tokens around it, and its role ("user": 1 token).
@@ -72,7 +72,7 @@ def test_allow_sets_the_trusted_context(decider: Decider, snap: Snapshot, keys: 
         session=headers[wire.HEADER_SESSION],
         request_id="r-1",
         key_id=keys.acme_key_id,
-        rpm=100,
+        own=TenantSpec(requests=PerUnit(minute=100)),
     )
     assert (d.facts.model, d.facts.max_output, d.facts.token_estimate) == (
         "llama-3-8b",

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from extauthz.store import tenants_store
 from extauthz.types import KEY_PREFIX
 from llmgw.config import ConfigError
 from llmgw.reload import RELOADS
-from llmgw.tiers import PerUnit, TenantSpec
+from llmgw.tiers import Budget, PerUnit, Spend, TenantSpec
 from tests.extauthz.conftest import NOW, TIERS, TIERS_YAML, Keys
 
 
@@ -37,15 +38,19 @@ def test_snapshot_looks_up_by_digest(tenants_file: Path, keys: Keys) -> None:
     assert snap.tenants["globex"].models is None
 
 
-def test_a_tenants_own_limits_in_the_tenants_file_are_read_with_a_warning(
-    tenants_file: Path, keys: Keys, caplog: pytest.LogCaptureFixture
-) -> None:
-    """acme's `limits: {rpm: 100}`, the older form of the tier table's `tenants:` entry, still
-    limits it (the request carries it to the limiter) and names the new place."""
+def test_a_tenants_own_limits_and_budgets_are_in_its_view(tenants_file: Path, keys: Keys) -> None:
+    """acme's `limits: {rpm: 100}` and its budgets, in the tier table's schema: the request
+    carries them to the limiter (tests/ratelimit/test_rl_overrides.py)."""
     snap = tenants.load(tenants_file, TIERS)
-    assert "deprecated setting tenants.*.limits" in caplog.text
-    assert snap.tenants["acme"].limits.spec() == TenantSpec(requests=PerUnit(minute=100))
-    assert snap.tenants["globex"].limits.spec() is None
+    assert snap.tenants["acme"].own == TenantSpec(requests=PerUnit(minute=100))
+    assert snap.tenants["globex"].own is None
+    spend = {"month": "250.5", "alert_at": [90]}
+    _edit(tenants_file, lambda d: d["tenants"][1].update(budget={"tokens": 800}, spend=spend))
+    own = tenants.load(tenants_file, TIERS).tenants["globex"].own
+    assert own == TenantSpec(
+        budget=Budget(tokens=800), spend=Spend(month=Decimal("250.5"), alert_at=(90,))
+    )
+    assert tenants.load(tenants_file, TIERS).tenants["globex"].token_ceiling == 800
 
 
 def test_the_token_ceiling_merges_a_tenants_own_limits_by_the_tier_tables_rule(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -11,8 +12,10 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from ledger.entry import to_outcome
 from llmgw import facts, wire
 from llmgw.tenant import TenantContext
+from llmgw.tiers import PerUnit, Spend, TenantSpec
 
 POD = "10.0.0.1:8000"
+OWN = TenantSpec(requests=PerUnit(minute=60))
 
 
 def entry(
@@ -27,6 +30,7 @@ def entry(
     authenticated: bool = True,
     path: str = "/v1/chat/completions",
     authz: dict[str, Any] | None = None,
+    own: TenantSpec | None = OWN,
 ) -> accesslog_pb2.HTTPAccessLogEntry:
     e = accesslog_pb2.HTTPAccessLogEntry()
     common = e.common_properties
@@ -41,7 +45,7 @@ def entry(
             session="sess_1",
             request_id=request_id,
             key_id="key_abcdefgh",
-            rpm=60,
+            own=own,
         )
         common.metadata.filter_metadata[wire.EXTAUTHZ_NAMESPACE].update(
             {**context.to_metadata(), **request_facts.to_metadata(), **(authz or {})}
@@ -85,6 +89,14 @@ def test_a_complete_answer_is_ok_and_charged_its_usage() -> None:
     )  # fmt: skip
     assert (o.prompt_tokens, o.completion_tokens, o.reserved_tokens) == (31, 9, 120)
     assert (o.ttft_ms, o.duration_ms, o.endpoint) == (12.0, 340.0, "/v1/chat/completions")
+    assert o.spend is None  # the tier's money budgets apply
+
+
+def test_the_record_carries_the_tenants_own_money_budgets_for_the_soft_limits() -> None:
+    spend = Spend(day=Decimal("3"), alert_at=(75,))
+    o = to_outcome(entry(200, usage=USED, own=TenantSpec(spend=spend)))
+    assert o is not None and o.spend == spend
+    assert "spend" not in o.model_dump()  # not a column of the ledger
 
 
 def test_a_stream_the_client_left_is_charged_prompt_estimate_plus_streamed_events() -> None:

@@ -14,7 +14,7 @@ from ledger.spending import SpendAlerts
 from llmgw.link import RedisLink
 from llmgw.prices import ModelPrice, Prices
 from llmgw.resp import Resp
-from llmgw.tiers import PerUnit, Spend, TierSpec, TierTable
+from llmgw.tiers import Period, PerUnit, Spend, TierSpec, TierTable
 from llmgw.wire import tenant_prefix
 from ratelimit.fleet import IDLE_UNKNOWN
 from ratelimit.limiter import Limiter
@@ -115,3 +115,14 @@ async def test_costs_settle_the_money_reserved_and_each_soft_limit_alerts_once(
     assert emitted.alerts[-1][1]["detail"] == {
         "period": "day", "percent": 100, "spent": "0.01", "budget": "0.01", "currency": "USD",
     }  # fmt: skip
+
+
+def test_a_tenants_own_money_budget_alerts_at_its_own_percentages() -> None:
+    """The tenant's spec's `spend`, as its request's metadata carried it (Outcome.spend), merged
+    over its tier's: a month budget the tier lacks, alerting at its own percentage."""
+    alerts = SpendAlerts(lambda: TABLE, Emitted())
+    spent = [("spend:day", 1, 2_000), ("spend:month", 7, 5_000)]
+    tier_only = outcome(1, tier="t")
+    assert alerts.reached(tier_only, spent) == []  # 2,000 of the day's 10,000: under 50 %
+    own = outcome(1, tier="t", spend=Spend(month=Decimal("0.02"), alert_at=(25,)))
+    assert alerts.reached(own, spent) == [(Period.MONTH, 7, 25, 5_000, Decimal("0.02"))]

@@ -5,6 +5,7 @@ context on every side, and the router's request the one the router inside extaut
 from __future__ import annotations
 
 from dataclasses import replace
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from llmgw import authzhttp, wire
 from llmgw.facts import RequestFacts
 from llmgw.tenant import TenantContext
+from llmgw.tiers import Budget, PerUnit, Spend, TenantSpec
 from router.request import from_context, from_metadata
 from tests.llmgw.test_facts import through_envoy
 
@@ -22,11 +24,16 @@ WRITTEN = TenantContext(
     session="sess_abc",
     request_id="req-1",
     key_id="key_abcdefgh",
-    rpm=100,
-    tpm=50_000,
+    own=TenantSpec(
+        requests=PerUnit(minute=100),
+        tokens=PerUnit(minute=50_000),
+        budget=Budget(tokens=9000),
+        spend=Spend(day=Decimal("1.25"), alert_at=(90,)),
+    ),
 )
-# The limits are Envoy's rate-limit descriptors' to read (tests/ratelimit/test_rl_admission.py).
-READ = replace(WRITTEN, rpm=None, tpm=None)
+# The limits are Envoy's rate-limit descriptors' to read (tests/ratelimit/test_rl_admission.py),
+# the money budgets the ledger's (TenantContext.spend_of).
+READ = replace(WRITTEN, own=None)
 
 
 def over_http(meta: dict[str, Any]) -> authzhttp.Typed:
@@ -44,7 +51,19 @@ def test_the_limits_are_written_for_envoys_descriptors() -> None:
     meta = through_envoy(WRITTEN.to_metadata())
     assert meta[wire.META_LIMIT_REQUESTS] == {"requests_per_unit": 100, "unit": "MINUTE"}
     assert meta[wire.META_LIMIT_TOKENS] == {"requests_per_unit": 50_000, "unit": "MINUTE"}
-    assert wire.META_LIMIT_TOKENS not in replace(WRITTEN, tpm=None).to_metadata()
+    own = TenantSpec(requests=PerUnit(minute=100))
+    assert wire.META_LIMIT_TOKENS not in replace(WRITTEN, own=own).to_metadata()
+    assert wire.META_SPEND not in replace(WRITTEN, own=own).to_metadata()
+
+
+def test_the_tenants_own_money_budgets_reach_the_ledger_both_ways() -> None:
+    """The ledger's soft limits read a tenant's own `spend` from its request's metadata."""
+    meta = WRITTEN.to_metadata()
+    for carried in (through_envoy(meta), over_http(meta)):
+        assert TenantContext.spend_of(carried) == Spend(day=Decimal("1.25"), alert_at=(90,))
+    assert TenantContext.spend_of({wire.META_SPEND: '{"day": "x"}'}) is None
+    assert TenantContext.spend_of({wire.META_SPEND: 3.0}) is None
+    assert TenantContext.spend_of({}) is None
 
 
 @pytest.mark.parametrize(

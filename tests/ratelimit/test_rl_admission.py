@@ -16,10 +16,11 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from llmgw import wire
 from llmgw.facts import MetaValue, RequestFacts
 from llmgw.tenant import TenantContext
+from llmgw.tiers import Budget, PerUnit, TenantSpec
 from llmgw.topology import Topology
 from ratelimit.admission import from_context
 from ratelimit.descriptors import parse
-from ratelimit.types import Grant, Limit, Unit
+from ratelimit.types import Grant
 from tools import envoyconf
 
 Entry = ratelimit_pb2.RateLimitDescriptor.Entry
@@ -81,6 +82,7 @@ def envoy_descriptors(meta: dict[str, MetaValue]) -> rls_pb2.RateLimitRequest:
 
 
 FACTS = RequestFacts(model="m", n=2, max_output=100, prompt_tokens=40)
+PER_MINUTE = TenantSpec(requests=PerUnit(minute=100), tokens=PerUnit(minute=5000))
 BASE = TenantContext(
     tenant="acme", tier="standard", priority=5, session="sess_1", request_id="req-1", key_id="k"
 )
@@ -90,8 +92,8 @@ BASE = TenantContext(
     ("context", "request_facts"),
     [
         (BASE, FACTS),
-        (replace(BASE, rpm=100, tpm=5000), FACTS),
-        (replace(BASE, rpm=100), FACTS),
+        (replace(BASE, own=PER_MINUTE), FACTS),
+        (replace(BASE, own=TenantSpec(requests=PerUnit(minute=100))), FACTS),
         (BASE, RequestFacts()),  # a body that is no JSON object: nothing to reserve
     ],
 )
@@ -104,8 +106,8 @@ def test_the_context_and_the_descriptors_make_the_same_admission(
 
 
 def test_what_the_admission_holds() -> None:
-    admission = from_context(replace(BASE, rpm=100, tpm=5000), FACTS)
+    own = PER_MINUTE.model_copy(update={"budget": Budget(tokens=700)})
+    admission = from_context(replace(BASE, own=own), FACTS)
     assert (admission.tenant, admission.tier, admission.session) == ("acme", "standard", "sess_1")
     assert admission.token_estimate == 40 + 2 * 100 and admission.grant == Grant(40, 2)
-    assert admission.requests_limit == Limit(Unit.MINUTE, 100)
-    assert admission.tokens_limit == Limit(Unit.MINUTE, 5000)
+    assert admission.own == own  # the budget too: in-process, the tenant's whole spec

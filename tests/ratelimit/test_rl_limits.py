@@ -12,6 +12,7 @@ import pytest
 
 from llmgw.config import ConfigError
 from llmgw.tiers import (
+    Budget,
     PerUnit,
     Spend,
     TenantSpec,
@@ -20,7 +21,7 @@ from llmgw.tiers import (
     load_tiers,
     watched_tiers,
 )
-from ratelimit.limits import Limits, TableLimits, kept
+from ratelimit.limits import Limits, TableLimits, kept, own_limits
 from ratelimit.settings import Settings
 from ratelimit.types import Limit, Period, Unit
 
@@ -133,20 +134,36 @@ def test_the_old_setting_names_are_read_with_a_warning(
 
 def test_a_tenants_own_limits_merge_alike_stated_in_the_table_or_carried_by_the_request() -> None:
     """One rule for a tenant's own limits, wherever they come from: the tier table's `tenants:`
-    entry, or the request (the tenants file's older `limits`, as extauthz's metadata or Envoy's
-    descriptors carry them, over the table's entry): each replaces the tier's of its unit."""
+    entry, or the request (the tenant's spec, as extauthz passes it or Envoy's descriptors carry
+    its per-minute limits, over the table's entry): each replaces the tier's of its unit."""
     gold = TierSpec(requests=PerUnit(second=200, minute=6000), tokens=PerUnit(minute=10**6))
     table = TierTable(tiers={"gold": gold})
     own = TenantSpec(requests=PerUnit(minute=100), tokens=PerUnit(minute=5000))
     stated = Limits(table.model_copy(update={"tenants": {"acme": own}})).policy("acme", "gold")
     carried = Limits(table).policy(
-        "acme", "gold", Limit(Unit.MINUTE, 100), Limit(Unit.MINUTE, 5000)
+        "acme", "gold", own_limits(Limit(Unit.MINUTE, 100), Limit(Unit.MINUTE, 5000))
     )
     assert stated == carried
     assert carried.requests == (Limit(Unit.SECOND, 200), Limit(Unit.MINUTE, 100))
     assert carried.tokens == (Limit(Unit.MINUTE, 5000),)
     both = Limits(table.model_copy(update={"tenants": {"acme": own}}))
-    assert both.policy("acme", "gold", Limit(Unit.MINUTE, 7)).requests[1] == Limit(Unit.MINUTE, 7)
+    seven = TenantSpec(requests=PerUnit(minute=7))
+    assert both.policy("acme", "gold", seven).requests[1] == Limit(Unit.MINUTE, 7)
+
+
+def test_a_tenants_own_budgets_carried_by_the_request_merge_over_its_tiers() -> None:
+    """The tenant's spec's budgets (the admin API's): its token budget replaces its tier's, its
+    money budgets merge period by period; tenants with the same spec share one policy."""
+    table = TierTable(
+        tiers={"t": TierSpec(budget=Budget(tokens=10**6), spend=Spend(month=Decimal(500)))}
+    )
+    own = TenantSpec(budget=Budget(tokens=900, per=Unit.HOUR), spend=Spend(day=Decimal(2)))
+    limits = Limits(table)
+    policy = limits.policy("acme", "t", own)
+    assert policy.budget == Limit(Unit.HOUR, 900)
+    assert policy.spend == ((Period.DAY, 2_000_000), (Period.MONTH, 500_000_000))
+    assert limits.policy("globex", "t", own) is policy
+    assert limits.policy("acme", "t").budget == Limit(Unit.DAY, 10**6)
 
 
 def test_a_tenants_money_budget_merges_over_its_tiers_period_by_period() -> None:

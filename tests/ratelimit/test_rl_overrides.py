@@ -5,9 +5,9 @@ from __future__ import annotations
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from llmgw.tiers import PerUnit
+from llmgw.tiers import PerUnit, TenantSpec
 from ratelimit.descriptors import parse
-from ratelimit.types import Admission, Limit, Unit
+from ratelimit.types import Admission
 from tests.ratelimit.test_rl_limiter import NOW, Env, tier
 
 Override = ratelimit_pb2.RateLimitDescriptor.RateLimitOverride
@@ -37,8 +37,7 @@ def test_descriptor_limits_become_the_admissions_own_limits() -> None:
     )
     admission = parse(request).admission
     assert admission is not None
-    assert admission.requests_limit == Limit(Unit.MINUTE, 7)
-    assert admission.tokens_limit == Limit(Unit.MINUTE, 900)
+    assert admission.own == TenantSpec(requests=PerUnit(minute=7), tokens=PerUnit(minute=900))
 
 
 def test_no_override_leaves_the_tiers_limits() -> None:
@@ -51,18 +50,15 @@ def test_no_override_leaves_the_tiers_limits() -> None:
         ],
     )
     admission = parse(request).admission
-    assert admission is not None and admission.requests_limit is None
+    assert admission is not None and admission.own is None
 
 
 async def test_a_tenants_own_limit_replaces_the_tiers_limit_of_that_unit() -> None:
     env = Env(tier(requests=PerUnit(second=100, minute=1000), tokens=PerUnit(minute=10_000)))
-    own = Limit(Unit.MINUTE, 3)
-    ok = [
-        (await env.limiter.admit(Admission("acme", "t", requests_limit=own))).allowed
-        for _ in range(5)
-    ]
+    own = TenantSpec(requests=PerUnit(minute=3))
+    ok = [(await env.limiter.admit(Admission("acme", "t", own=own))).allowed for _ in range(5)]
     assert ok == [True, True, True, False, False]
-    verdict = await env.limiter.admit(Admission("acme", "t", requests_limit=own))
+    verdict = await env.limiter.admit(Admission("acme", "t", own=own))
     assert verdict.requests is not None and verdict.requests.limit == 3
     # The per-second limit of the tier still applies beside it.
     env.now = NOW + 120
