@@ -14,16 +14,23 @@ import pytest
 
 from extauthz import tenants
 from tests.e2e.conftest import stack_settings
-from tests.e2e.test_ratelimit_e2e import chat
+from tests.e2e.test_ratelimit_e2e import MODEL, chat
 from tests.eventually import eventually
 from tools.launcher import banner
 from tools.stack import Stack
 
+# Prices high enough that a request costs a noticeable share of a small money budget.
+PRICES = f"prices: {{currency: USD, models: {{{MODEL}: {{input: 1000, output: 1000}}}}}}\n"
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = stack_settings().model_copy(update={"admin": True})
-    with Stack(settings, tmp_path_factory.mktemp("admin-stack")) as running:
+    state = tmp_path_factory.mktemp("admin-stack")
+    (state / "tiers.yaml").write_text(PRICES)
+    settings = stack_settings().model_copy(
+        update={"admin": True, "tiers_file": state / "tiers.yaml"}
+    )
+    with Stack(settings, state / "stack") as running:
         yield running
 
 
@@ -113,3 +120,38 @@ def test_a_tenants_own_budget_set_through_the_api_binds_it_through_envoy(stack: 
     raised = {"budget": {"tokens": 1_000_000, "per": "day"}}
     assert get(f"{url}/admin/v1/tenants/budgeted", token, "PATCH", raised)[0] == 200
     eventually(lambda: chat(stack, key).status == 200, 10.0, "the raised budget applies")
+
+
+def test_a_tenants_own_money_budget_set_through_the_api_is_spent_and_alerted(
+    stack: Stack,
+) -> None:
+    """A money budget in the tenant's spec: spent through Envoy, then refused as
+    insufficient_quota; the ledger's soft limit alerts at the spec's own percentage (the budget
+    reaches the ledger in the check's metadata, over HTTP here), seen through the API."""
+    info = stack.ready_info()
+    url, token = info["admin_url"], info["admin_token"]
+    spec = {
+        "id": "spender", "name": "Spender", "tier": "standard", "priority": 5, "models": "*",
+        "spend": {"day": "0.1", "alert_at": [30]},
+    }  # fmt: skip
+    assert get(f"{url}/admin/v1/tenants", token, "POST", spec)[0] in (200, 201)
+    key = get(f"{url}/admin/v1/tenants/spender/keys", token, "POST", {})[1]["key"]
+    eventually(lambda: chat(stack, key).status != 401, 10.0, "the new key works through Envoy")
+    # A request is ~20 tokens at 0.001 each: 0.1 is a few requests (bounded: 40 tries).
+    replies = []
+    for _ in range(40):
+        replies.append(chat(stack, key))
+        if replies[-1].status != 200:
+            break
+    refused = replies[-1]
+    assert refused.status == 429 and len(replies) > 1, [r.status for r in replies]
+    assert refused.json()["error"]["code"] == "insufficient_quota", refused.body
+
+    def alerted() -> list[Any]:
+        listed = get(f"{url}/admin/v1/alerts?tenant=spender", token)[1]["data"]
+        return [a for a in listed if a["kind"] == "alert.spend_threshold"]
+
+    eventually(lambda: bool(alerted()), 10.0, "the soft limit's alert")
+    (alert,) = alerted()
+    detail = alert["detail"]["detail"]  # the event holds the alert's webhook body
+    assert (detail["percent"], detail["budget"], detail["period"]) == (30, "0.1", "day"), alert
