@@ -56,8 +56,11 @@ class Window:
         """The caller's window: with no `since`, the DEFAULT_DAYS UTC days up to `until` (or
         now); a window longer than MAX_DAYS is a 400."""
         end = now if until is None else until
+        # `until` is exclusive: the last day is the one its instant before falls in (an `until`
+        # at midnight ends the day before, and the window still holds DEFAULT_DAYS days).
+        last = end if until is None else end - timedelta(microseconds=1)
         try:
-            start = days_back(end, DEFAULT_DAYS) if since is None else since
+            start = days_back(last, DEFAULT_DAYS) if since is None else since
         except OverflowError as exc:  # before 0001-01-31 UTC
             raise ApiError.invalid("until", f"a time {DEFAULT_DAYS} days after year 1") from exc
         if end <= start:

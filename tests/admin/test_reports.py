@@ -117,6 +117,19 @@ async def test_usage_without_since_reads_the_last_30_days(api: Api) -> None:
     assert [r["tenant"] for r in both["data"]] == ["new", "old"]
     before = await api.ok("GET", "/admin/v1/usage", until=first.isoformat())
     assert [r["tenant"] for r in before["data"]] == ["old"]
+    # An `until` at midnight ends the day before: still 30 whole days, the 30th back included.
+    midnight = datetime.combine(TODAY, time(), UTC)
+    thirtieth = midnight - timedelta(days=30)
+    await write(
+        api,
+        [
+            outcome(2, ts=thirtieth, tenant="thirtieth"),
+            outcome(3, ts=thirtieth - timedelta(seconds=1), tenant="thirty-first"),
+            outcome(4, ts=midnight, tenant="today"),
+        ],
+    )
+    ending = await api.ok("GET", "/admin/v1/usage", until=midnight.isoformat())
+    assert [r["tenant"] for r in ending["data"]] == ["new", "old", "thirtieth"]
 
 
 async def test_a_page_of_tenants_holds_those_with_requests_in_the_window(api: Api) -> None:
