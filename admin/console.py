@@ -26,6 +26,7 @@ from admin.specs import new_tenant
 from admin.store import Store
 from admin.types import DEFAULT_DAYS, MAX_LIMIT, ApiError, KeyRow, PageRequest, TenantRow, whole
 from extauthz.types import Tenant
+from llmgw.tiers import Unit
 
 PREFIX = "/console"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -108,7 +109,7 @@ def _limits_form(form: dict[str, str], current: Tenant) -> dict[str, Any]:
     spend: dict[str, Any] | None = {
         p: field(f"spend_{p}") for p in ("day", "month") if field(f"spend_{p}")
     }
-    if spend and current.spend is not None:
+    if spend and current.spend is not None and current.spend.alert_at is not None:
         spend["alert_at"] = list(current.spend.alert_at)
     return {"limits": limits, "budget": budget, "spend": spend or None}
 
@@ -267,7 +268,10 @@ class Console:
             made=made,
             breaker=states[0] if states else None,
             breaker_unknown=unknown,
+            # The tenant's own tier is offered even when the table lost it (a save then names
+            # it and is refused), so that a save never moves a tenant to another tier unasked.
             tiers=sorted(self.store.tiers().all_tiers),
+            units=[u.value for u in Unit][::-1],  # day first: the default
         )
 
     async def _breakers(self, rows: list[TenantRow]) -> tuple[list[BreakerState], str]:

@@ -53,7 +53,7 @@ class SpendAlerts:
             budget = budgets.get(per)
             if budget is None:
                 continue
-            for pct in spec.alert_at:
+            for pct in spec.percentages:
                 key = (outcome.tenant, per, index, pct)
                 if key not in self._seen and held * 100 >= budget * MICROS * pct:
                     out.append((per, index, pct, held, budget))

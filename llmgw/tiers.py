@@ -41,7 +41,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from llmgw.breaker import BreakerSpec, seed
 from llmgw.config import Strict, read_yaml, validate
@@ -104,7 +104,10 @@ def month_start(index: int) -> int:
 # The most a money budget may be, in units of the currency: its micro-units stay below the
 # limiter's largest count (ratelimit/types.py MAX_COUNT, 2^48).
 MAX_SPEND = Decimal(100_000_000)
-Money = Annotated[Decimal, Field(ge=0, le=MAX_SPEND, allow_inf_nan=False)]
+# Micro-units are the unit of every count (llmgw/prices.py MICROS): no finer amount.
+Money = Annotated[Decimal, Field(ge=0, le=MAX_SPEND, allow_inf_nan=False, decimal_places=6)]
+Percent = Annotated[int, Field(ge=1, le=100)]
+ALERT_AT: tuple[int, ...] = (50, 80, 100)  # a money budget's soft limits unless stated
 
 
 class Spend(Strict):
@@ -114,8 +117,20 @@ class Spend(Strict):
 
     day: Money | None = None
     month: Money | None = None
-    # Percentages of each budget at which the ledger alerts (`spend_threshold`), once a period.
-    alert_at: tuple[Annotated[int, Field(ge=1, le=100)], ...] = (50, 80, 100)
+    # Percentages of each budget at which the ledger alerts (`spend_threshold`), once a period;
+    # None: as its tier's (merged), else ALERT_AT. A few, each once: every request carries them.
+    alert_at: tuple[Percent, ...] | None = Field(default=None, min_length=1, max_length=10)
+
+    @field_validator("alert_at")
+    @classmethod
+    def _distinct(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("each percentage once")
+        return None if value is None else tuple(sorted(value))
+
+    @property
+    def percentages(self) -> tuple[int, ...]:
+        return ALERT_AT if self.alert_at is None else self.alert_at
 
     def amounts(self) -> tuple[tuple[Period, Decimal], ...]:
         return tuple(
@@ -231,10 +246,12 @@ class TierTable(Strict):
 
 
 def _spend(tier: Spend | None, own: Spend | None) -> Spend | None:
-    """A tenant's money budgets over its tier's, period by period (its alert_at, when stated)."""
+    """A tenant's money budgets over its tier's, period by period (its alert_at, when stated):
+    by value, so a spec stored with every field (the admin API's) merges as one that names
+    only its own."""
     if own is None or tier is None:
         return own or tier
-    return tier.model_copy(update=own.model_dump(exclude_unset=True))
+    return tier.model_copy(update=own.model_dump(exclude_none=True))
 
 
 def watched_tiers(path: Path | None) -> Reloading[TierTable]:
