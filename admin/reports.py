@@ -58,8 +58,8 @@ class Window:
         end = now if until is None else until
         # `until` is exclusive: the last day is the one its instant before falls in (an `until`
         # at midnight ends the day before, and the window still holds DEFAULT_DAYS days).
-        last = end if until is None else end - timedelta(microseconds=1)
         try:
+            last = end if until is None else end - timedelta(microseconds=1)
             start = days_back(last, DEFAULT_DAYS) if since is None else since
         except OverflowError as exc:  # before 0001-01-31 UTC
             raise ApiError.invalid("until", f"a time {DEFAULT_DAYS} days after year 1") from exc
