@@ -19,6 +19,23 @@ from tools.procs import Process
 TIERS = ("vllm", "e2e")  # the later tiers, most significant first
 
 
+class _Groups:
+    """`make test` runs the suite on two workers (pytest-xdist, `--dist loadgroup`): each module
+    on one worker, so that its stacks start once; the real-vLLM tier on one worker, a pod at a
+    time (two at once would need two pods' memory and cores), after the rest (ordered below)."""
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            vllm = item.get_closest_marker("vllm") is not None
+            module = item.nodeid.partition("::")[0]
+            item.add_marker(pytest.mark.xdist_group("vllm" if vllm else module))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_Groups(), "llmgw-groups")
+
+
 @pytest.hookimpl(trylast=True)  # after tests/e2e/conftest.py has marked its tests
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tests first, so that a broken unit fails in seconds, not after the stacks; real
