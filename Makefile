@@ -12,9 +12,9 @@ VLLM_VENV ?= .venv-vllm
 # output in its install log): the real-vLLM tier runs last and waits for it (the install's lock).
 # When pytest ends, what is left of the install is stopped; the exit status is pytest's.
 # Two workers, one per core: most of a test's time is spent waiting on its stack's processes.
-# Each module runs on one worker, the real-vLLM tier on one (tests/conftest.py); WORKERS= runs
-# in one process.
-WORKERS ?= -n 2 --dist loadgroup
+# Each module runs on one worker, the real-vLLM tier on one, last (tests/conftest.py scope_of);
+# WORKERS= runs in one process.
+WORKERS ?= -n 2 --dist loadfile
 PYTEST  = d=$$(mktemp -d /tmp/llmgw-test.XXXXXX); \
 	setsid nice -n 19 $(PY) -m tools.engine >/dev/null 2>>"$$LLMGW_STACK__VLLM__VENV.install.log" & bg=$$!; \
 	trap 'kill -TERM -$$bg 2>/dev/null; rm -rf $$d' EXIT; trap 'exit 130' INT TERM; \

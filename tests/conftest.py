@@ -8,6 +8,7 @@ import gc
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -19,21 +20,41 @@ from tools.procs import Process
 TIERS = ("vllm", "e2e")  # the later tiers, most significant first
 
 
-class _Groups:
-    """`make test` runs the suite on two workers (pytest-xdist, `--dist loadgroup`): each module
-    on one worker, so that its stacks start once; the real-vLLM tier on one worker, a pod at a
-    time (two at once would need two pods' memory and cores), after the rest (ordered below)."""
+def scope_of(nodeid: str) -> str:
+    """What one worker runs whole under `make test` (pytest-xdist, `-n 2 --dist loadfile`): a
+    module, so that its stacks start once, or the real-vLLM tier, named so (`test_vllm*`
+    modules, `[vllm]` parameters), so that its pods start one at a time (two at once would need
+    twice the cores) and after the rest (it sorts last, below). Checked against the `vllm`
+    marks at collection."""
+    module, _, name = nodeid.partition("::")
+    if Path(module).name.startswith("test_vllm") or name.endswith("[vllm]"):
+        return "vllm"
+    return module
 
-    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:
-            vllm = item.get_closest_marker("vllm") is not None
-            module = item.nodeid.partition("::")[0]
-            item.add_marker(pytest.mark.xdist_group("vllm" if vllm else module))
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return Scheduling(config, log)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_Groups(), "llmgw-groups")
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The tier's names and its marks agree, or the workers would run it beside the rest."""
+    for item in session.items:
+        named = scope_of(item.nodeid) == "vllm"
+        if named != (item.get_closest_marker("vllm") is not None):
+            raise pytest.UsageError(
+                f"{item.nodeid}: the real-vLLM tier's tests are marked `vllm` and named so "
+                "(a test_vllm* module or a [vllm] parameter: tests/conftest.py scope_of)"
+            )
 
 
 @pytest.hookimpl(trylast=True)  # after tests/e2e/conftest.py has marked its tests

@@ -45,7 +45,7 @@ async def test_each_model_gets_the_least_context_of_the_pods_serving_it(
 
 
 async def test_a_simulated_pod_publishes_its_context() -> None:
-    """The simulator's card carries --max-model-len as vLLM's does (tests/sim/test_fidelity.py
+    """The simulator's card carries --max-model-len as vLLM's does (tests/sim/test_vllm_fidelity.py
     holds the card to a real pod's)."""
     async with SimPod(SimSettings(port=0, max_model_len=1200)) as pod:
         fleet = Fleet(FleetSettings(scrape_timeout=1.0))

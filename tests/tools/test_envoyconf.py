@@ -102,7 +102,7 @@ def test_parse_endpoint(spec: str, host: str, port: int) -> None:
     assert envoyconf.parse_endpoint(spec) == Address(host=host, port=port)
 
 
-@pytest.mark.parametrize("spec", ["vllm", "https://vllm:8000", "http://:80"])
+@pytest.mark.parametrize("spec", ["pod-0", "https://vllm:8000", "http://:80"])
 def test_parse_endpoint_rejects(spec: str) -> None:
     with pytest.raises(ValueError, match="expected host:port"):
         envoyconf.parse_endpoint(spec)
