@@ -229,8 +229,6 @@ class Console:
     async def create_tenant(self, request: web.Request) -> web.Response:
         form = await self._form(request)
         body = {"id": form.get("id", "").strip(), **_spec_form(form)}
-        if body["cache_group"] is None:
-            del body["cache_group"]
         row = await self.store.create_tenant(new_tenant(body, self.store.tiers()))
         return see(f"/tenants/{quote(row.spec.id)}")
 

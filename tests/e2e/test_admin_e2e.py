@@ -90,6 +90,19 @@ def test_a_key_made_through_the_api_works_through_envoy_and_stops_when_revoked(
     assert chat(stack, demo["api_key"]).status == 200
 
 
+def spend_until_refused(stack: Stack, key: str) -> None:
+    """Requests until one is refused (bounded: 40): served at first, then OpenAI's
+    insufficient_quota."""
+    replies = []
+    for _ in range(40):
+        replies.append(chat(stack, key))
+        if replies[-1].status != 200:
+            break
+    refused = replies[-1]
+    assert refused.status == 429 and len(replies) > 1, [r.status for r in replies]
+    assert refused.json()["error"]["code"] == "insufficient_quota", refused.body
+
+
 def test_a_tenants_own_budget_set_through_the_api_binds_it_through_envoy(stack: Stack) -> None:
     """A token budget in the tenant's spec (its tier, standard, has none) refuses it through
     Envoy once spent, as OpenAI's insufficient_quota; raised through the API, it applies within
@@ -106,15 +119,8 @@ def test_a_tenants_own_budget_set_through_the_api_binds_it_through_envoy(stack: 
     key = get(f"{url}/admin/v1/tenants/budgeted/keys", token, "POST", {})[1]["key"]
     eventually(lambda: chat(stack, key).status != 401, 10.0, "the new key works through Envoy")
     # Each request reserves its prompt and 8 output tokens and is settled at what it used:
-    # 80 tokens are a few requests (bounded: 40 tries).
-    replies = []
-    for _ in range(40):
-        replies.append(chat(stack, key))
-        if replies[-1].status != 200:
-            break
-    refused = replies[-1]
-    assert refused.status == 429 and len(replies) > 1, [r.status for r in replies]
-    assert refused.json()["error"]["code"] == "insufficient_quota", refused.body
+    # 80 tokens are a few requests.
+    spend_until_refused(stack, key)
     demo = next(t for t in info["tenants"] if t["tier"] == "standard")
     assert chat(stack, demo["api_key"]).status == 200
     raised = {"budget": {"tokens": 1_000_000, "per": "day"}}
@@ -137,15 +143,8 @@ def test_a_tenants_own_money_budget_set_through_the_api_is_spent_and_alerted(
     assert get(f"{url}/admin/v1/tenants", token, "POST", spec)[0] in (200, 201)
     key = get(f"{url}/admin/v1/tenants/spender/keys", token, "POST", {})[1]["key"]
     eventually(lambda: chat(stack, key).status != 401, 10.0, "the new key works through Envoy")
-    # A request is ~20 tokens at 0.001 each: 0.1 is a few requests (bounded: 40 tries).
-    replies = []
-    for _ in range(40):
-        replies.append(chat(stack, key))
-        if replies[-1].status != 200:
-            break
-    refused = replies[-1]
-    assert refused.status == 429 and len(replies) > 1, [r.status for r in replies]
-    assert refused.json()["error"]["code"] == "insufficient_quota", refused.body
+    # A request is ~20 tokens at 0.001 each: 0.1 is a few requests.
+    spend_until_refused(stack, key)
 
     def alerted() -> list[Any]:
         listed = get(f"{url}/admin/v1/alerts?tenant=spender", token)[1]["data"]
